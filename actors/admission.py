@@ -1,0 +1,96 @@
+"""Admission actor: bounds the queue by requests AND prompt tokens; never waits.
+
+Owns: the count of queued requests and queued prompt tokens.
+Receives: Submit, Cancel (from the api, mailbox ADMISSION_MAILBOX);
+          Dequeued (reply edge from the scheduler, mailbox sized so it never fills).
+Sends: Submit/Cancel to the scheduler; Queued or Error("overloaded") to the hub.
+A request over either bound is rejected at once with the reason; nothing already
+admitted is affected.
+"""
+
+from __future__ import annotations
+
+import attrs
+import trio
+
+from actors.mailbox import Inbox, Outbox
+from actors.messages import Cancel, Dequeued, Error, Queued, Submit
+
+
+@attrs.frozen(kw_only=True)
+class AdmissionStatistics:
+    num_queued: int
+    num_queued_tokens: int
+    requests_total: int
+    requests_rejected: int
+
+
+@attrs.define
+class AdmissionControl:
+    """Sans-io books of the admission bound."""
+
+    max_queued_requests: int
+    max_queued_tokens: int
+    queued: dict[str, int] = attrs.Factory(dict)
+    requests_total: int = 0
+    requests_rejected: int = 0
+
+    def try_admit(self, request_id: str, num_tokens: int) -> str | None:
+        """Admit and return None, or return the reason for rejecting."""
+        self.requests_total += 1
+        reason = None
+        tokens = sum(self.queued.values())
+        if len(self.queued) >= self.max_queued_requests:
+            reason = f"queue full: {len(self.queued)} requests queued (max {self.max_queued_requests})"
+        elif tokens + num_tokens > self.max_queued_tokens:
+            reason = (f"queue full: {tokens} prompt tokens queued, {num_tokens} more would exceed "
+                      f"max {self.max_queued_tokens}")
+        if reason is not None:
+            self.requests_rejected += 1
+            return reason
+        self.queued[request_id] = num_tokens
+        return None
+
+    def dequeued(self, request_id: str) -> None:
+        self.queued.pop(request_id, None)
+
+    def statistics(self) -> AdmissionStatistics:
+        return AdmissionStatistics(
+            num_queued=len(self.queued), num_queued_tokens=sum(self.queued.values()),
+            requests_total=self.requests_total, requests_rejected=self.requests_rejected)
+
+
+async def run_admission(
+    control: AdmissionControl,
+    inbox: Inbox,
+    replies: Inbox,
+    scheduler: Outbox,
+    hub: Outbox,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Forward admitted requests and cancels; account dequeues from the reply edge."""
+
+    async def account() -> None:
+        async for msg in replies:
+            if isinstance(msg, Dequeued):
+                control.dequeued(msg.request_id)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(account)
+        task_status.started()
+        async with scheduler, hub:
+            async for msg in inbox:
+                match msg:
+                    case Submit():
+                        reason = control.try_admit(msg.request_id, len(msg.prompt_tokens))
+                        if reason is None:
+                            await hub.send(Queued(request_id=msg.request_id))
+                            await scheduler.send(msg)
+                        else:
+                            await hub.send(Error(request_id=msg.request_id, code="overloaded",
+                                                 message=reason))
+                    case Cancel():
+                        await scheduler.send(msg)
+                    case _:
+                        raise TypeError(f"admission got unexpected {type(msg).__name__}")
+        nursery.cancel_scope.cancel()

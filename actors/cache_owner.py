@@ -1,0 +1,61 @@
+"""Cache-owner actor: the books of KV rows — which request holds which row.
+
+Owns: row_id -> request_id leases, the resident KV byte count.
+Receives: Lease, Release, KvUsage from the scheduler (CACHE_OWNER_MAILBOX).
+Sends: nothing. A second lease of a held row, or a release of a row the request
+does not hold, is our bug and raises loudly.
+"""
+
+from __future__ import annotations
+
+import attrs
+import trio
+
+from actors.mailbox import Inbox
+from actors.messages import KvUsage, Lease, Release
+
+
+@attrs.frozen(kw_only=True)
+class CacheOwnerStatistics:
+    rows_active: int
+    kv_bytes: int
+    num_leases: int
+    num_releases: int
+    releases_by_reason: dict[str, int]
+
+
+@attrs.define
+class RowBooks:
+    leases: dict[int, str] = attrs.Factory(dict)
+    kv_bytes: int = 0
+    num_leases: int = 0
+    num_releases: int = 0
+    releases_by_reason: dict[str, int] = attrs.Factory(dict)
+
+    def apply(self, msg: Lease | Release | KvUsage) -> None:
+        match msg:
+            case Lease(request_id=rid, row_id=row):
+                if row in self.leases:
+                    raise RuntimeError(f"row {row} leased to {rid} while held by {self.leases[row]}")
+                self.leases[row] = rid
+                self.num_leases += 1
+            case Release(request_id=rid, row_id=row, reason=reason):
+                if self.leases.get(row) != rid:
+                    raise RuntimeError(f"release of row {row} by {rid}, held by {self.leases.get(row)}")
+                del self.leases[row]
+                self.num_releases += 1
+                self.releases_by_reason[reason] = self.releases_by_reason.get(reason, 0) + 1
+            case KvUsage(kv_bytes=nbytes):
+                self.kv_bytes = nbytes
+
+    def statistics(self) -> CacheOwnerStatistics:
+        return CacheOwnerStatistics(
+            rows_active=len(self.leases), kv_bytes=self.kv_bytes, num_leases=self.num_leases,
+            num_releases=self.num_releases, releases_by_reason=dict(self.releases_by_reason))
+
+
+async def run_cache_owner(books: RowBooks, inbox: Inbox,
+                          task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+    task_status.started()
+    async for msg in inbox:
+        books.apply(msg)

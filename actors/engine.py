@@ -1,0 +1,181 @@
+"""open_engine(): starts the actor graph inside the caller's nursery.
+
+    async with open_engine(Config(model=...)) as engine:
+        async for event in engine.generate(GenerateRequest(prompt="def f(x):")):
+            ...
+
+The graph (every edge a bounded msgpack mailbox):
+
+    generate() -> admission -> scheduler -> hub -> generate()
+                      ^            |  \\
+                      +-Dequeued---+   -> cache_owner
+
+Cancelling the caller's scope (or leaving the `async for` early) sends a Cancel;
+the row is freed at the start of the next engine step.
+"""
+
+from __future__ import annotations
+
+import uuid
+from contextlib import asynccontextmanager
+from typing import AsyncIterator
+
+import attrs
+import trio
+
+from actors.admission import AdmissionControl, run_admission
+from actors.cache_owner import RowBooks, run_cache_owner
+from actors.hub import Hub, run_hub
+from actors.mailbox import Outbox, Recorder, open_mailbox
+from actors.messages import Cancel, Done, Error, Event, Submit
+from actors.runner_thread import RunnerThread
+from actors.scheduler import run_scheduler
+from engine.config import Config
+from engine.detokenize import TextStream
+from engine.model import LoadedModel, load_model
+from engine.request import GenerateRequest
+from engine.runner import Runner
+from engine.scheduler import SchedulerCore
+
+# Mailbox sizes. "If in doubt, use 0"; these are not 0 for the reasons given.
+ADMISSION_MAILBOX = 64   # absorbs a burst of submits; a full mailbox rejects at once
+SCHEDULER_MAILBOX = 64   # admitted requests and cancels waiting for the next step boundary
+HUB_MAILBOX = 256        # one step's events for a full batch (max rows) plus finishes
+CACHE_OWNER_MAILBOX = 64  # leases/releases of one step; the owner only does bookkeeping
+
+
+@attrs.frozen(kw_only=True)
+class EngineStatistics:
+    rows_active: int
+    rows_queued: int
+    kv_bytes: int
+    requests_total: int
+    requests_rejected: int
+    streams_open: int
+    model: str
+    dtype: str
+
+
+class Engine:
+    """Handle returned by open_engine: generate, cancel, statistics."""
+
+    def __init__(self, config: Config, loaded: LoadedModel, admission: Outbox, hub: Hub,
+                 control: AdmissionControl, books: RowBooks) -> None:
+        self.config = config
+        self.model = loaded
+        self._admission = admission
+        self._hub = hub
+        self._control = control
+        self._books = books
+
+    def validate(self, request: GenerateRequest) -> tuple[int, ...]:
+        """Tokenize and check limits; raises ValueError naming the field."""
+        tokens = request.token_ids(self.model.tokenizer)
+        if not tokens:
+            raise ValueError("prompt encodes to zero tokens")
+        vocab = self.model.vocab_size
+        bad = next((t for t in tokens if t >= vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt_tokens holds id {bad}, outside the vocabulary (size {vocab})")
+        limit = self.model.context_length
+        if len(tokens) + request.params.max_tokens > limit:
+            raise ValueError(
+                f"prompt ({len(tokens)} tokens) plus max_tokens ({request.params.max_tokens}) "
+                f"exceeds the model's context of {limit} tokens")
+        if request.params.max_tokens > self.config.max_tokens_cap:
+            raise ValueError(f"max_tokens must be <= {self.config.max_tokens_cap}, "
+                             f"got {request.params.max_tokens}")
+        return tokens
+
+    async def generate(self, request: GenerateRequest,
+                       request_id: str | None = None) -> AsyncIterator[Event]:
+        """Submit a request and yield its events: Queued, Token..., then Done or Error."""
+        rid = request_id or uuid.uuid4().hex
+        try:
+            tokens = self.validate(request)
+            stream = self._hub.open_stream(rid)
+        except ValueError as exc:
+            yield Error(request_id=rid, code="invalid_request", message=str(exc))
+            return
+        finished = False
+        try:
+            try:
+                self._admission.send_nowait(
+                    Submit(request_id=rid, prompt_tokens=tokens, params=request.params))
+            except trio.WouldBlock:
+                finished = True
+                yield Error(request_id=rid, code="overloaded", message="admission mailbox full")
+                return
+            async for event in stream:
+                if isinstance(event, (Done, Error)):
+                    finished = True
+                yield event
+                if finished:
+                    return
+            if self._hub.overflowed(rid):
+                yield Error(request_id=rid, code="slow_consumer",
+                            message=f"client fell {self.config.stream_buffer} events behind")
+            else:
+                yield Error(request_id=rid, code="engine_closed", message="engine shut down")
+        finally:
+            self._hub.close_stream(rid)
+            if not finished:
+                with trio.CancelScope(shield=True):
+                    await self.cancel(rid)
+
+    async def cancel(self, request_id: str) -> None:
+        """Cancel a request by id; unknown ids are ignored."""
+        try:
+            await self._admission.send(Cancel(request_id=request_id))
+        except (trio.ClosedResourceError, trio.BrokenResourceError):
+            pass
+
+    def statistics(self) -> EngineStatistics:
+        admission = self._control.statistics()
+        rows = self._books.statistics()
+        return EngineStatistics(
+            rows_active=rows.rows_active, rows_queued=admission.num_queued,
+            kv_bytes=rows.kv_bytes, requests_total=admission.requests_total,
+            requests_rejected=admission.requests_rejected,
+            streams_open=self._hub.statistics().num_streams,
+            model=self.model.path.name, dtype=self.model.dtype)
+
+
+@asynccontextmanager
+async def open_engine(config: Config, *, loaded: LoadedModel | None = None,
+                      recorder: Recorder | None = None) -> AsyncIterator[Engine]:
+    """Load the model (unless given) and run the actor graph until the block exits."""
+    thread = RunnerThread()
+    try:
+        if loaded is None:
+            loaded = await thread.call(load_model, config.model, config.dtype)
+        tokenizer = loaded.tokenizer
+        core = SchedulerCore(
+            max_batch=config.max_batch, prefill_chunk=config.prefill_chunk,
+            eos_token_ids=loaded.eos_token_ids,
+            make_text_stream=lambda stop: TextStream(tokenizer, stop))
+        runner = Runner(loaded.model)
+        control = AdmissionControl(max_queued_requests=config.max_queued_requests,
+                                   max_queued_tokens=config.max_queued_tokens)
+        books = RowBooks()
+        hub = Hub(config.stream_buffer)
+        admission_out, admission_in = open_mailbox(ADMISSION_MAILBOX, "admission", recorder)
+        scheduler_out, scheduler_in = open_mailbox(SCHEDULER_MAILBOX, "scheduler", recorder)
+        hub_out, hub_in = open_mailbox(HUB_MAILBOX, "hub", recorder)
+        owner_out, owner_in = open_mailbox(CACHE_OWNER_MAILBOX, "cache_owner", recorder)
+        # Reply edge: one Dequeued per queued request, so this size can never fill.
+        replies_out, replies_in = open_mailbox(config.max_queued_requests + SCHEDULER_MAILBOX,
+                                               "admission_replies", recorder)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(run_hub, hub, hub_in)
+            await nursery.start(run_cache_owner, books, owner_in)
+            await nursery.start(run_scheduler, core, runner, thread, scheduler_in, replies_out,
+                                owner_out, hub_out.clone())
+            await nursery.start(run_admission, control, admission_in, replies_in,
+                                scheduler_out, hub_out)
+            try:
+                yield Engine(config, loaded, admission_out, hub, control, books)
+            finally:
+                nursery.cancel_scope.cancel()
+    finally:
+        thread.close()

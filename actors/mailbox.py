@@ -1,0 +1,87 @@
+"""Bounded mailboxes that carry msgpack-encoded messages between actors.
+
+`open_mailbox(size)` returns (Outbox, Inbox): the sender encodes, the receiver
+decodes, and the trio memory channel between them holds only bytes. Every size
+is a named constant with its reason, at the place the graph is wired
+(`actors.engine`). An optional recorder sees every message that crosses.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import trio
+
+from actors.messages import decode, encode
+
+Recorder = Callable[[str, bytes], None]
+
+
+class Outbox:
+    """Send end of a mailbox. `clone()` for fan-in from several actors."""
+
+    def __init__(self, channel: trio.MemorySendChannel[bytes], name: str,
+                 recorder: Recorder | None) -> None:
+        self._channel = channel
+        self.name = name
+        self._recorder = recorder
+
+    async def send(self, message: Any) -> None:
+        data = encode(message)
+        if self._recorder is not None:
+            self._recorder(self.name, data)
+        await self._channel.send(data)
+
+    def send_nowait(self, message: Any) -> None:
+        """Send without waiting; raises trio.WouldBlock when the mailbox is full."""
+        data = encode(message)
+        self._channel.send_nowait(data)
+        if self._recorder is not None:
+            self._recorder(self.name, data)
+
+    async def __aenter__(self) -> "Outbox":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.close()
+
+    def clone(self) -> "Outbox":
+        return Outbox(self._channel.clone(), self.name, self._recorder)
+
+    async def aclose(self) -> None:
+        await self._channel.aclose()
+
+    def close(self) -> None:
+        self._channel.close()
+
+
+class Inbox:
+    """Receive end of a mailbox; iterate with `async for`."""
+
+    def __init__(self, channel: trio.MemoryReceiveChannel[bytes]) -> None:
+        self._channel = channel
+
+    async def receive(self) -> Any:
+        return decode(await self._channel.receive())
+
+    def receive_nowait(self) -> Any:
+        """Receive without waiting; raises trio.WouldBlock when empty."""
+        return decode(self._channel.receive_nowait())
+
+    def __aiter__(self) -> "Inbox":
+        return self
+
+    async def __anext__(self) -> Any:
+        try:
+            return await self.receive()
+        except trio.EndOfChannel:
+            raise StopAsyncIteration from None
+
+    def close(self) -> None:
+        self._channel.close()
+
+
+def open_mailbox(size: int, name: str, recorder: Recorder | None = None) -> tuple[Outbox, Inbox]:
+    """A bounded mailbox of `size` messages."""
+    send, receive = trio.open_memory_channel[bytes](size)
+    return Outbox(send, name, recorder), Inbox(receive)

@@ -1,0 +1,184 @@
+"""Every message between actors: frozen attrs classes, one msgpack codec.
+
+A message encodes as a msgpack map with its tag under "t" and its fields; nested
+registered classes (SamplingParams) encode the same way. Tuples travel as
+msgpack arrays and are restored through each class's converters. Mailboxes carry
+the encoded bytes (see `actors.mailbox`), so nothing but data crosses an edge.
+
+Client-facing events (`Queued`, `Token`, `Done`, `Error`) are also what
+`Engine.generate` yields and what the WebSocket sends (`to_wire()`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+import msgpack
+
+from engine.sampling import SamplingParams
+
+
+def _tuple_of_pairs(value: Any) -> tuple[tuple[int, float], ...] | None:
+    if value is None:
+        return None
+    return tuple((int(t), float(lp)) for t, lp in value)
+
+
+@attrs.frozen(kw_only=True)
+class Submit:
+    """api -> admission: a new request, already tokenized and validated."""
+
+    request_id: str
+    prompt_tokens: tuple[int, ...] = attrs.field(converter=tuple)
+    params: SamplingParams
+
+
+@attrs.frozen(kw_only=True)
+class Cancel:
+    """api -> admission -> scheduler: stop a request and free its row."""
+
+    request_id: str
+
+
+@attrs.frozen(kw_only=True)
+class Dequeued:
+    """scheduler -> admission (reply edge): a request left the queue."""
+
+    request_id: str
+    num_prompt_tokens: int
+
+
+@attrs.frozen(kw_only=True)
+class Lease:
+    """scheduler -> cache_owner: request holds row `row_id`."""
+
+    request_id: str
+    row_id: int
+
+
+@attrs.frozen(kw_only=True)
+class Release:
+    """scheduler -> cache_owner: the row is free again (finish, cancel, error)."""
+
+    request_id: str
+    row_id: int
+    reason: str
+
+
+@attrs.frozen(kw_only=True)
+class KvUsage:
+    """scheduler -> cache_owner: resident KV bytes after a step."""
+
+    kv_bytes: int
+    num_rows: int
+
+
+@attrs.frozen(kw_only=True)
+class Queued:
+    """-> hub -> client: the request was admitted to the queue."""
+
+    request_id: str
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"type": "queued", "id": self.request_id}
+
+
+@attrs.frozen(kw_only=True)
+class Token:
+    """-> hub -> client: one generated token."""
+
+    request_id: str
+    index: int
+    token_id: int
+    text: str
+    logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] | None = attrs.field(
+        default=None, converter=_tuple_of_pairs)
+
+    def to_wire(self) -> dict[str, Any]:
+        top = [list(p) for p in self.top_logprobs] if self.top_logprobs is not None else None
+        return {"type": "token", "id": self.request_id, "index": self.index,
+                "token_id": self.token_id, "text": self.text, "logprob": self.logprob,
+                "top_logprobs": top}
+
+
+@attrs.frozen(kw_only=True)
+class Done:
+    """-> hub -> client: the request finished; its row is released."""
+
+    request_id: str
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"type": "done", "id": self.request_id, "finish_reason": self.finish_reason,
+                "usage": {"prompt_tokens": self.prompt_tokens,
+                          "completion_tokens": self.completion_tokens,
+                          "cached_tokens": self.cached_tokens}}
+
+
+@attrs.frozen(kw_only=True)
+class Error:
+    """-> hub -> client: the request failed (code names whose fault and why)."""
+
+    request_id: str | None
+    code: str
+    message: str
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"type": "error", "id": self.request_id, "code": self.code,
+                "message": self.message}
+
+
+Event = Queued | Token | Done | Error
+
+_CLASSES: dict[str, type] = {cls.__name__: cls for cls in (
+    Submit, Cancel, Dequeued, Lease, Release, KvUsage, Queued, Token, Done, Error,
+    SamplingParams)}
+
+
+class CodecError(ValueError):
+    """Bytes that are not a message of this codec."""
+
+
+def _to_plain(obj: Any) -> Any:
+    if attrs.has(type(obj)):
+        name = type(obj).__name__
+        if name not in _CLASSES:
+            raise TypeError(f"{name} is not a registered message class")
+        out = {"t": name}
+        for field in attrs.fields(type(obj)):
+            out[field.name] = _to_plain(getattr(obj, field.name))
+        return out
+    if isinstance(obj, (tuple, list)):
+        return [_to_plain(v) for v in obj]
+    return obj
+
+
+def _from_plain(obj: Any) -> Any:
+    if isinstance(obj, dict) and "t" in obj:
+        cls = _CLASSES.get(obj["t"])
+        if cls is None:
+            raise CodecError(f"unknown message tag {obj['t']!r}")
+        fields = {k: _from_plain(v) for k, v in obj.items() if k != "t"}
+        return cls(**fields)
+    if isinstance(obj, list):
+        return [_from_plain(v) for v in obj]
+    return obj
+
+
+def encode(message: Any) -> bytes:
+    """Encode a registered message to msgpack bytes."""
+    return msgpack.packb(_to_plain(message), use_bin_type=True)
+
+
+def decode(data: bytes) -> Any:
+    """Decode msgpack bytes produced by `encode` back to the message object."""
+    try:
+        plain = msgpack.unpackb(data, raw=False, strict_map_key=False)
+        return _from_plain(plain)
+    except (ValueError, TypeError, msgpack.UnpackException) as exc:
+        raise CodecError(f"cannot decode message: {exc}") from exc

@@ -1,0 +1,42 @@
+"""The one configuration record. The CLI maps onto it 1:1; validated at construction."""
+
+from __future__ import annotations
+
+import attrs
+
+from engine.model import DEFAULT_MODEL, DTYPES
+
+
+def _positive(inst: object, attr: attrs.Attribute, value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{attr.name.replace('_', '-')} must be a positive integer, got {value!r}")
+
+
+def _port(inst: object, attr: attrs.Attribute, value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 65535:
+        raise ValueError(f"port must be in [0, 65535], got {value!r}")
+
+
+@attrs.frozen(kw_only=True)
+class Config:
+    """Engine and server settings (defaults suit a laptop and the bundled model)."""
+
+    model: str = str(DEFAULT_MODEL)
+    dtype: str = attrs.field(default="auto", validator=attrs.validators.in_(DTYPES))
+    max_batch: int = attrs.field(default=32, validator=_positive)
+    prefill_chunk: int = attrs.field(default=512, validator=_positive)
+    max_queued_requests: int = attrs.field(default=64, validator=_positive)
+    max_queued_tokens: int = attrs.field(default=65536, validator=_positive)
+    max_tokens_cap: int = attrs.field(default=4096, validator=_positive)
+    default_max_tokens: int = attrs.field(default=256, validator=_positive)
+    stream_buffer: int = attrs.field(default=1024, validator=_positive)
+    host: str = "127.0.0.1"
+    port: int = attrs.field(default=8000, validator=_port)
+    max_message_bytes: int = attrs.field(default=1 << 20, validator=_positive)
+    max_streams_per_connection: int = attrs.field(default=16, validator=_positive)
+
+    def __attrs_post_init__(self) -> None:
+        if self.default_max_tokens > self.max_tokens_cap:
+            raise ValueError(
+                f"default-max-tokens ({self.default_max_tokens}) exceeds max-tokens-cap "
+                f"({self.max_tokens_cap})")

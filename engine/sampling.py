@@ -1,0 +1,207 @@
+"""Per-row sampling inside a batch: params, seeded keys, masks, logprobs.
+
+Every row carries its own PRNG keys, split from `mx.random.key(seed)` once per
+request (one key per output position), so a seeded row draws the same noise
+whether it runs alone or inside any batch. Sampling is Gumbel-max over the
+processed logits, which is exactly categorical sampling from softmax(logits/T).
+Rows without a seed get a fresh random one. `temperature == 0` is greedy.
+
+Processing order (as vLLM): repetition penalty (over prompt and output tokens),
+temperature, top-k, top-p, min-p. Logprobs are always the raw model
+distribution's log-softmax, before any processing.
+"""
+
+from __future__ import annotations
+
+import secrets
+from typing import Sequence
+
+import attrs
+import mlx.core as mx
+
+MAX_TOP_LOGPROBS = 20
+_NEG_INF = float("-inf")
+
+
+def _in_range(lo: float, hi: float, *, lo_open: bool = False):
+    def check(inst: object, attr: attrs.Attribute, value: float) -> None:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"{attr.name} must be a number, got {type(value).__name__}")
+        bad_lo = value <= lo if lo_open else value < lo
+        if bad_lo or value > hi or value != value:
+            bound = "(" if lo_open else "["
+            raise ValueError(f"{attr.name} must be in {bound}{lo}, {hi}], got {value}")
+
+    return check
+
+
+def _int_range(lo: int, hi: int):
+    def check(inst: object, attr: attrs.Attribute, value: int) -> None:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{attr.name} must be an integer, got {type(value).__name__}")
+        if not lo <= value <= hi:
+            raise ValueError(f"{attr.name} must be in [{lo}, {hi}], got {value}")
+
+    return check
+
+
+def _seed(inst: object, attr: attrs.Attribute, value: int | None) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**63:
+        raise ValueError(f"seed must be an integer in [0, 2**63) or null, got {value!r}")
+
+
+def _str_tuple(inst: object, attr: attrs.Attribute, value: tuple) -> None:
+    if not all(isinstance(s, str) and s for s in value):
+        raise ValueError(f"{attr.name} must be a list of non-empty strings")
+    if len(value) > 16:
+        raise ValueError(f"{attr.name} may hold at most 16 entries, got {len(value)}")
+
+
+def _int_tuple(inst: object, attr: attrs.Attribute, value: tuple) -> None:
+    if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value):
+        raise ValueError(f"{attr.name} must be a list of non-negative integers")
+
+
+@attrs.frozen(kw_only=True)
+class SamplingParams:
+    """What a request asks of sampling and stopping. Validated at construction."""
+
+    max_tokens: int = attrs.field(default=256, validator=_int_range(1, 1 << 20))
+    temperature: float = attrs.field(default=1.0, validator=_in_range(0.0, 100.0))
+    top_p: float = attrs.field(default=1.0, validator=_in_range(0.0, 1.0, lo_open=True))
+    top_k: int = attrs.field(default=0, validator=_int_range(0, 1 << 20))
+    min_p: float = attrs.field(default=0.0, validator=_in_range(0.0, 1.0))
+    repetition_penalty: float = attrs.field(
+        default=1.0, validator=_in_range(0.0, 10.0, lo_open=True)
+    )
+    seed: int | None = attrs.field(default=None, validator=_seed)
+    logprobs: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
+    top_logprobs: int = attrs.field(default=0, validator=_int_range(0, MAX_TOP_LOGPROBS))
+    stop: tuple[str, ...] = attrs.field(default=(), converter=tuple, validator=_str_tuple)
+    stop_token_ids: tuple[int, ...] = attrs.field(
+        default=(), converter=tuple, validator=_int_tuple
+    )
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@attrs.define
+class RowSampler:
+    """One row's sampling state: params, its keys, and its penalty history."""
+
+    params: SamplingParams
+    keys: mx.array
+    history: list[int]
+    num_sampled: int = 0
+
+    @classmethod
+    def create(cls, params: SamplingParams, prompt: Sequence[int]) -> "RowSampler":
+        seed = params.seed if params.seed is not None else secrets.randbits(63)
+        keys = mx.random.split(mx.random.key(seed), params.max_tokens + 1)
+        history = list(prompt) if params.repetition_penalty != 1.0 else []
+        return cls(params=params, keys=keys, history=history)
+
+    def record(self, token: int) -> None:
+        self.num_sampled += 1
+        if self.params.repetition_penalty != 1.0:
+            self.history.append(token)
+
+
+@attrs.frozen
+class SampleOutput:
+    """Host-side results of one batched sampling call."""
+
+    tokens: list[int]
+    logprobs: list[float | None]
+    top_logprobs: list[list[tuple[int, float]] | None]
+
+
+def _penalize(logits: mx.array, rows: Sequence[RowSampler]) -> mx.array:
+    out = []
+    for i, row in enumerate(rows):
+        line = logits[i]
+        penalty = row.params.repetition_penalty
+        if penalty != 1.0 and row.history:
+            ids = mx.array(sorted(set(row.history)))
+            vals = line[ids]
+            line[ids] = mx.where(vals < 0, vals * penalty, vals / penalty)
+        out.append(line)
+    return mx.stack(out)
+
+
+def _filter(scaled: mx.array, rows: Sequence[RowSampler]) -> mx.array:
+    """Apply top-k, top-p and min-p masks, vectorized with per-row values."""
+    vocab = scaled.shape[-1]
+    top_k = [r.params.top_k for r in rows]
+    top_p = [r.params.top_p for r in rows]
+    min_p = [r.params.min_p for r in rows]
+    if any(0 < k < vocab for k in top_k):
+        kth = mx.array([min(k, vocab) if k > 0 else vocab for k in top_k]) - 1
+        ordered = mx.sort(scaled, axis=-1)[:, ::-1]
+        thresh = mx.take_along_axis(ordered, kth[:, None], axis=-1)
+        scaled = mx.where(scaled < thresh, _NEG_INF, scaled)
+    if any(p < 1.0 for p in top_p):
+        order = mx.argsort(-scaled, axis=-1)
+        probs = mx.softmax(mx.take_along_axis(scaled, order, axis=-1), axis=-1)
+        before = mx.cumsum(probs, axis=-1) - probs
+        drop_sorted = before >= mx.array(top_p)[:, None]
+        inverse = mx.argsort(order, axis=-1)
+        drop = mx.take_along_axis(drop_sorted, inverse, axis=-1)
+        scaled = mx.where(drop, _NEG_INF, scaled)
+    if any(p > 0.0 for p in min_p):
+        probs = mx.softmax(scaled, axis=-1)
+        floor = mx.max(probs, axis=-1, keepdims=True) * mx.array(min_p)[:, None]
+        scaled = mx.where(probs < floor, _NEG_INF, scaled)
+    return scaled
+
+
+def sample_rows(logits: mx.array, rows: Sequence[RowSampler]) -> SampleOutput:
+    """Sample one token per row of `logits` (B, V); evaluates and returns host data."""
+    logits = logits.astype(mx.float32)
+    want_lp = any(r.params.logprobs or r.params.top_logprobs for r in rows)
+    if any(r.params.repetition_penalty != 1.0 for r in rows):
+        processed = _penalize(logits, rows)
+    else:
+        processed = logits
+    greedy_tok = mx.argmax(processed, axis=-1)
+    sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
+    tokens = greedy_tok
+    if sampled:
+        temps = mx.array([max(r.params.temperature, 1e-6) for r in rows])[:, None]
+        scaled = _filter(processed / temps, rows)
+        noise = mx.stack(
+            [mx.random.gumbel((logits.shape[-1],), key=r.keys[r.num_sampled]) for r in rows]
+        )
+        drawn = mx.argmax(scaled + noise, axis=-1)
+        is_greedy = mx.array([r.params.greedy for r in rows])
+        tokens = mx.where(is_greedy, greedy_tok, drawn)
+    outputs: list = [tokens]
+    k = max((r.params.top_logprobs for r in rows), default=0)
+    if want_lp:
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        chosen = mx.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
+        outputs.append(chosen)
+        if k:
+            top_idx = mx.argsort(-logprobs, axis=-1)[:, :k]
+            outputs += [top_idx, mx.take_along_axis(logprobs, top_idx, axis=-1)]
+    mx.eval(*outputs)
+    token_list = tokens.tolist()
+    lp_list: list[float | None] = [None] * len(rows)
+    top_list: list[list[tuple[int, float]] | None] = [None] * len(rows)
+    if want_lp:
+        chosen_list = outputs[1].tolist()
+        top_ids = outputs[2].tolist() if k else None
+        top_vals = outputs[3].tolist() if k else None
+        for i, r in enumerate(rows):
+            if r.params.logprobs or r.params.top_logprobs:
+                lp_list[i] = chosen_list[i]
+            if r.params.top_logprobs and top_ids is not None and top_vals is not None:
+                n = r.params.top_logprobs
+                top_list[i] = list(zip(top_ids[i][:n], top_vals[i][:n]))
+    for r, t in zip(rows, token_list):
+        r.record(t)
+    return SampleOutput(tokens=token_list, logprobs=lp_list, top_logprobs=top_list)

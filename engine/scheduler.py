@@ -1,0 +1,305 @@
+"""Sans-io scheduling core: queue + running rows -> StepPlan; StepResult -> events.
+
+No clock, no I/O, no MLX. The scheduler actor drives it:
+
+    plan, started = core.schedule()          # who prefills, joins, decodes, is released
+    result = runner.execute(plan)            # on the runner thread
+    events = core.postprocess(result)        # tokens, finishes
+
+A request's row goes QUEUED -> PREFILLING -> DECODING -> FINISHED (or straight to
+FINISHED when cancelled). A row prefills `prompt[:-1]` in chunks of at most
+`prefill_chunk` tokens (one chunk per step, oldest row first); it then joins the
+decode batch with its last prompt token as input, exactly as mlx-lm's
+generate_step does, so its first sampled token comes from the decode batch.
+Finished and cancelled rows are released at the start of the next step.
+
+Every generated token is reported, the stop token included (its text is empty);
+`completion_tokens` counts them all.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from typing import Callable, Iterable
+
+import attrs
+
+from engine.detokenize import TextStream
+from engine.sampling import SamplingParams
+
+
+class RowState(enum.Enum):
+    QUEUED = "queued"
+    PREFILLING = "prefilling"
+    DECODING = "decoding"
+    FINISHED = "finished"
+
+
+_TRANSITIONS = {
+    RowState.QUEUED: {RowState.PREFILLING, RowState.FINISHED},
+    RowState.PREFILLING: {RowState.DECODING, RowState.FINISHED},
+    RowState.DECODING: {RowState.FINISHED},
+    RowState.FINISHED: set(),
+}
+
+
+class IllegalTransition(RuntimeError):
+    """A row was asked to move along an edge the lifecycle does not have."""
+
+
+@attrs.frozen(kw_only=True)
+class NewRow:
+    request_id: str
+    row_id: int
+    prompt: tuple[int, ...]
+    params: SamplingParams
+
+
+@attrs.frozen(kw_only=True)
+class PrefillChunk:
+    request_id: str
+    start: int
+    end: int
+
+
+@attrs.frozen(kw_only=True)
+class StepPlan:
+    """What the runner does in one step, in this order."""
+
+    release: tuple[str, ...] = ()
+    new_rows: tuple[NewRow, ...] = ()
+    prefill: tuple[PrefillChunk, ...] = ()
+    join: tuple[str, ...] = ()
+    decode: tuple[str, ...] = ()
+
+    @property
+    def empty(self) -> bool:
+        return not (self.release or self.new_rows or self.prefill or self.join or self.decode)
+
+
+@attrs.frozen(kw_only=True)
+class RowOutput:
+    request_id: str
+    token: int
+    logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] | None = None
+
+
+@attrs.frozen(kw_only=True)
+class StepResult:
+    outputs: tuple[RowOutput, ...]
+    kv_bytes: int
+
+
+@attrs.frozen(kw_only=True)
+class Started:
+    """A request left the queue and holds row `row_id`."""
+
+    request_id: str
+    row_id: int
+    num_prompt_tokens: int
+
+
+@attrs.frozen(kw_only=True)
+class TokenOut:
+    request_id: str
+    index: int
+    token_id: int
+    text: str
+    logprob: float | None
+    top_logprobs: tuple[tuple[int, float], ...] | None
+
+
+@attrs.frozen(kw_only=True)
+class Finished:
+    request_id: str
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    row_id: int | None
+    was_queued: bool
+
+
+Event = Started | TokenOut | Finished
+
+
+@attrs.define
+class _Row:
+    request_id: str
+    prompt: tuple[int, ...]
+    params: SamplingParams
+    text: TextStream
+    state: RowState = RowState.QUEUED
+    row_id: int | None = None
+    num_prefilled: int = 0
+    num_generated: int = 0
+
+    def move(self, new: RowState) -> None:
+        if new not in _TRANSITIONS[self.state]:
+            raise IllegalTransition(f"{self.request_id}: {self.state.value} -> {new.value}")
+        self.state = new
+
+
+@attrs.frozen(kw_only=True)
+class SchedulerStatistics:
+    num_queued: int
+    num_prefilling: int
+    num_decoding: int
+    num_queued_tokens: int
+    num_steps: int
+
+
+class SchedulerCore:
+    """Keeps the books of requests and rows; decides each step."""
+
+    def __init__(
+        self,
+        *,
+        max_batch: int,
+        prefill_chunk: int,
+        eos_token_ids: Iterable[int],
+        make_text_stream: Callable[[tuple[str, ...]], TextStream],
+    ) -> None:
+        if max_batch < 1 or prefill_chunk < 1:
+            raise ValueError("max_batch and prefill_chunk must be >= 1")
+        self._max_batch = max_batch
+        self._prefill_chunk = prefill_chunk
+        self._eos = frozenset(eos_token_ids)
+        self._make_text_stream = make_text_stream
+        self._rows: dict[str, _Row] = {}
+        self._queue: deque[str] = deque()
+        self._prefilling: list[str] = []
+        self._decoding: list[str] = []
+        self._to_release: list[str] = []
+        self._free_row_ids = list(range(max_batch - 1, -1, -1))
+        self._num_steps = 0
+
+    def add(self, request_id: str, prompt: tuple[int, ...], params: SamplingParams) -> None:
+        """Queue a request. Raises ValueError for a duplicate id or an empty prompt."""
+        if request_id in self._rows:
+            raise ValueError(f"duplicate request id {request_id!r}")
+        if not prompt:
+            raise ValueError("prompt must hold at least one token")
+        stream = self._make_text_stream(params.stop)
+        self._rows[request_id] = _Row(request_id, tuple(prompt), params, stream)
+        self._queue.append(request_id)
+
+    def cancel(self, request_id: str) -> list[Event]:
+        """Cancel a request wherever it is; unknown or finished ids are a no-op."""
+        row = self._rows.get(request_id)
+        if row is None or row.state is RowState.FINISHED:
+            return []
+        return [self._finish(row, "cancelled")]
+
+    def active_ids(self) -> list[str]:
+        """Every request not yet finished, queued ones included."""
+        return list(self._rows)
+
+    def fail_all(self) -> list[Event]:
+        """Finish every request with reason "error" after the runner was reset."""
+        events: list[Event] = [self._finish(self._rows[rid], "error") for rid in self.active_ids()]
+        self._to_release.clear()
+        return events
+
+    def has_work(self) -> bool:
+        return bool(self._queue or self._prefilling or self._decoding or self._to_release)
+
+    def schedule(self) -> tuple[StepPlan, list[Event]]:
+        """Decide the next step. Rows released here were finished in earlier calls."""
+        events: list[Event] = []
+        new_rows = []
+        while self._queue and len(self._prefilling) + len(self._decoding) < self._max_batch:
+            row = self._rows[self._queue.popleft()]
+            row.move(RowState.PREFILLING)
+            row.row_id = self._free_row_ids.pop()
+            self._prefilling.append(row.request_id)
+            new_rows.append(NewRow(request_id=row.request_id, row_id=row.row_id,
+                                   prompt=row.prompt, params=row.params))
+            events.append(Started(request_id=row.request_id, row_id=row.row_id,
+                                  num_prompt_tokens=len(row.prompt)))
+        chunks, joins = self._plan_prefill()
+        plan = StepPlan(
+            release=tuple(self._to_release),
+            new_rows=tuple(new_rows),
+            prefill=tuple(chunks),
+            join=tuple(joins),
+            decode=tuple(self._decoding),
+        )
+        self._to_release.clear()
+        self._num_steps += 1
+        return plan, events
+
+    def _plan_prefill(self) -> tuple[list[PrefillChunk], list[str]]:
+        budget = self._prefill_chunk
+        chunks, joins = [], []
+        for rid in list(self._prefilling):
+            row = self._rows[rid]
+            todo = len(row.prompt) - 1 - row.num_prefilled
+            if todo > 0 and budget > 0:
+                n = min(todo, budget)
+                chunks.append(PrefillChunk(request_id=rid, start=row.num_prefilled,
+                                           end=row.num_prefilled + n))
+                row.num_prefilled += n
+                budget -= n
+                todo -= n
+            if todo == 0:
+                row.move(RowState.DECODING)
+                self._prefilling.remove(rid)
+                self._decoding.append(rid)
+                joins.append(rid)
+        return chunks, joins
+
+    def postprocess(self, result: StepResult) -> list[Event]:
+        """Turn sampled tokens into events; finish rows that hit a stop."""
+        events: list[Event] = []
+        for out in result.outputs:
+            row = self._rows.get(out.request_id)
+            if row is None or row.state is not RowState.DECODING:
+                continue
+            row.num_generated += 1
+            params = row.params
+            is_stop_token = out.token in self._eos or out.token in params.stop_token_ids
+            text = "" if is_stop_token else row.text.add(out.token)
+            reason = None
+            if is_stop_token or row.text.stopped:
+                reason = "stop"
+            elif row.num_generated >= params.max_tokens:
+                reason = "length"
+            if is_stop_token or reason == "length":
+                text += row.text.flush()
+            events.append(TokenOut(
+                request_id=row.request_id, index=row.num_generated - 1, token_id=out.token,
+                text=text, logprob=out.logprob, top_logprobs=out.top_logprobs))
+            if reason is not None:
+                events.append(self._finish(row, reason))
+        return events
+
+    def _finish(self, row: _Row, reason: str) -> Finished:
+        was_queued = row.state is RowState.QUEUED
+        if was_queued:
+            self._queue.remove(row.request_id)
+        elif row.state is RowState.PREFILLING:
+            self._prefilling.remove(row.request_id)
+        else:
+            self._decoding.remove(row.request_id)
+        if not was_queued:
+            self._to_release.append(row.request_id)
+        row.move(RowState.FINISHED)
+        del self._rows[row.request_id]
+        if row.row_id is not None:
+            self._free_row_ids.append(row.row_id)
+        return Finished(
+            request_id=row.request_id, finish_reason=reason, prompt_tokens=len(row.prompt),
+            completion_tokens=row.num_generated, cached_tokens=0, row_id=row.row_id,
+            was_queued=was_queued)
+
+    def statistics(self) -> SchedulerStatistics:
+        return SchedulerStatistics(
+            num_queued=len(self._queue),
+            num_prefilling=len(self._prefilling),
+            num_decoding=len(self._decoding),
+            num_queued_tokens=sum(len(self._rows[r].prompt) for r in self._queue),
+            num_steps=self._num_steps,
+        )
