@@ -178,4 +178,4 @@ async def open_engine(config: Config, *, loaded: LoadedModel | None = None,
             finally:
                 nursery.cancel_scope.cancel()
     finally:
-        thread.close()
+        await thread.aclose()

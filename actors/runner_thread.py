@@ -56,6 +56,8 @@ class RunnerThread:
             raise value
         return value
 
-    def close(self) -> None:
-        """Let the thread exit after the jobs already queued."""
+    async def aclose(self) -> None:
+        """Let the thread finish the jobs already queued, then wait for it to exit."""
         self._jobs.put(None)
+        with trio.CancelScope(shield=True):
+            await trio.to_thread.run_sync(self._thread.join)

@@ -1,0 +1,118 @@
+"""quart-trio app: WebSocket /v1/stream, GET /health, GET /v1/stats.
+
+One connection multiplexes many requests by client-chosen id. Each request runs
+as a task in the connection's nursery; all frames leave through one writer task
+fed by a bounded channel (OUTGOING_FRAMES), so a slow client backs up into its
+requests' hub streams, which cut the request off with a `slow_consumer` error
+instead of growing a buffer. A disconnect cancels the connection's nursery, which
+cancels every request on it (their rows are freed within one engine step).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import attrs
+import trio
+from quart import jsonify, websocket
+from quart_trio import QuartTrio
+
+from actors.engine import Engine
+from actors.messages import Error
+from api.protocol import (CancelCommand, GenerateCommand, ProtocolError, decode_frame,
+                          encode_frame, parse_command)
+
+log = logging.getLogger("tqserve.api")
+OUTGOING_FRAMES = 64  # frames waiting for the socket writer; a full queue backs up requests
+
+
+class _Connection:
+    """One WebSocket connection: its requests and its writer."""
+
+    def __init__(self, engine: Engine, nursery: trio.Nursery,
+                 out: trio.MemorySendChannel[str | bytes]) -> None:
+        self._engine = engine
+        self._nursery = nursery
+        self._out = out
+        self._conn_id = id(self)
+        self._next_seq = 0
+        self._active: dict[str, str] = {}
+
+    async def send_event(self, event: dict[str, Any], binary: bool) -> None:
+        await self._out.send(encode_frame(event, binary))
+
+    async def error(self, exc: ProtocolError, binary: bool) -> None:
+        await self.send_event(Error(request_id=exc.request_id, code=exc.code,
+                                    message=exc.message).to_wire(), binary)
+
+    async def handle(self, data: str | bytes) -> None:
+        binary = isinstance(data, bytes)
+        config = self._engine.config
+        try:
+            obj = decode_frame(data, config.max_message_bytes)
+            command = parse_command(obj, config.default_max_tokens)
+            if isinstance(command, CancelCommand):
+                engine_id = self._active.get(command.request_id)
+                if engine_id is None:
+                    raise ProtocolError("unknown_id", f"no active request with id "
+                                        f"{command.request_id!r}", command.request_id)
+                await self._engine.cancel(engine_id)
+                return
+            rid = command.request_id
+            if rid in self._active:
+                raise ProtocolError("duplicate_id", f"request id {rid!r} is already active", rid)
+            if len(self._active) >= config.max_streams_per_connection:
+                raise ProtocolError("too_many_streams", f"at most "
+                                    f"{config.max_streams_per_connection} concurrent requests "
+                                    "per connection", rid)
+        except ProtocolError as exc:
+            await self.error(exc, binary)
+            return
+        engine_id = f"{self._conn_id:x}:{self._next_seq}:{rid}"
+        self._next_seq += 1
+        self._active[rid] = engine_id
+        self._nursery.start_soon(self._run, command, engine_id, binary)
+
+    async def _run(self, command: GenerateCommand, engine_id: str, binary: bool) -> None:
+        rid = command.request_id
+        try:
+            async for event in self._engine.generate(command.request, engine_id):
+                wire = event.to_wire()
+                wire["id"] = rid
+                await self.send_event(wire, binary)
+        finally:
+            self._active.pop(rid, None)
+
+
+def create_app(engine: Engine) -> QuartTrio:
+    """The ASGI app bound to a running engine."""
+    app = QuartTrio("tqserve")
+
+    @app.get("/health")
+    async def health() -> Any:
+        return jsonify({"status": "ok", "model": engine.model.path.name})
+
+    @app.get("/v1/stats")
+    async def stats() -> Any:
+        return jsonify(attrs.asdict(engine.statistics()))
+
+    @app.websocket("/v1/stream")
+    async def stream() -> None:
+        await websocket.accept()
+        send, receive = trio.open_memory_channel[str | bytes](OUTGOING_FRAMES)
+
+        async def writer() -> None:
+            async for frame in receive:
+                await websocket.send(frame)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(writer)
+            conn = _Connection(engine, nursery, send)
+            try:
+                while True:
+                    await conn.handle(await websocket.receive())
+            finally:
+                nursery.cancel_scope.cancel()
+
+    return app

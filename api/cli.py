@@ -1,0 +1,105 @@
+"""`tqserve` command line: serve | generate. Flags map 1:1 onto engine.config.Config.
+
+Bad arguments print one line and exit with code 2; a model that cannot be loaded
+too. Nothing here prints a traceback for the user's mistakes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import NoReturn, Sequence
+
+import attrs
+import trio
+
+from engine.config import Config
+from engine.model import DTYPES, ModelLoadError
+
+_INT_FLAGS = ("max_batch", "prefill_chunk", "max_queued_requests", "max_queued_tokens",
+              "max_tokens_cap", "default_max_tokens", "stream_buffer", "port",
+              "max_message_bytes", "max_streams_per_connection")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _config_flags(p: argparse.ArgumentParser, *, server: bool) -> None:
+    defaults = Config()
+    p.add_argument("--model", default=defaults.model,
+                   help="mlx-lm model directory or hub id (default: the bundled pycoder-draft-4m)")
+    p.add_argument("--dtype", choices=DTYPES, default="auto",
+                   help="auto = float32 on MLX's CPU backend, the model's dtype on a GPU")
+    for name in _INT_FLAGS:
+        if not server and name in ("port", "max_message_bytes", "max_streams_per_connection"):
+            continue
+        p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(defaults, name))
+    if server:
+        p.add_argument("--host", default=defaults.host)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="tqserve", description="Serve LLMs on MLX.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    serve = sub.add_parser("serve", help="run the WebSocket server")
+    _config_flags(serve, server=True)
+    gen = sub.add_parser("generate", help="generate from one prompt, printing as it streams")
+    _config_flags(gen, server=False)
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--max-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--seed", type=int, default=None)
+    return parser
+
+
+def _config(args: argparse.Namespace) -> Config:
+    fields = {f.name for f in attrs.fields(Config)}
+    return Config(**{k: v for k, v in vars(args).items() if k in fields})
+
+
+async def _generate(config: Config, args: argparse.Namespace) -> int:
+    from actors.engine import open_engine
+    from actors.messages import Error, Token
+    from engine.request import GenerateRequest
+    from engine.sampling import SamplingParams
+
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                            seed=args.seed)
+    request = GenerateRequest(prompt=args.prompt, params=params)
+    async with open_engine(config) as engine:
+        sys.stdout.write(args.prompt)
+        async for event in engine.generate(request):
+            if isinstance(event, Token):
+                sys.stdout.write(event.text)
+                sys.stdout.flush()
+            elif isinstance(event, Error):
+                print(f"\ntqserve: error: {event.code}: {event.message}", file=sys.stderr)
+                return 2
+    sys.stdout.write("\n")
+    return 0
+
+
+async def _serve(config: Config) -> int:
+    from api.server import serve
+
+    async with trio.open_nursery() as nursery:
+        url = await nursery.start(serve, config)
+        print(f"tqserve: serving {config.model} on {url} (WebSocket /v1/stream)", flush=True)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        config = _config(args)
+        if args.command == "generate":
+            return trio.run(_generate, config, args)
+        return trio.run(_serve, config)
+    except (ValueError, ModelLoadError) as exc:
+        print(f"tqserve: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
