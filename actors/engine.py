@@ -52,6 +52,7 @@ class EngineStatistics:
     requests_total: int
     requests_rejected: int
     streams_open: int
+    steps: int
     model: str
     dtype: str
 
@@ -60,13 +61,14 @@ class Engine:
     """Handle returned by open_engine: generate, cancel, statistics."""
 
     def __init__(self, config: Config, loaded: LoadedModel, admission: Outbox, hub: Hub,
-                 control: AdmissionControl, books: RowBooks) -> None:
+                 control: AdmissionControl, books: RowBooks, core: SchedulerCore) -> None:
         self.config = config
         self.model = loaded
         self._admission = admission
         self._hub = hub
         self._control = control
         self._books = books
+        self._core = core
 
     def validate(self, request: GenerateRequest) -> tuple[int, ...]:
         """Tokenize and check limits; raises ValueError naming the field."""
@@ -138,6 +140,7 @@ class Engine:
             kv_bytes=rows.kv_bytes, requests_total=admission.requests_total,
             requests_rejected=admission.requests_rejected,
             streams_open=self._hub.statistics().num_streams,
+            steps=self._core.statistics().num_steps,
             model=self.model.path.name, dtype=self.model.dtype)
 
 
@@ -174,7 +177,7 @@ async def open_engine(config: Config, *, loaded: LoadedModel | None = None,
             await nursery.start(run_admission, control, admission_in, replies_in,
                                 scheduler_out, hub_out)
             try:
-                yield Engine(config, loaded, admission_out, hub, control, books)
+                yield Engine(config, loaded, admission_out, hub, control, books, core)
             finally:
                 nursery.cancel_scope.cancel()
     finally:

@@ -52,6 +52,11 @@ def _seed(inst: object, attr: attrs.Attribute, value: int | None) -> None:
         raise ValueError(f"seed must be an integer in [0, 2**63) or null, got {value!r}")
 
 
+def _bool(inst: object, attr: attrs.Attribute, value: bool) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{attr.name} must be true or false, got {value!r}")
+
+
 def _str_tuple(inst: object, attr: attrs.Attribute, value: tuple) -> None:
     if not all(isinstance(s, str) and s for s in value):
         raise ValueError(f"{attr.name} must be a list of non-empty strings")
@@ -77,7 +82,7 @@ class SamplingParams:
         default=1.0, validator=_in_range(0.0, 10.0, lo_open=True)
     )
     seed: int | None = attrs.field(default=None, validator=_seed)
-    logprobs: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
+    logprobs: bool = attrs.field(default=False, validator=_bool)
     top_logprobs: int = attrs.field(default=0, validator=_int_range(0, MAX_TOP_LOGPROBS))
     stop: tuple[str, ...] = attrs.field(default=(), converter=tuple, validator=_str_tuple)
     stop_token_ids: tuple[int, ...] = attrs.field(

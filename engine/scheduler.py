@@ -71,7 +71,7 @@ class StepPlan:
     new_rows: tuple[NewRow, ...] = ()
     prefill: tuple[PrefillChunk, ...] = ()
     join: tuple[str, ...] = ()
-    decode: tuple[str, ...] = ()
+    decode: tuple[str, ...] = ()  # every decoding row after the joins, in batch order
 
     @property
     def empty(self) -> bool:

@@ -1,0 +1,166 @@
+"""The embedded API inside a host's nursery: events, cancellation, admission, no leaks."""
+
+from __future__ import annotations
+
+import pytest
+import trio
+
+from actors.engine import open_engine
+from actors.messages import Done, Error, Queued, Token, decode
+from engine.config import Config
+from engine.request import GenerateRequest
+from engine.sampling import SamplingParams
+
+
+def request(max_tokens=8, prompt="def f(x):\n", **kw):
+    return GenerateRequest(prompt=prompt, params=SamplingParams(max_tokens=max_tokens,
+                                                                temperature=0.0, **kw))
+
+
+async def drain(engine, req, out=None, request_id=None):
+    events = [] if out is None else out
+    async for event in engine.generate(req, request_id):
+        events.append(event)
+    return events
+
+
+async def wait_until(predicate, tries=500):
+    for _ in range(tries):
+        if predicate():
+            return True
+        await trio.sleep(0.01)
+    return predicate()
+
+
+def count_tasks() -> int:
+    def walk(task):
+        return 1 + sum(walk(t) for n in task.child_nurseries for t in n.child_tasks)
+    return walk(trio.lowlevel.current_root_task())
+
+
+async def test_events_in_order_next_to_host_tasks(draft_model):
+    ticks = 0
+
+    async def host_ticker(stop):
+        nonlocal ticks
+        while not stop.is_set():
+            ticks += 1
+            await trio.sleep(0)
+
+    stop = trio.Event()
+    async with trio.open_nursery() as host:
+        host.start_soon(host_ticker, stop)
+        async with open_engine(Config(), loaded=draft_model) as engine:
+            events = await drain(engine, request(max_tokens=10), request_id="one")
+        stop.set()
+    assert isinstance(events[0], Queued) and isinstance(events[-1], Done)
+    tokens = [e for e in events if isinstance(e, Token)]
+    assert [t.index for t in tokens] == list(range(10))
+    assert events[-1].completion_tokens == 10 and events[-1].finish_reason == "length"
+    assert all(e.request_id == "one" for e in events)
+    assert ticks > 10  # the host's task kept running while MLX worked on the runner thread
+
+
+async def test_no_leaked_tasks_after_engine_exits(draft_model):
+    before = count_tasks()
+    async with open_engine(Config(), loaded=draft_model) as engine:
+        assert count_tasks() > before
+        await drain(engine, request(max_tokens=3))
+    assert count_tasks() == before
+
+
+async def test_caller_scope_cancel_frees_the_row_within_one_step(draft_model):
+    async with open_engine(Config(), loaded=draft_model) as engine:
+        got = []
+        with trio.CancelScope() as scope:
+            async for event in engine.generate(request(max_tokens=2000)):
+                got.append(event)
+                if isinstance(event, Token) and event.index == 3:
+                    steps_at_cancel = engine.statistics().steps
+                    scope.cancel()
+        assert await wait_until(lambda: engine.statistics().kv_bytes == 0)
+        stats = engine.statistics()
+        assert stats.rows_active == 0 and stats.streams_open == 0
+        # one step may be in flight when the cancel lands; the next one releases the row
+        assert stats.steps - steps_at_cancel <= 2
+        assert not any(isinstance(e, Done) for e in got)
+
+
+async def test_engine_cancel_by_id_reports_cancelled(draft_model):
+    async with open_engine(Config(), loaded=draft_model) as engine:
+        events = []
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(drain, engine, request(max_tokens=2000), events, "victim")
+            assert await wait_until(lambda: any(isinstance(e, Token) for e in events))
+            await engine.cancel("victim")
+        done = events[-1]
+        assert isinstance(done, Done) and done.finish_reason == "cancelled"
+        assert 0 < done.completion_tokens < 2000
+        assert await wait_until(lambda: engine.statistics().kv_bytes == 0)
+
+
+async def test_admission_rejects_at_once_when_the_queue_is_full(draft_model):
+    config = Config(max_batch=1, max_queued_requests=1, max_queued_tokens=10_000)
+    async with open_engine(config, loaded=draft_model) as engine:
+        first, second = [], []
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(drain, engine, request(max_tokens=30), first, "a")
+            assert await wait_until(lambda: any(isinstance(e, Token) for e in first))
+            nursery.start_soon(drain, engine, request(max_tokens=5), second, "b")
+            assert await wait_until(lambda: engine.statistics().rows_queued == 1)
+            rejected = await drain(engine, request(max_tokens=5), request_id="c")
+        assert [type(e) for e in rejected] == [Error]
+        assert rejected[0].code == "overloaded" and "queue full" in rejected[0].message
+        assert isinstance(first[-1], Done) and first[-1].completion_tokens == 30
+        assert isinstance(second[-1], Done) and second[-1].completion_tokens == 5
+        alone = await drain(engine, request(max_tokens=5))
+        assert [e.token_id for e in second if isinstance(e, Token)] == \
+            [e.token_id for e in alone if isinstance(e, Token)]
+        stats = engine.statistics()
+        assert (stats.requests_total, stats.requests_rejected) == (4, 1)
+        assert stats.rows_queued == 0
+
+
+async def test_queued_prompt_tokens_bound(draft_model):
+    config = Config(max_batch=1, max_queued_requests=8, max_queued_tokens=12)
+    async with open_engine(config, loaded=draft_model) as engine:
+        events = []
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(drain, engine, request(max_tokens=20), events, "a")
+            assert await wait_until(lambda: any(isinstance(e, Token) for e in events))
+            long = request(prompt="x = 1\n" * 10, max_tokens=2)
+            rejected = await drain(engine, long)
+        assert rejected[0].code == "overloaded" and "prompt tokens" in rejected[0].message
+
+
+@pytest.mark.parametrize("kw,field", [
+    ({"prompt_tokens": (9000,)}, "vocabulary"),
+    ({"prompt": "x", "params": SamplingParams(max_tokens=5000)}, "max_tokens"),
+])
+async def test_invalid_requests_become_error_events(draft_model, kw, field):
+    async with open_engine(Config(), loaded=draft_model) as engine:
+        events = await drain(engine, GenerateRequest(**kw))
+        assert [type(e) for e in events] == [Error]
+        assert events[0].code == "invalid_request" and field in events[0].message
+
+
+async def test_duplicate_request_id_is_refused_while_active(draft_model):
+    async with open_engine(Config(), loaded=draft_model) as engine:
+        first = []
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(drain, engine, request(max_tokens=50), first, "same")
+            assert await wait_until(lambda: bool(first))
+            dup = await drain(engine, request(), request_id="same")
+        assert dup[0].code == "invalid_request" and "already in use" in dup[0].message
+        assert isinstance(first[-1], Done)
+
+
+async def test_recorder_sees_every_mailbox_message_as_msgpack(draft_model):
+    seen = []
+    async with open_engine(Config(), loaded=draft_model,
+                           recorder=lambda name, data: seen.append((name, data))) as engine:
+        await drain(engine, request(max_tokens=3))
+    names = {name for name, _ in seen}
+    assert {"admission", "scheduler", "hub", "cache_owner", "admission_replies"} <= names
+    kinds = {type(decode(data)).__name__ for _, data in seen}
+    assert {"Submit", "Queued", "Token", "Done", "Lease", "Release", "Dequeued"} <= kinds

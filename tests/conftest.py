@@ -1,0 +1,55 @@
+"""Shared fixtures: real models, a real hypercorn server on a loopback port."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, AsyncIterator
+
+import pytest
+import trio
+
+from engine.config import Config
+from engine.model import DEFAULT_MODEL, LoadedModel, load_model
+
+REPO = Path(__file__).resolve().parent.parent
+SHARED_MODELS = REPO.parent / "shared" / "models"
+BIG_MODEL = SHARED_MODELS / "pycoder-29m"
+
+
+@pytest.fixture(scope="session")
+def draft_model() -> LoadedModel:
+    """The bundled pycoder-draft-4m, float32 (the CPU backend's fast dtype)."""
+    return load_model(DEFAULT_MODEL, "float32")
+
+
+@pytest.fixture(scope="session")
+def big_model() -> LoadedModel:
+    """pycoder-29m from ../shared/models; skipped (naming the path) where absent."""
+    if not (BIG_MODEL / "config.json").is_file():
+        pytest.skip(f"pycoder-29m not found at {BIG_MODEL}")
+    return load_model(BIG_MODEL, "float32")
+
+
+class Server:
+    """A running tqserve on loopback: its base URL and the WebSocket URL."""
+
+    def __init__(self, url: str, config: Config) -> None:
+        self.url = url
+        self.ws_url = url.replace("http://", "ws://") + "/v1/stream"
+        self.config = config
+
+
+async def start_server(nursery: trio.Nursery, loaded: LoadedModel, **config: Any) -> Server:
+    """Start a real hypercorn server with the given Config fields on port 0."""
+    from api.server import serve
+
+    cfg = Config(port=0, **config)
+    url = await nursery.start(lambda task_status: serve(cfg, loaded=loaded,
+                                                          task_status=task_status))
+    return Server(url, cfg)
+
+
+@pytest.fixture
+async def server(nursery: trio.Nursery, draft_model: LoadedModel) -> AsyncIterator[Server]:
+    """A server on the bundled model with default limits."""
+    yield await start_server(nursery, draft_model)

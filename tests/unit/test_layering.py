@@ -1,0 +1,46 @@
+"""Package boundaries: engine imports no trio/quart/msgpack/zstandard; storage no mlx."""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+FORBIDDEN = {
+    "engine": {"trio", "quart", "quart_trio", "hypercorn", "msgpack", "zstandard", "actors",
+               "api", "storage"},
+    "storage": {"mlx", "mlx_lm", "engine", "actors", "api"},
+    "actors": {"api", "quart", "quart_trio", "hypercorn"},
+}
+
+
+def _imports(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text(), str(path))
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+@pytest.mark.parametrize("package", sorted(FORBIDDEN))
+def test_package_imports(package):
+    files = sorted((REPO / package).rglob("*.py"))
+    assert files, f"no modules found in {package}/"
+    bad = {}
+    for path in files:
+        hit = _imports(path) & FORBIDDEN[package]
+        if hit:
+            bad[str(path.relative_to(REPO))] = sorted(hit)
+    assert bad == {}
+
+
+def test_mlx_is_imported_only_by_engine_and_tools():
+    offenders = []
+    for package in ("actors", "api", "storage"):
+        for path in (REPO / package).rglob("*.py"):
+            if _imports(path) & {"mlx", "mlx_lm"}:
+                offenders.append(str(path.relative_to(REPO)))
+    assert offenders == []

@@ -1,0 +1,70 @@
+"""Every message type round-trips through the one msgpack codec."""
+
+import attrs
+import msgpack
+import pytest
+
+from actors import messages as m
+from engine.sampling import SamplingParams
+
+EXAMPLES = [
+    m.Submit(request_id="r1", prompt_tokens=(1, 2, 3),
+             params=SamplingParams(max_tokens=5, temperature=0.5, top_p=0.9, top_k=4,
+                                   min_p=0.1, repetition_penalty=1.2, seed=7, logprobs=True,
+                                   top_logprobs=3, stop=("\n\n",), stop_token_ids=(5,))),
+    m.Cancel(request_id="r1"),
+    m.Dequeued(request_id="r1", num_prompt_tokens=3),
+    m.Lease(request_id="r1", row_id=0),
+    m.Release(request_id="r1", row_id=0, reason="stop"),
+    m.KvUsage(kv_bytes=1024, num_rows=2),
+    m.Queued(request_id="r1"),
+    m.Token(request_id="r1", index=0, token_id=9, text="é", logprob=-0.5,
+            top_logprobs=((9, -0.5), (3, -1.25))),
+    m.Token(request_id="r1", index=1, token_id=9, text=""),
+    m.Done(request_id="r1", finish_reason="length", prompt_tokens=3, completion_tokens=5,
+           cached_tokens=0),
+    m.Error(request_id=None, code="bad_frame", message="nope"),
+]
+
+
+def test_every_registered_class_has_an_example():
+    covered = {type(e).__name__ for e in EXAMPLES} | {"SamplingParams"}
+    assert covered == set(m._CLASSES)
+
+
+@pytest.mark.parametrize("message", EXAMPLES, ids=lambda e: type(e).__name__)
+def test_round_trip(message):
+    data = m.encode(message)
+    assert isinstance(data, bytes)
+    back = m.decode(data)
+    assert back == message
+    assert type(back) is type(message)
+    assert m.encode(back) == data
+
+
+def test_wire_forms_are_plain_objects():
+    tok = m.Token(request_id="a", index=2, token_id=7, text="x", logprob=-0.1,
+                  top_logprobs=((7, -0.1),))
+    assert tok.to_wire() == {"type": "token", "id": "a", "index": 2, "token_id": 7, "text": "x",
+                             "logprob": -0.1, "top_logprobs": [[7, -0.1]]}
+    done = m.Done(request_id="a", finish_reason="stop", prompt_tokens=1, completion_tokens=2)
+    assert done.to_wire()["usage"] == {"prompt_tokens": 1, "completion_tokens": 2,
+                                       "cached_tokens": 0}
+
+
+def test_bad_bytes_raise_codec_error():
+    with pytest.raises(m.CodecError):
+        m.decode(b"\xc1")
+    with pytest.raises(m.CodecError, match="unknown message tag"):
+        m.decode(msgpack.packb({"t": "Nope"}))
+    with pytest.raises(m.CodecError):
+        m.decode(msgpack.packb({"t": "Cancel", "bogus": 1}))
+
+
+def test_unregistered_class_is_refused():
+    @attrs.frozen
+    class Stray:
+        x: int
+
+    with pytest.raises(TypeError, match="not a registered"):
+        m.encode(Stray(1))
