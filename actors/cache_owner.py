@@ -31,6 +31,11 @@ class RowBooks:
     num_leases: int = 0
     num_releases: int = 0
     releases_by_reason: dict[str, int] = attrs.Factory(dict)
+    changed: trio.Event = attrs.Factory(trio.Event)  # replaced after every message
+
+    @property
+    def idle(self) -> bool:
+        return not self.leases and self.kv_bytes == 0
 
     def apply(self, msg: Lease | Release | KvUsage) -> None:
         match msg:
@@ -59,3 +64,5 @@ async def run_cache_owner(books: RowBooks, inbox: Inbox,
     task_status.started()
     async for msg in inbox:
         books.apply(msg)
+        books.changed.set()
+        books.changed = trio.Event()

@@ -132,6 +132,11 @@ class Engine:
         except (trio.ClosedResourceError, trio.BrokenResourceError):
             pass
 
+    async def wait_idle(self) -> None:
+        """Wait until no row is leased and no KV bytes are resident."""
+        while not self._books.idle:
+            await self._books.changed.wait()
+
     def statistics(self) -> EngineStatistics:
         admission = self._control.statistics()
         rows = self._books.statistics()
