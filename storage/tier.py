@@ -1,0 +1,322 @@
+"""The SSD tier: a directory of snapshot files and the in-memory index over them.
+
+`SsdTier` is plain sync code; `put_async` / `get_async` / `recover_async` run it on a worker
+thread through `trio.to_thread.run_sync`, so zstd, file I/O and fsync never block the event
+loop. A lock guards the index, so calls from several worker threads are safe: encoding and
+reads run in parallel, writes (with their evictions) one at a time.
+
+Lifecycle: construct, `recover()` once (it builds the index from disk), then `put` / `get` /
+`remove`. Files that fail any check are moved to `quarantine/` with a logged reason, never
+served. Eviction is oldest-written first, by a sequence number stored in each header's
+`extra` so the order survives restarts; indexed files never total more than `max_bytes`.
+"""
+
+import contextlib
+import functools
+import logging
+import os
+import threading
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+import trio
+
+from storage.snapshot import (Plane, SnapshotError, SnapshotHeader, decode_header, encode_snapshot,
+                              read_snapshot)
+from storage.writer import (SNAPSHOT_SUFFIX, fsync_directory, is_temporary_name, snapshot_key,
+                            snapshot_path, validate_key, write_snapshot_file)
+
+logger = logging.getLogger(__name__)
+
+QUARANTINE_DIR = "quarantine"
+SEQUENCE_FIELD = "tier_sequence"
+
+
+@attrs.frozen(kw_only=True)
+class TierEntry:
+    """One indexed snapshot file."""
+
+    key: str
+    header: SnapshotHeader
+    path: Path
+    num_bytes: int
+    sequence: int
+
+
+@attrs.frozen(kw_only=True)
+class RecoveryReport:
+    """What `recover()` found: loaded entries, removed leftovers, quarantined files and why."""
+
+    num_loaded: int
+    num_bytes: int
+    num_temporaries_removed: int
+    num_evicted: int
+    quarantined: tuple[tuple[str, str], ...]
+
+    @property
+    def num_quarantined(self) -> int:
+        """How many files were moved to quarantine."""
+        return len(self.quarantined)
+
+
+@attrs.frozen(kw_only=True)
+class TierStatistics:
+    """Counters since construction, plus the index's current size."""
+
+    num_entries: int
+    num_bytes: int
+    num_hits: int
+    num_misses: int
+    num_writes: int
+    num_quarantined: int
+    num_evicted: int
+    num_write_errors: int
+
+
+class SsdTier:
+    """Snapshot files in one directory, bounded by `max_bytes`, verified on every read."""
+
+    def __init__(
+        self,
+        directory: str | Path,
+        max_bytes: int,
+        zstd_level: int = 3,
+        expected_fingerprints: Collection[str] | None = None,
+        expected_namespaces: Collection[str] | None = None,
+    ) -> None:
+        if max_bytes <= 0:
+            raise ValueError(f"max_bytes must be positive, got {max_bytes}")
+        self.directory = Path(directory)
+        self.max_bytes = max_bytes
+        self.zstd_level = zstd_level
+        self._expected_fingerprints = _optional_set(expected_fingerprints)
+        self._expected_namespaces = _optional_set(expected_namespaces)
+        self._lock = threading.Lock()
+        self._index: dict[str, TierEntry] | None = None
+        self._num_bytes = 0
+        self._next_sequence = 0
+        self._counts = dict.fromkeys(("hits", "misses", "writes", "quarantined", "evicted",
+                                      "write_errors"), 0)
+
+    def recover(self) -> RecoveryReport:
+        """Rebuild the index from disk: delete temporaries; verify, then index or quarantine.
+
+        Then evict oldest-first down to `max_bytes` (the budget may have shrunk since).
+        """
+        self.directory.mkdir(parents=True, exist_ok=True)
+        num_temporaries = 0
+        quarantined: list[tuple[str, str]] = []
+        index: dict[str, TierEntry] = {}
+        with self._lock:
+            for path in sorted(self.directory.iterdir()):
+                if is_temporary_name(path.name):
+                    path.unlink(missing_ok=True)
+                    num_temporaries += 1
+                elif path.name.endswith(SNAPSHOT_SUFFIX) and path.is_file():
+                    try:
+                        entry = self._verified_entry(path.name[: -len(SNAPSHOT_SUFFIX)], path)
+                    except SnapshotError as exc:
+                        self._quarantine(path, exc.reason)
+                        quarantined.append((path.name, exc.reason))
+                        continue
+                    index[entry.key] = entry
+            self._index = index
+            self._num_bytes = sum(entry.num_bytes for entry in index.values())
+            self._next_sequence = 1 + max((entry.sequence for entry in index.values()), default=0)
+            num_evicted = self._evict_until(self.max_bytes)
+            fsync_directory(self.directory)
+            return RecoveryReport(num_loaded=len(index), num_bytes=self._num_bytes,
+                                  num_temporaries_removed=num_temporaries, num_evicted=num_evicted,
+                                  quarantined=tuple(quarantined))
+
+    def put(
+        self,
+        key: str,
+        header_fields: Mapping[str, Any],
+        planes: Iterable[tuple[str, bytes, Sequence[int], str]],
+    ) -> TierEntry:
+        """Encode and durably write a snapshot under `key`, evicting the oldest to stay in budget.
+
+        `header_fields` are `encode_snapshot`'s keyword arguments except planes and level.
+        ValueError if the fields are invalid, the key is not `snapshot_key(namespace, token_ids)`,
+        the identity is not one this tier expects, or the snapshot alone exceeds the budget.
+        OSError from the write propagates: the snapshot is abandoned, no file is left under `key`.
+        """
+        validate_key(key)
+        with self._lock:
+            self._require_recovered()
+            sequence = self._next_sequence
+            self._next_sequence += 1
+        fields = dict(header_fields)
+        fields["extra"] = {**(fields.get("extra") or {}), SEQUENCE_FIELD: sequence}
+        data = encode_snapshot(**fields, planes=planes, level=self.zstd_level)
+        header = decode_header(data)
+        if len(data) > self.max_bytes:
+            raise ValueError(
+                f"snapshot of {len(data)} bytes exceeds the tier budget {self.max_bytes}")
+        try:
+            self._check_identity(key, header)
+        except SnapshotError as exc:
+            raise ValueError(f"cannot store under this tier: {exc.reason}") from None
+        with self._lock:
+            index = self._require_recovered()
+            replaced = index.get(key)
+            replaced_bytes = 0 if replaced is None else replaced.num_bytes
+            try:
+                self._evict_until(self.max_bytes - len(data) + replaced_bytes, keep=key)
+                path = write_snapshot_file(self.directory, key, data)
+            except OSError:
+                # The write may have failed after the rename: leave no file of unknown content.
+                self._counts["write_errors"] += 1
+                if replaced is not None:
+                    self._drop_locked(replaced)
+                with contextlib.suppress(OSError):
+                    snapshot_path(self.directory, key).unlink(missing_ok=True)
+                raise
+            entry = TierEntry(key=key, header=header, path=path, num_bytes=len(data),
+                              sequence=sequence)
+            index[key] = entry
+            self._num_bytes += entry.num_bytes - replaced_bytes
+            self._counts["writes"] += 1
+            return entry
+
+    def get(self, key: str) -> tuple[SnapshotHeader, dict[str, Plane]] | None:
+        """Read and re-verify the snapshot under `key`; None on a miss.
+
+        A file that fails verification is quarantined and SnapshotError is raised.
+        """
+        validate_key(key)
+        with self._lock:
+            entry = self._require_recovered().get(key)
+            if entry is None:
+                self._counts["misses"] += 1
+                return None
+        try:
+            header, planes = read_snapshot(entry.path)
+            self._check_identity(key, header)
+        except FileNotFoundError:
+            with self._lock:
+                self._drop_locked(entry)
+                self._counts["misses"] += 1
+            return None
+        except SnapshotError as exc:
+            with self._lock:
+                self._counts["misses"] += 1
+                if self._drop_locked(entry):
+                    self._quarantine(entry.path, exc.reason)
+            raise
+        with self._lock:
+            self._counts["hits"] += 1
+        return header, planes
+
+    def remove(self, key: str) -> bool:
+        """Delete the snapshot under `key`; False if there was none."""
+        validate_key(key)
+        with self._lock:
+            entry = self._require_recovered().get(key)
+            if entry is None:
+                return False
+            self._delete_locked(entry)
+            return True
+
+    def entries(self) -> tuple[TierEntry, ...]:
+        """Indexed snapshots, oldest first."""
+        with self._lock:
+            return tuple(sorted(self._require_recovered().values(), key=_by_sequence))
+
+    def statistics(self) -> TierStatistics:
+        """A frozen snapshot of the tier's counters."""
+        with self._lock:
+            return TierStatistics(
+                num_entries=len(self._index or {}), num_bytes=self._num_bytes,
+                **{f"num_{name}": count for name, count in self._counts.items()})
+
+    async def recover_async(self) -> RecoveryReport:
+        """`recover` on a worker thread."""
+        return await trio.to_thread.run_sync(self.recover)
+
+    async def put_async(
+        self,
+        key: str,
+        header_fields: Mapping[str, Any],
+        planes: Iterable[tuple[str, bytes, Sequence[int], str]],
+    ) -> TierEntry:
+        """`put` on a worker thread; it finishes even if the caller is cancelled meanwhile."""
+        put = functools.partial(self.put, key, header_fields, planes)
+        return await trio.to_thread.run_sync(put)
+
+    async def get_async(self, key: str) -> tuple[SnapshotHeader, dict[str, Plane]] | None:
+        """`get` on a worker thread."""
+        return await trio.to_thread.run_sync(self.get, key)
+
+    def _require_recovered(self) -> dict[str, TierEntry]:
+        if self._index is None:
+            raise RuntimeError("SsdTier.recover() must run before the tier is used")
+        return self._index
+
+    def _identity_problem(self, fingerprint: str, namespace: str) -> str | None:
+        fingerprints, namespaces = self._expected_fingerprints, self._expected_namespaces
+        if fingerprints is not None and fingerprint not in fingerprints:
+            return "fingerprint mismatch"
+        if namespaces is not None and namespace not in namespaces:
+            return "namespace mismatch"
+        return None
+
+    def _check_identity(self, key: str, header: SnapshotHeader) -> None:
+        problem = self._identity_problem(header.model_fingerprint, header.namespace)
+        if problem is not None:
+            raise SnapshotError(problem)
+        if key != snapshot_key(header.namespace, header.token_ids):
+            raise SnapshotError("file name does not match the key of its header")
+
+    def _verified_entry(self, key: str, path: Path) -> TierEntry:
+        try:
+            validate_key(key)
+        except ValueError:
+            raise SnapshotError("file name is not a snapshot key") from None
+        header, _ = read_snapshot(path)
+        self._check_identity(key, header)
+        sequence = header.extra.get(SEQUENCE_FIELD, 0)
+        return TierEntry(key=key, header=header, path=path, num_bytes=path.stat().st_size,
+                         sequence=sequence if type(sequence) is int else 0)
+
+    def _quarantine(self, path: Path, reason: str) -> None:
+        destination = self.directory / QUARANTINE_DIR
+        destination.mkdir(exist_ok=True)
+        with contextlib.suppress(FileNotFoundError):
+            os.replace(path, destination / path.name)
+        self._counts["quarantined"] += 1
+        logger.warning("quarantined snapshot %s: %s", path.name, reason)
+
+    def _evict_until(self, budget: int, keep: str | None = None) -> int:
+        num_evicted = 0
+        for entry in sorted(self._require_recovered().values(), key=_by_sequence):
+            if self._num_bytes <= budget:
+                break
+            if entry.key == keep:
+                continue
+            self._delete_locked(entry)
+            num_evicted += 1
+        self._counts["evicted"] += num_evicted
+        return num_evicted
+
+    def _delete_locked(self, entry: TierEntry) -> None:
+        entry.path.unlink(missing_ok=True)
+        self._drop_locked(entry)
+
+    def _drop_locked(self, entry: TierEntry) -> bool:
+        if self._index is None or self._index.get(entry.key) is not entry:
+            return False
+        del self._index[entry.key]
+        self._num_bytes -= entry.num_bytes
+        return True
+
+
+def _optional_set(values: Collection[str] | None) -> frozenset[str] | None:
+    return None if values is None else frozenset(values)
+
+
+def _by_sequence(entry: TierEntry) -> int:
+    return entry.sequence
