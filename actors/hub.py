@@ -63,7 +63,7 @@ class Hub:
         self._num_events += 1
         rid = event.request_id
         send = self._streams.get(rid) if rid is not None else None
-        if send is None:
+        if rid is None or send is None:
             self._num_dropped += 1
             return
         try:

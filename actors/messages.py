@@ -30,7 +30,7 @@ class Submit:
     """api -> admission: a new request, already tokenized and validated."""
 
     request_id: str
-    prompt_tokens: tuple[int, ...] = attrs.field(converter=tuple)
+    prompt_tokens: tuple[int, ...] = attrs.field(converter=lambda v: tuple(int(t) for t in v))
     params: SamplingParams
 
 

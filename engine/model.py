@@ -106,11 +106,12 @@ def load_model(model: str | Path = DEFAULT_MODEL, dtype: str = "auto") -> Loaded
     path = _resolve_path(model)
     resolved = resolve_dtype(dtype)
     try:
-        net, tokenizer = mlx_lm_load(str(path))
+        net, tokenizer = mlx_lm_load(str(path))[:2]
     except Exception as exc:
         raise ModelLoadError(f"cannot load model at {str(model)!r}: {exc}") from exc
     if resolved == "model":
-        resolved = str(tree_flatten(net.parameters())[0][1].dtype).split(".")[-1]
+        first_weight = tree_flatten(net.parameters())[0][1]  # type: ignore[index]
+        resolved = str(first_weight.dtype).split(".")[-1]
     else:
         net.set_dtype(getattr(mx, resolved))
     mx.eval(net.parameters())

@@ -64,6 +64,8 @@ class Runner:
             )
         for chunk in plan.prefill:
             row = self._rows[chunk.request_id]
+            if row.cache is None:
+                raise RuntimeError(f"{chunk.request_id} prefilled after joining the batch")
             tokens = mx.array(row.prompt[chunk.start:chunk.end])[None]
             self._model(tokens, cache=row.cache)
             mx.eval([c.state for c in row.cache])

@@ -194,7 +194,7 @@ def sample_rows(logits: mx.array, rows: Sequence[RowSampler]) -> SampleOutput:
             top_idx = mx.argsort(-logprobs, axis=-1)[:, :k]
             outputs += [top_idx, mx.take_along_axis(logprobs, top_idx, axis=-1)]
     mx.eval(*outputs)
-    token_list = tokens.tolist()
+    token_list: list[int] = tokens.tolist()  # type: ignore[assignment]
     lp_list: list[float | None] = [None] * len(rows)
     top_list: list[list[tuple[int, float]] | None] = [None] * len(rows)
     if want_lp:

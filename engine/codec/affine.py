@@ -30,7 +30,7 @@ class AffineEncoded(NamedTuple):
 class AffineCodec:
     """Encode/decode (..., head_dim) vectors with group-wise affine quantization."""
 
-    def __init__(self, bits: int, group_size: int):
+    def __init__(self, bits: int, group_size: int) -> None:
         if bits not in SUPPORTED_BITS:
             raise ValueError(f"bits {bits} is not supported; use one of {SUPPORTED_BITS}")
         if group_size not in SUPPORTED_GROUP_SIZES:
