@@ -72,7 +72,10 @@ class Engine:
 
     def validate(self, request: GenerateRequest) -> tuple[int, ...]:
         """Tokenize and check limits; raises ValueError naming the field."""
-        tokens = request.token_ids(self.model.tokenizer)
+        try:
+            tokens = request.token_ids(self.model.tokenizer)
+        except (TypeError, UnicodeError) as exc:
+            raise ValueError(f"prompt cannot be tokenized: {exc}") from None
         if not tokens:
             raise ValueError("prompt encodes to zero tokens")
         vocab = self.model.vocab_size
@@ -94,10 +97,13 @@ class Engine:
         """Submit a request and yield its events: Queued, Token..., then Done or Error."""
         rid = request_id or uuid.uuid4().hex
         try:
+            if not rid.isprintable() or len(rid.encode("utf-8", "strict")) > 512:
+                raise ValueError("request id must be printable text of at most 512 bytes")
             tokens = self.validate(request)
             stream = self._hub.open_stream(rid)
-        except ValueError as exc:
-            yield Error(request_id=rid, code="invalid_request", message=str(exc))
+        except (ValueError, UnicodeError) as exc:
+            yield Error(request_id=rid if rid.isprintable() else None, code="invalid_request",
+                        message=str(exc))
             return
         finished = False
         try:

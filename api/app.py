@@ -10,6 +10,7 @@ cancels every request on it (their rows are freed within one engine step).
 
 from __future__ import annotations
 
+import itertools
 import logging
 from typing import Any
 
@@ -25,6 +26,7 @@ from api.protocol import (CancelCommand, GenerateCommand, ProtocolError, decode_
 
 log = logging.getLogger("tqserve.api")
 OUTGOING_FRAMES = 64  # frames waiting for the socket writer; a full queue backs up requests
+_CONNECTION_IDS = itertools.count()  # never reused, unlike id(): engine ids stay unique
 
 
 class _Connection:
@@ -35,7 +37,7 @@ class _Connection:
         self._engine = engine
         self._nursery = nursery
         self._out = out
-        self._conn_id = id(self)
+        self._conn_id = next(_CONNECTION_IDS)
         self._next_seq = 0
         self._active: dict[str, str] = {}
 

@@ -61,15 +61,18 @@ Command = GenerateCommand | CancelCommand
 
 def decode_frame(data: str | bytes, max_bytes: int) -> dict[str, Any]:
     """Decode one frame to an object; JSON for text, msgpack for binary."""
-    if len(data) > max_bytes:
+    size = len(data) if isinstance(data, bytes) else len(data.encode("utf-8", "surrogatepass"))
+    if size > max_bytes:
         raise ProtocolError("message_too_large",
-                            f"message of {len(data)} bytes exceeds the limit of {max_bytes}")
+                            f"message of {size} bytes exceeds the limit of {max_bytes}")
     try:
         if isinstance(data, str):
             obj = json.loads(data)
+            # "\ud800" escapes decode to lone surrogates, which no reply could carry
+            json.dumps(obj, ensure_ascii=False).encode("utf-8")
         else:
             obj = msgpack.unpackb(data, raw=False, strict_map_key=False)
-    except (ValueError, msgpack.UnpackException) as exc:
+    except (ValueError, TypeError, RecursionError, msgpack.UnpackException) as exc:
         kind = "JSON" if isinstance(data, str) else "msgpack"
         raise ProtocolError("bad_frame", f"frame is not valid {kind}: {exc}") from None
     if not isinstance(obj, dict):
@@ -99,7 +102,8 @@ def parse_command(obj: dict[str, Any], default_max_tokens: int) -> Command:
         extra = set(obj) - {"type", "id"}
         rid = _request_id(obj)
         if extra:
-            raise ProtocolError("invalid_request", f"unknown field {sorted(extra)[0]!r}", rid)
+            raise ProtocolError("invalid_request",
+                                f"unknown field {sorted(extra, key=str)[0]!r}", rid)
         return CancelCommand(request_id=rid)
     if kind != "generate":
         raise ProtocolError("unknown_type", f"type must be 'generate' or 'cancel', got {kind!r}",
@@ -107,7 +111,8 @@ def parse_command(obj: dict[str, Any], default_max_tokens: int) -> Command:
     rid = _request_id(obj)
     extra = set(obj) - _GENERATE_FIELDS
     if extra:
-        raise ProtocolError("invalid_request", f"unknown field {sorted(extra)[0]!r}", rid)
+        raise ProtocolError("invalid_request",
+                            f"unknown field {sorted(extra, key=str)[0]!r}", rid)
     for name in _LIST_FIELDS:
         if name in obj and obj[name] is not None and not isinstance(obj[name], list):
             raise ProtocolError("invalid_request", f"{name} must be a list", rid)

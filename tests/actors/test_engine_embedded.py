@@ -164,3 +164,13 @@ async def test_recorder_sees_every_mailbox_message_as_msgpack(draft_model):
     assert {"admission", "scheduler", "hub", "cache_owner", "admission_replies"} <= names
     kinds = {type(decode(data)).__name__ for _, data in seen}
     assert {"Submit", "Queued", "Token", "Done", "Lease", "Release", "Dequeued"} <= kinds
+
+
+async def test_untokenizable_prompt_and_bad_ids_are_errors_not_exceptions(draft_model):
+    async with open_engine(Config(), loaded=draft_model) as engine:
+        bad_prompt = await drain(engine, GenerateRequest(prompt="x\ud800y"))
+        assert bad_prompt[0].code == "invalid_request" and "tokenized" in bad_prompt[0].message
+        bad_id = await drain(engine, request(), request_id="a\ud800")
+        assert bad_id[0].code == "invalid_request" and "request id" in bad_id[0].message
+        assert bad_id[0].request_id is None
+        assert [type(e) for e in await drain(engine, request(max_tokens=2))][-1] is Done
