@@ -32,6 +32,7 @@ from actors.runner_thread import RunnerThread
 from actors.scheduler import run_scheduler
 from engine.config import Config
 from engine.detokenize import TextStream
+from engine.kv.factory import cache_factory_for
 from engine.model import LoadedModel, load_model
 from engine.request import GenerateRequest
 from engine.runner import Runner
@@ -163,12 +164,14 @@ async def open_engine(config: Config, *, loaded: LoadedModel | None = None,
     try:
         if loaded is None:
             loaded = await thread.call(load_model, config.model, config.dtype)
+        make_cache = await thread.call(cache_factory_for, loaded.model, config.turboquant,
+                                       config.quantized_kv_start)
         tokenizer = loaded.tokenizer
         core = SchedulerCore(
             max_batch=config.max_batch, prefill_chunk=config.prefill_chunk,
             eos_token_ids=loaded.eos_token_ids,
             make_text_stream=lambda stop: TextStream(tokenizer, stop))
-        runner = Runner(loaded.model)
+        runner = Runner(loaded.model, make_cache)
         control = AdmissionControl(max_queued_requests=config.max_queued_requests,
                                    max_queued_tokens=config.max_queued_tokens)
         books = RowBooks()

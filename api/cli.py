@@ -36,6 +36,10 @@ def _config_flags(p: argparse.ArgumentParser, *, server: bool) -> None:
         if not server and name in ("port", "max_message_bytes", "max_streams_per_connection"):
             continue
         p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(defaults, name))
+    p.add_argument("--turboquant", default=None, metavar="kXvY",
+                   help="TurboQuant KV cache with X key bits and Y value bits (1..8), e.g. k4v4")
+    p.add_argument("--quantized-kv-start", type=int, default=0,
+                   help="rows stay full precision until this many tokens, then convert")
     if server:
         p.add_argument("--host", default=defaults.host)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import attrs
 
+from engine.kv.factory import parse_turboquant
 from engine.model import DEFAULT_MODEL, DTYPES
 
 
@@ -15,6 +16,16 @@ def _positive(inst: object, attr: attrs.Attribute, value: int) -> None:
 def _port(inst: object, attr: attrs.Attribute, value: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 65535:
         raise ValueError(f"port must be in [0, 65535], got {value!r}")
+
+
+def _non_negative(inst: object, attr: attrs.Attribute, value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{attr.name.replace('_', '-')} must be an integer >= 0, got {value!r}")
+
+
+def _turboquant(inst: object, attr: attrs.Attribute, value: str | None) -> None:
+    if value is not None:
+        parse_turboquant(value)
 
 
 @attrs.frozen(kw_only=True)
@@ -34,6 +45,8 @@ class Config:
     port: int = attrs.field(default=8000, validator=_port)
     max_message_bytes: int = attrs.field(default=1 << 20, validator=_positive)
     max_streams_per_connection: int = attrs.field(default=16, validator=_positive)
+    turboquant: str | None = attrs.field(default=None, validator=_turboquant)
+    quantized_kv_start: int = attrs.field(default=0, validator=_non_negative)
 
     def __attrs_post_init__(self) -> None:
         if self.default_max_tokens > self.max_tokens_cap:

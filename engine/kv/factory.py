@@ -1,0 +1,130 @@
+"""Per-layer TurboQuant cache lists for a model, head-dim checks, and the bits spec.
+
+`make_turboquant_cache_factory(...)` returns a `make_cache(model)` with the shape of
+mlx-lm's `make_prompt_cache`: it asks the model for its plain caches and replaces every
+full-attention layer's (a plain mlx-lm `KVCache`) with a TurboQuantKVCache, or a
+DelayedTurboQuantKVCache when `quantized_kv_start` > 0. Every other layer keeps its plain
+mlx-lm cache: sliding-window layers (RotatingKVCache) stay in the model dtype because a
+rotating buffer overwrites positions in place, and the first list a factory makes that has
+such layers logs ONE warning naming them. Each cache resolves the fused-decode selection
+(TQSERVE_TURBOQUANT_FUSED_DECODE) when it is constructed.
+
+`check_head_dims(model)` is the engine-start check: a full-attention layer whose key or
+value head dim is not one the codec supports raises ValueError naming the layer and dim.
+Head dims come from the layer's attention module: its `head_dim`, else its projections'
+output width per KV head (the output width of quantized linears is unpacked too).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Callable
+from typing import Any
+
+from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+from engine.codec.turboquant import MAX_BITS, MIN_BITS, SUPPORTED_HEAD_DIMS
+from engine.kv.attention import install_attention
+from engine.kv.delayed import DelayedTurboQuantKVCache
+from engine.kv.turboquant import TurboQuantConfig, TurboQuantKVCache
+
+logger = logging.getLogger(__name__)
+
+CacheFactory = Callable[[Any], list[Any]]
+_SPEC = re.compile(r"k(\d+)v(\d+)")
+
+
+def parse_turboquant(spec: str) -> tuple[int, int]:
+    """"k4v4" -> (4, 4): key bits and value bits, each 1..8."""
+    match = _SPEC.fullmatch(spec.strip().lower())
+    bits = (int(match.group(1)), int(match.group(2))) if match else None
+    if bits is None or any(b not in range(MIN_BITS, MAX_BITS + 1) for b in bits):
+        raise ValueError(f"turboquant spec {spec!r} is not k<bits>v<bits> with bits in "
+                         f"{MIN_BITS}..{MAX_BITS} (e.g. k4v4, k8v3)")
+    return bits
+
+
+def _projection_dim(attn: Any, name: str) -> int | None:
+    proj = getattr(attn, name, None)
+    heads = getattr(attn, "n_kv_heads", None)
+    if proj is None or heads is None or not hasattr(proj, "weight"):
+        return None
+    return int(proj.weight.shape[0]) // int(heads)
+
+
+def _layer_dims(layer: Any) -> tuple[int, int]:
+    attn = getattr(layer, "self_attn", None)
+    head_dim = getattr(attn, "head_dim", None)
+    keys = head_dim if head_dim is not None else _projection_dim(attn, "k_proj")
+    values = _projection_dim(attn, "v_proj") or keys
+    if keys is None or values is None:
+        raise ValueError(f"cannot find the head dim of {type(attn).__name__}")
+    return int(keys), int(values)
+
+
+def check_head_dims(model: Any) -> dict[int, int]:
+    """Full-attention layer index -> head dim; ValueError names a layer the codec refuses."""
+    dims = {}
+    for i, cache in enumerate(make_prompt_cache(model)):
+        if type(cache) is not KVCache:
+            continue
+        key_dim, value_dim = _layer_dims(model.layers[i])
+        for kind, dim in (("key", key_dim), ("value", value_dim)):
+            if dim not in SUPPORTED_HEAD_DIMS:
+                raise ValueError(
+                    f"layer {i}: {kind} head dim {dim} is not supported by TurboQuant "
+                    f"(supported: {', '.join(map(str, SUPPORTED_HEAD_DIMS))})")
+        if key_dim != value_dim:
+            raise ValueError(f"layer {i}: key head dim {key_dim} != value head dim {value_dim}")
+        dims[i] = key_dim
+    return dims
+
+
+def cache_factory_for(model: Any, turboquant: str | None,
+                      quantized_kv_start: int = 0) -> CacheFactory | None:
+    """The engine-start choice: None for mlx-lm's plain caches, else a TurboQuant factory.
+
+    Checks every full-attention layer's head dim now (ValueError naming the layer), so a
+    model TurboQuant cannot serve is refused before any request, and installs the
+    rotated attention port into mlx-lm's dispatch.
+    """
+    if turboquant is None:
+        return None
+    k_bits, v_bits = parse_turboquant(turboquant)
+    check_head_dims(model)
+    install_attention()
+    return make_turboquant_cache_factory(k_bits, v_bits, quantized_kv_start)
+
+
+def make_turboquant_cache_factory(k_bits: int, v_bits: int, quantized_kv_start: int = 0,
+                                  seed: int = 0) -> CacheFactory:
+    """A `make_cache(model) -> list` of TurboQuant caches for full-attention layers."""
+    # Validate the bits now, not at the first request.
+    TurboQuantConfig.create(k_bits, v_bits, SUPPORTED_HEAD_DIMS[0], seed)
+    if quantized_kv_start < 0:
+        raise ValueError(f"quantized_kv_start must be >= 0, got {quantized_kv_start}")
+    warned = False
+    dims_by_model: dict[int, dict[int, int]] = {}
+
+    def make_cache(model: Any) -> list[Any]:
+        nonlocal warned
+        if id(model) not in dims_by_model:
+            dims_by_model[id(model)] = check_head_dims(model)
+        dims = dims_by_model[id(model)]
+        caches = make_prompt_cache(model)
+        plain = [i for i in range(len(caches)) if i not in dims]
+        if plain and not warned:
+            warned = True
+            logger.warning("TurboQuant: layers %s keep plain %s caches (sliding window or "
+                           "not full attention)", plain,
+                           sorted({type(caches[i]).__name__ for i in plain}))
+        for i, head_dim in dims.items():
+            if quantized_kv_start > 0:
+                caches[i] = DelayedTurboQuantKVCache(quantized_kv_start, k_bits, v_bits,
+                                                     head_dim, seed=seed)
+            else:
+                caches[i] = TurboQuantKVCache(k_bits, v_bits, head_dim, seed=seed)
+        return caches
+
+    return make_cache

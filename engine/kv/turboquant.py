@@ -1,0 +1,315 @@
+"""TurboQuant KV caches on mlx-lm's cache protocol: one row, and a batch of rows.
+
+Both store, per KV head and position, the codes of R x / ||x|| and the fp16 norm for keys
+AND values (the rotated basis; engine/codec/turboquant.py), as four planes of a
+`KvTensorRows`: key_codes (uint32, d*k_bits/32 words), key_norms (fp16, 1), value_codes,
+value_norms. `update_and_fetch` encodes the new block, appends it and returns a
+`RotatedKV` (the written planes and the codecs) as both elements of the (keys, values)
+pair; attention (engine/kv/attention.py) consumes it. No decoded copy is kept: decoding
+happens transiently inside one attention call.
+
+* `TurboQuantKVCache` is one row (int `offset`, no padding), like mlx-lm's KVCache; a
+  block with B > 1 rows is accepted while the cache is empty (they then share the offset).
+  `TurboQuantKVCache.from_kv_cache` is the one conversion from a plain mlx-lm KVCache.
+* `BatchedTurboQuantKVCache` is a batch (per-row `offset` and `left_padding` arrays), like
+  BatchKVCache; `TurboQuantKVCache.merge` returns it. merge, filter, extend, extract, trim,
+  prepare and finalize move encoded bytes (KvTensorRows), so a row holds the same bytes
+  serially and in any batch.
+
+A cache's settings are a `TurboQuantConfig`. Its `fused_decode` is resolved ONCE, when a
+cache is constructed without an explicit choice (TQSERVE_TURBOQUANT_FUSED_DECODE); merged,
+extended, extracted, converted and restored (`state`) caches carry the config, so the
+selection never changes. Caches with different configs refuse to merge (ValueError).
+`state` is (key_codes, key_norms, value_codes, value_norms) of the written positions
+(None while empty), then the scalar fields: single rows the offset, batches the
+left_padding array and the write index; then the config fields (mlx-lm 0.32.2 has no
+meta_state).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+import mlx.core as mx
+from mlx_lm.models.base import create_causal_mask
+from mlx_lm.models.cache import KVCache, _BaseCache, create_attention_mask
+
+from engine.codec.turboquant import DEFAULT_ROTATION, TurboQuantCodec
+from engine.kv.attention import RotatedKV, fused_decode_from_env
+from engine.kv.rows import KvTensorRows, row_indices
+
+PLANES = ("key_codes", "key_norms", "value_codes", "value_norms")
+
+
+@functools.cache
+def _codec(head_dim: int, bits: int, seed: int, rotation: str) -> TurboQuantCodec:
+    return TurboQuantCodec(head_dim, bits, seed=seed, rotation=rotation)
+
+
+@attrs.frozen(kw_only=True)
+class TurboQuantConfig:
+    """Bits, head dim, rotation and the fused-decode selection of a TurboQuant cache."""
+
+    k_bits: int
+    v_bits: int
+    head_dim: int
+    seed: int
+    rotation: str
+    fused_decode: bool
+
+    def __attrs_post_init__(self) -> None:
+        for bits in (self.k_bits, self.v_bits):  # the codec raises ValueError on a bad field
+            _codec(self.head_dim, bits, self.seed, self.rotation)
+
+    @classmethod
+    def create(cls, k_bits: int, v_bits: int, head_dim: int, seed: int = 0,
+               rotation: str = DEFAULT_ROTATION,
+               fused_decode: bool | None = None) -> TurboQuantConfig:
+        """A validated config; `fused_decode` None reads TQSERVE_TURBOQUANT_FUSED_DECODE now."""
+        fused = fused_decode_from_env() if fused_decode is None else fused_decode
+        return cls(k_bits=k_bits, v_bits=v_bits, head_dim=head_dim, seed=seed,
+                   rotation=rotation, fused_decode=fused)
+
+    @property
+    def key_codec(self) -> TurboQuantCodec:
+        """The (shared) codec of the keys."""
+        return _codec(self.head_dim, self.k_bits, self.seed, self.rotation)
+
+    @property
+    def value_codec(self) -> TurboQuantCodec:
+        """The (shared) codec of the values."""
+        return _codec(self.head_dim, self.v_bits, self.seed, self.rotation)
+
+    def scalars(self) -> tuple[Any, ...]:
+        """The fields in `state` order."""
+        return (self.k_bits, self.v_bits, self.head_dim, self.seed, self.rotation,
+                self.fused_decode)
+
+    @classmethod
+    def from_scalars(cls, values: Sequence[Any]) -> TurboQuantConfig:
+        """Inverse of `scalars`."""
+        k_bits, v_bits, head_dim, seed, rotation, fused = values
+        return cls(k_bits=int(k_bits), v_bits=int(v_bits), head_dim=int(head_dim),
+                   seed=int(seed), rotation=str(rotation), fused_decode=bool(fused))
+
+
+class _TurboQuantCache(_BaseCache):
+    """What one row and a batch share: the config, the four planes, encode + append."""
+
+    def __init__(self, config: TurboQuantConfig, rows: KvTensorRows) -> None:
+        self.config = config
+        self.rows = rows
+
+    @property
+    def fused_decode(self) -> bool:
+        """Whether decode steps take the fused attention path (fixed for this cache)."""
+        return self.config.fused_decode
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[RotatedKV, RotatedKV]:
+        """Encode and append (B, H, L, head_dim) keys and values; fetch all written ones."""
+        d = self.config.head_dim
+        if keys.ndim != 4 or keys.shape[-1] != d or values.shape != keys.shape:
+            raise ValueError(f"expected keys and values (B, H, L, {d}), got "
+                             f"{keys.shape} and {values.shape}")
+        if self.rows.empty and keys.shape[0] != self.rows.num_rows:
+            self._reshape_empty(keys.shape[0])
+        k = self.config.key_codec.encode(keys)
+        v = self.config.value_codec.encode(values)
+        self.rows.append({"key_codes": k.codes, "key_norms": k.norms,
+                          "value_codes": v.codes, "value_norms": v.norms})
+        fetched = self.fetch()
+        return fetched, fetched
+
+    def _reshape_empty(self, num_rows: int) -> None:
+        raise ValueError(f"a block of {num_rows} rows for a cache of {self.rows.num_rows}")
+
+    def fetch(self) -> RotatedKV:
+        """The written planes (B, H, idx, W) with the codecs, for attention."""
+        planes = self.rows.valid_planes()
+        return RotatedKV(**{n: planes[n] for n in PLANES}, key_codec=self.config.key_codec,
+                         value_codec=self.config.value_codec,
+                         fused_decode=self.config.fused_decode)
+
+    def _planes_state(self) -> tuple[mx.array | None, ...]:
+        planes = self.rows.valid_planes()
+        return tuple(planes.get(n) for n in PLANES)
+
+    @staticmethod
+    def _planes_from(values: Sequence[mx.array | None]) -> dict[str, mx.array]:
+        if values[0] is None:
+            return {}
+        return {n: v for n, v in zip(PLANES, values) if v is not None}
+
+    def size(self) -> int:
+        """Positions written (the shared write index; padding included for batches)."""
+        return self.rows.idx
+
+    def empty(self) -> bool:
+        """True until the first append."""
+        return self.rows.empty
+
+    @property
+    def nbytes(self) -> int:
+        """Allocated bytes of the four planes (KvTensorRows.nbytes)."""
+        return self.rows.nbytes
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def trim(self, n: int) -> int:
+        """Drop the last n positions (at most the shortest row); returns how many."""
+        return self.rows.trim(n)
+
+    def _check_same_config(self, other: _TurboQuantCache) -> None:
+        if other.config != self.config:
+            raise ValueError(f"cannot combine TurboQuant caches {self.config} and {other.config}")
+
+
+class TurboQuantKVCache(_TurboQuantCache):
+    """One row of TurboQuant KV (see the module doc)."""
+
+    def __init__(self, k_bits: int, v_bits: int, head_dim: int, seed: int = 0,
+                 rotation: str = DEFAULT_ROTATION, fused_decode: bool | None = None) -> None:
+        """`fused_decode` None reads TQSERVE_TURBOQUANT_FUSED_DECODE now, once."""
+        config = TurboQuantConfig.create(k_bits, v_bits, head_dim, seed, rotation, fused_decode)
+        super().__init__(config, KvTensorRows())
+
+    @classmethod
+    def of(cls, config: TurboQuantConfig, rows: KvTensorRows | None = None) -> TurboQuantKVCache:
+        """A cache with `config` holding `rows` (unpadded; a fresh empty row by default)."""
+        cache = cls.__new__(cls)
+        _TurboQuantCache.__init__(cache, config, rows if rows is not None else KvTensorRows())
+        return cache
+
+    @classmethod
+    def from_kv_cache(cls, kv_cache: KVCache, k_bits: int, v_bits: int, *,
+                      head_dim: int | None = None, seed: int = 0,
+                      rotation: str = DEFAULT_ROTATION,
+                      fused_decode: bool | None = None) -> TurboQuantKVCache:
+        """Encode the written K/V of a plain mlx-lm KVCache (the one conversion path).
+
+        `head_dim` defaults to the keys' last dim; an empty KVCache needs it given.
+        """
+        if not isinstance(kv_cache, KVCache):
+            raise TypeError(f"expected an mlx-lm KVCache, got {type(kv_cache).__name__}")
+        if kv_cache.keys is None and head_dim is None:
+            raise ValueError("an empty KVCache converts only with head_dim given")
+        dim = head_dim if head_dim is not None else kv_cache.keys.shape[-1]
+        cache = cls(k_bits, v_bits, dim, seed=seed, rotation=rotation, fused_decode=fused_decode)
+        if kv_cache.keys is not None and kv_cache.offset > 0:
+            end = kv_cache.offset
+            cache.update_and_fetch(kv_cache.keys[..., :end, :], kv_cache.values[..., :end, :])
+        return cache
+
+    def _reshape_empty(self, num_rows: int) -> None:
+        self.rows = KvTensorRows([0] * num_rows)
+
+    @property
+    def offset(self) -> int:
+        """Tokens held."""
+        return self.rows.idx
+
+    def make_mask(self, N: int, return_array: bool = False,
+                  window_size: int | None = None) -> Any:
+        """The mask a KVCache at this offset makes: None, "causal" or an array."""
+        return create_attention_mask(N, self.offset, return_array, window_size)
+
+    @classmethod
+    def merge(cls, caches: Sequence[TurboQuantKVCache]) -> BatchedTurboQuantKVCache:
+        """A batch of single rows (shorter rows are left-padded)."""
+        return BatchedTurboQuantKVCache.merge(caches)
+
+    @property
+    def state(self) -> tuple[Any, ...]:
+        return (*self._planes_state(), self.offset, *self.config.scalars())
+
+    @state.setter
+    def state(self, v: Sequence[Any]) -> None:
+        self.config = TurboQuantConfig.from_scalars(v[5:])
+        planes = self._planes_from(v[:4])
+        if planes and next(iter(planes.values())).shape[2] != int(v[4]):
+            raise ValueError(f"state planes of {next(iter(planes.values())).shape[2]} "
+                             f"positions for offset {v[4]}")
+        self.rows = KvTensorRows.from_planes(planes)
+
+
+class BatchedTurboQuantKVCache(_TurboQuantCache):
+    """A batch of TurboQuant rows with per-row offsets and physical left padding."""
+
+    def __init__(self, k_bits: int, v_bits: int, head_dim: int, left_padding: Sequence[int],
+                 seed: int = 0, rotation: str = DEFAULT_ROTATION,
+                 fused_decode: bool | None = None) -> None:
+        """Empty rows with `left_padding` (as BatchKVCache); fused_decode as the single row."""
+        config = TurboQuantConfig.create(k_bits, v_bits, head_dim, seed, rotation, fused_decode)
+        super().__init__(config, KvTensorRows(left_padding))
+
+    @classmethod
+    def of(cls, config: TurboQuantConfig, rows: KvTensorRows) -> BatchedTurboQuantKVCache:
+        """A batch with `config` holding `rows`."""
+        cache = cls.__new__(cls)
+        _TurboQuantCache.__init__(cache, config, rows)
+        return cache
+
+    @property
+    def offset(self) -> mx.array:
+        """Tokens held per row (int32 array)."""
+        return mx.array(self.rows.offsets, dtype=mx.int32)
+
+    @property
+    def left_padding(self) -> mx.array:
+        """Physical left padding per row (int32 array)."""
+        return mx.array(self.rows.left_padding, dtype=mx.int32)
+
+    def make_mask(self, N: int, return_array: bool = False, **kwargs: Any) -> mx.array:
+        """Causal mask over the written positions, hiding each row's padding."""
+        return create_causal_mask(N, offset=self.rows.idx, left_padding=self.left_padding,
+                                  **kwargs)
+
+    @classmethod
+    def merge(cls, caches: Sequence[_TurboQuantCache]) -> BatchedTurboQuantKVCache:
+        """One batch of the rows of `caches` (single rows or batches), right-aligned."""
+        if not caches:
+            raise ValueError("merge needs at least one cache")
+        for c in caches[1:]:
+            caches[0]._check_same_config(c)
+        return cls.of(caches[0].config, KvTensorRows.merge([c.rows for c in caches]))
+
+    def filter(self, batch_indices: Sequence[int] | mx.array) -> None:
+        """Keep the given rows in that order (in place); shift away shared padding."""
+        self.rows.filter(row_indices(batch_indices))
+
+    def extend(self, other: BatchedTurboQuantKVCache) -> None:
+        """Append other's rows (in place)."""
+        self._check_same_config(other)
+        self.rows.extend(other.rows)
+
+    def extract(self, idx: int) -> TurboQuantKVCache:
+        """Row idx as a single-row cache (its bytes, no padding, same config)."""
+        return TurboQuantKVCache.of(self.config, KvTensorRows.from_planes(self.rows.extract(idx)))
+
+    def prepare(self, *, left_padding: Sequence[int] | None = None,
+                lengths: Sequence[int] | None = None,
+                right_padding: Sequence[int] | None = None) -> None:
+        """mlx-lm's batch prefill hook (`lengths` is unused, as in BatchKVCache)."""
+        self.rows.prepare(left_padding=left_padding, right_padding=right_padding)
+
+    def finalize(self) -> None:
+        """Move right padding noted by `prepare` to the left."""
+        self.rows.finalize()
+
+    @property
+    def state(self) -> tuple[Any, ...]:
+        return (*self._planes_state(), self.left_padding, self.rows.idx, *self.config.scalars())
+
+    @state.setter
+    def state(self, v: Sequence[Any]) -> None:
+        self.config = TurboQuantConfig.from_scalars(v[6:])
+        planes = self._planes_from(v[:4])
+        padding = [int(p) for p in v[4].tolist()]
+        self.rows = KvTensorRows.from_planes(planes, padding)
+        if planes and self.rows.idx != int(v[5]):
+            raise ValueError(f"state planes of {self.rows.idx} positions for index {v[5]}")
+        self.rows.pad_to(int(v[5]))  # rows never written only carry their write index
