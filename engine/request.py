@@ -8,7 +8,7 @@ followed by "assistant: ", which is written down here so that clients know.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterable
 
 import attrs
 
@@ -31,6 +31,10 @@ def _messages(inst: object, attr: attrs.Attribute, value: tuple | None) -> None:
             raise ValueError(f"messages[{i}].content must be a string")
 
 
+def _optional_tuple(value: Iterable[Any] | None) -> tuple[Any, ...] | None:
+    return None if value is None else tuple(value)
+
+
 def _tokens(inst: object, attr: attrs.Attribute, value: tuple | None) -> None:
     if value is None:
         return
@@ -47,9 +51,9 @@ class GenerateRequest:
     prompt: str | None = attrs.field(
         default=None, validator=attrs.validators.optional(attrs.validators.instance_of(str)))
     prompt_tokens: tuple[int, ...] | None = attrs.field(
-        default=None, converter=attrs.converters.optional(tuple), validator=_tokens)
+        default=None, converter=_optional_tuple, validator=_tokens)
     messages: tuple[dict[str, Any], ...] | None = attrs.field(
-        default=None, converter=attrs.converters.optional(tuple), validator=_messages)
+        default=None, converter=_optional_tuple, validator=_messages)
     params: SamplingParams = attrs.field(factory=SamplingParams)
 
     def __attrs_post_init__(self) -> None:

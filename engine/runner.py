@@ -5,6 +5,15 @@ cache class on mlx-lm's protocol plugs in), then join the decode batch through
 the cache class's `merge` (e.g. KVCache -> BatchKVCache) and `extend`. Physical
 left padding stays per row inside the batch cache; `filter` retires rows. The
 decode batch runs one forward per step for all rows, then per-row sampling.
+
+Pipelining (as mlx-lm's generate_step): at the end of a step the forward of the NEXT
+step is built on the still-lazy sampled tokens and started (`mx.async_eval`) before
+this step's tokens are read back, so graph building and the actors' round trip
+overlap the computation. The next `execute` samples that forward's logits. A row
+released in between is filtered out of those logits and of the cache (its extra
+position goes with it); rows joining in between join after that step, so their
+first forward is the following one. Sampling itself (keys, penalties, logprobs) always
+runs inside `execute`, on host-known history.
 """
 
 from __future__ import annotations
@@ -15,7 +24,7 @@ import attrs
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
-from engine.sampling import RowSampler, sample_rows
+from engine.sampling import LazySample, RowSampler, build_sample, finalize_sample
 from engine.scheduler import RowOutput, StepPlan, StepResult
 
 CacheFactory = Callable[[Any], list[Any]]
@@ -50,6 +59,7 @@ class Runner:
         self._rows: dict[str, _RowRuntime] = {}
         self._batch: list[str] = []
         self._batch_cache: list[Any] | None = None
+        self._pending: tuple[mx.array, list[str]] | None = None  # in-flight logits, their rows
         self._num_forward_tokens = 0
 
     def execute(self, plan: StepPlan) -> StepResult:
@@ -70,11 +80,15 @@ class Runner:
             self._model(tokens, cache=row.cache)
             mx.eval([c.state for c in row.cache])
             self._num_forward_tokens += chunk.end - chunk.start
+        ready = self._sample_pending()
         for rid in plan.join:
             self._join(rid)
-        outputs: tuple[RowOutput, ...] = ()
+        if ready is None and self._batch:  # nothing in flight: this step's forward now
+            self._launch(None)
+            ready = self._sample_pending()
         if self._batch:
-            outputs = self._decode()
+            self._launch(ready)
+        outputs = self._finalize(ready) if ready is not None else ()
         return StepResult(outputs=outputs, kv_bytes=self.kv_bytes())
 
     def _release(self, request_ids: tuple[str, ...]) -> None:
@@ -85,6 +99,9 @@ class Runner:
             return
         keep = [i for i, rid in enumerate(self._batch) if rid not in gone]
         self._batch = [self._batch[i] for i in keep]
+        if self._pending is not None:
+            logits, rows = self._pending
+            self._pending = (logits[mx.array(keep)], [rows[i] for i in keep]) if keep else None
         if not keep:
             self._batch_cache = None
             return
@@ -104,15 +121,32 @@ class Runner:
         row.cache = None
         self._batch.append(request_id)
 
-    def _decode(self) -> tuple[RowOutput, ...]:
-        rows = [self._rows[rid] for rid in self._batch]
-        inputs = mx.array([r.last_token for r in rows])[:, None]
-        logits = self._model(inputs, cache=self._batch_cache)[:, -1, :]
-        self._num_forward_tokens += len(rows)
-        sampled = sample_rows(logits, [r.sampler for r in rows])
+    def _launch(self, ready: tuple[list[str], LazySample] | None) -> None:
+        """Start the batch's next forward: sampled tokens feed their rows, joiners their
+        last prompt token."""
+        sampled_rows = ready[0] if ready is not None else []
+        joiners = [self._rows[rid].last_token for rid in self._batch[len(sampled_rows):]]
+        parts = [ready[1].tokens.astype(mx.uint32)] if ready is not None else []
+        if joiners:
+            parts.append(mx.array(joiners, dtype=mx.uint32))
+        inputs = mx.concatenate(parts) if len(parts) > 1 else parts[0]
+        logits = self._model(inputs[:, None], cache=self._batch_cache)[:, -1, :]
+        mx.async_eval(logits)
+        self._pending = (logits, list(self._batch))
+        self._num_forward_tokens += len(self._batch)
+
+    def _sample_pending(self) -> tuple[list[str], LazySample] | None:
+        if self._pending is None:
+            return None
+        logits, rows = self._pending
+        self._pending = None
+        return rows, build_sample(logits, [self._rows[rid].sampler for rid in rows])
+
+    def _finalize(self, ready: tuple[list[str], LazySample]) -> tuple[RowOutput, ...]:
+        rows, lazy = ready
+        sampled = finalize_sample(lazy, [self._rows[rid].sampler for rid in rows])
         outputs = []
-        for i, (rid, row) in enumerate(zip(self._batch, rows)):
-            row.last_token = sampled.tokens[i]
+        for i, rid in enumerate(rows):
             top = sampled.top_logprobs[i]
             outputs.append(RowOutput(
                 request_id=rid, token=sampled.tokens[i], logprob=sampled.logprobs[i],
@@ -124,6 +158,7 @@ class Runner:
         self._rows.clear()
         self._batch = []
         self._batch_cache = None
+        self._pending = None
 
     def kv_bytes(self) -> int:
         """Resident KV bytes: the batch cache plus every prefilling row's cache."""

@@ -14,7 +14,7 @@ distribution's log-softmax, before any processing.
 from __future__ import annotations
 
 import secrets
-from typing import Sequence
+from typing import Any, Sequence
 
 import attrs
 import mlx.core as mx
@@ -164,8 +164,23 @@ def _filter(scaled: mx.array, rows: Sequence[RowSampler]) -> mx.array:
     return scaled
 
 
+@attrs.frozen(eq=False)
+class LazySample:
+    """A batched sampling graph, not yet evaluated: `tokens` (B,) can feed the next step."""
+
+    tokens: mx.array
+    outputs: tuple[mx.array, ...]
+    want_lp: bool
+    top_k: int
+
+
 def sample_rows(logits: mx.array, rows: Sequence[RowSampler]) -> SampleOutput:
     """Sample one token per row of `logits` (B, V); evaluates and returns host data."""
+    return finalize_sample(build_sample(logits, rows), rows)
+
+
+def build_sample(logits: mx.array, rows: Sequence[RowSampler]) -> LazySample:
+    """Build (without evaluating) the sampling graph for one step of `rows`."""
     logits = logits.astype(mx.float32)
     want_lp = any(r.params.logprobs or r.params.top_logprobs for r in rows)
     if any(r.params.repetition_penalty != 1.0 for r in rows):
@@ -193,6 +208,13 @@ def sample_rows(logits: mx.array, rows: Sequence[RowSampler]) -> SampleOutput:
         if k:
             top_idx = mx.argsort(-logprobs, axis=-1)[:, :k]
             outputs += [top_idx, mx.take_along_axis(logprobs, top_idx, axis=-1)]
+    return LazySample(tokens=tokens, outputs=tuple(outputs), want_lp=want_lp, top_k=k)
+
+
+def finalize_sample(lazy: LazySample, rows: Sequence[RowSampler]) -> SampleOutput:
+    """Evaluate a built sample, advance each row's sampler, return host data."""
+    outputs: tuple[Any, ...] = lazy.outputs
+    want_lp, k, tokens = lazy.want_lp, lazy.top_k, lazy.tokens
     mx.eval(*outputs)
     token_list: list[int] = tokens.tolist()  # type: ignore[assignment]
     lp_list: list[float | None] = [None] * len(rows)
