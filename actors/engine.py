@@ -165,7 +165,8 @@ async def open_engine(config: Config, *, loaded: LoadedModel | None = None,
         if loaded is None:
             loaded = await thread.call(load_model, config.model, config.dtype)
         make_cache = await thread.call(cache_factory_for, loaded.model, config.turboquant,
-                                       config.quantized_kv_start)
+                                       config.quantized_kv_start, config.kv_quant,
+                                       config.kv_group_size)
         tokenizer = loaded.tokenizer
         core = SchedulerCore(
             max_batch=config.max_batch, prefill_chunk=config.prefill_chunk,

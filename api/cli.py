@@ -14,6 +14,7 @@ import attrs
 import trio
 
 from engine.config import Config
+from engine.kv.affine import KV_BITS, KV_GROUP_SIZES
 from engine.model import DTYPES, ModelLoadError
 
 _INT_FLAGS = ("max_batch", "prefill_chunk", "max_queued_requests", "max_queued_tokens",
@@ -40,6 +41,11 @@ def _config_flags(p: argparse.ArgumentParser, *, server: bool) -> None:
                    help="TurboQuant KV cache with X key bits and Y value bits (1..8), e.g. k4v4")
     p.add_argument("--quantized-kv-start", type=int, default=0,
                    help="rows stay full precision until this many tokens, then convert")
+    p.add_argument("--kv-quant", type=int, choices=KV_BITS, default=None,
+                   help="affine (mlx-lm kv_bits) KV cache with this many bits; "
+                        "--turboquant wins if both are given")
+    p.add_argument("--kv-group-size", type=int, choices=KV_GROUP_SIZES,
+                   default=defaults.kv_group_size, help="elements per scale/bias of --kv-quant")
     if server:
         p.add_argument("--host", default=defaults.host)
 

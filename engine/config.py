@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import attrs
 
+from engine.kv.affine import KV_BITS, KV_GROUP_SIZES
 from engine.kv.factory import parse_turboquant
 from engine.model import DEFAULT_MODEL, DTYPES
 
@@ -28,6 +29,18 @@ def _turboquant(inst: object, attr: attrs.Attribute, value: str | None) -> None:
         parse_turboquant(value)
 
 
+def _kv_quant(inst: object, attr: attrs.Attribute, value: int | None) -> None:
+    if value is not None and (type(value) is not int or value not in KV_BITS):
+        raise ValueError(f"kv-quant must be one of {', '.join(map(str, KV_BITS))} (or unset), "
+                         f"got {value!r}")
+
+
+def _kv_group_size(inst: object, attr: attrs.Attribute, value: int) -> None:
+    if type(value) is not int or value not in KV_GROUP_SIZES:
+        raise ValueError(f"kv-group-size must be one of "
+                         f"{', '.join(map(str, KV_GROUP_SIZES))}, got {value!r}")
+
+
 @attrs.frozen(kw_only=True)
 class Config:
     """Engine and server settings (defaults suit a laptop and the bundled model)."""
@@ -47,6 +60,8 @@ class Config:
     max_streams_per_connection: int = attrs.field(default=16, validator=_positive)
     turboquant: str | None = attrs.field(default=None, validator=_turboquant)
     quantized_kv_start: int = attrs.field(default=0, validator=_non_negative)
+    kv_quant: int | None = attrs.field(default=None, validator=_kv_quant)
+    kv_group_size: int = attrs.field(default=64, validator=_kv_group_size)
 
     def __attrs_post_init__(self) -> None:
         if self.default_max_tokens > self.max_tokens_cap:

@@ -1,6 +1,8 @@
 """KV cache classes on mlx-lm's cache protocol: encoded rows, TurboQuant (single, batched,
-delayed), the rotated attention port and the per-model cache factory."""
+delayed), affine (single, batched), the rotated attention port and the per-model cache
+factory."""
 
+from engine.kv.affine import AffineKVCache, BatchedAffineKVCache
 from engine.kv.attention import (
     FUSED_DECODE_ENV,
     MixedRowsKV,
@@ -12,7 +14,9 @@ from engine.kv.attention import (
 from engine.kv.delayed import BatchedDelayedTurboQuantKVCache, DelayedTurboQuantKVCache
 from engine.kv.factory import (
     cache_factory_for,
+    check_affine_head_dims,
     check_head_dims,
+    make_affine_cache_factory,
     make_turboquant_cache_factory,
     parse_turboquant,
 )
@@ -25,6 +29,8 @@ from engine.kv.turboquant import (
 
 __all__ = [
     "FUSED_DECODE_ENV",
+    "AffineKVCache",
+    "BatchedAffineKVCache",
     "BatchedDelayedTurboQuantKVCache",
     "BatchedTurboQuantKVCache",
     "DelayedTurboQuantKVCache",
@@ -34,9 +40,11 @@ __all__ = [
     "TurboQuantConfig",
     "TurboQuantKVCache",
     "cache_factory_for",
+    "check_affine_head_dims",
     "check_head_dims",
     "fused_decode_from_env",
     "install_attention",
+    "make_affine_cache_factory",
     "make_turboquant_cache_factory",
     "parse_turboquant",
     "turboquant_sdpa",

@@ -43,6 +43,7 @@ import mlx.core as mx
 import numpy as np
 
 from engine.codec.turboquant import EncodedVectors, TurboQuantCodec, lloyd_max_codebook
+from engine.kv import cuda_decode
 
 FUSED_DECODE_ENV = "TQSERVE_TURBOQUANT_FUSED_DECODE"
 _ORIGINAL = "_tqserve_original"
@@ -56,7 +57,12 @@ def fused_decode_from_env() -> bool:
 
 @attrs.frozen(eq=False, kw_only=True)
 class RotatedKV:
-    """What a TurboQuant cache fetches: rotated-basis planes (B, H, T, W) and the codecs."""
+    """What a TurboQuant cache fetches: rotated-basis planes (B, H, T_alloc, W), the codecs,
+    and which positions are written: [left_padding[b], length) for row b.
+
+    The planes are the cache's whole allocation, so the fused decode sees a shape that
+    changes only when the cache grows (every 256 positions) and its compiled graph is
+    reused; the plain path slices to `length`."""
 
     key_codes: mx.array
     key_norms: mx.array
@@ -65,12 +71,20 @@ class RotatedKV:
     key_codec: TurboQuantCodec
     value_codec: TurboQuantCodec
     fused_decode: bool
+    length: int
+    left_padding: tuple[int, ...]
+
+    def written(self) -> tuple[mx.array, ...]:
+        """Views of the written positions of the four planes."""
+        n = self.length
+        return tuple(a[:, :, :n] for a in (self.key_codes, self.key_norms, self.value_codes,
+                                           self.value_norms))
 
     def decode_rotated(self) -> tuple[mx.array, mx.array]:
-        """Transient float32 keys and values in the rotated basis."""
-        keys = self.key_codec.decode_rotated(EncodedVectors(self.key_codes, self.key_norms))
-        values = self.value_codec.decode_rotated(
-            EncodedVectors(self.value_codes, self.value_norms))
+        """Transient float32 keys and values (written positions) in the rotated basis."""
+        key_codes, key_norms, value_codes, value_norms = self.written()
+        keys = self.key_codec.decode_rotated(EncodedVectors(key_codes, key_norms))
+        values = self.value_codec.decode_rotated(EncodedVectors(value_codes, value_norms))
         return keys, values
 
 
@@ -98,29 +112,40 @@ def _unpack_tables(head_dim: int, bits: int) -> tuple[mx.array, ...]:
 
 def _lookup(words: mx.array, norms: mx.array, bits: int, centroids: mx.array,
             low: mx.array, high: mx.array, shift: mx.array) -> mx.array:
-    """norm * centroid[code] for packed (..., W) words: codes read as (high:low) >> shift."""
-    pair = (mx.take(words, high, axis=-1).astype(mx.uint64) << 32) | mx.take(
-        words, low, axis=-1).astype(mx.uint64)
-    codes = (pair >> shift) & ((1 << bits) - 1)
+    """norm * centroid[code] for packed (..., W) words.
+
+    Where `bits` divides 32 every code sits inside one word: word w holds coordinates
+    w*(32/bits)... at shifts 0, bits, ..., read with shifts alone. Other widths read each
+    code from the 64-bit pair (high:low) of the words it spans."""
+    if 32 % bits == 0:
+        per_word = 32 // bits
+        shifts = mx.arange(0, 32, bits, dtype=mx.uint32)
+        codes = (words[..., None] >> shifts) & ((1 << bits) - 1)
+        codes = codes.reshape(*words.shape[:-1], words.shape[-1] * per_word)
+    else:
+        pair = (mx.take(words, high, axis=-1).astype(mx.uint64) << 32) | mx.take(
+            words, low, axis=-1).astype(mx.uint64)
+        codes = (pair >> shift) & ((1 << bits) - 1)
     return mx.take(centroids, codes.astype(mx.uint32)) * norms.astype(mx.float32)
 
 
 @functools.cache
-def _fused_decode(k_bits: int, v_bits: int, masked: bool) -> Callable[..., mx.array]:
+def _fused_decode(k_bits: int, v_bits: int) -> Callable[..., mx.array]:
     def attend(q: mx.array, key_codes: mx.array, key_norms: mx.array, value_codes: mx.array,
                value_norms: mx.array, key_tables: tuple[mx.array, ...],
-               value_tables: tuple[mx.array, ...], *mask: mx.array) -> mx.array:
+               value_tables: tuple[mx.array, ...], start: mx.array, end: mx.array) -> mx.array:
         keys = _lookup(key_codes, key_norms, k_bits, *key_tables)
         values = _lookup(value_codes, value_norms, v_bits, *value_tables)
         scores = q @ keys.swapaxes(-1, -2)
-        if masked:
-            if mask[0].dtype == mx.bool_:
-                scores = mx.where(mask[0], scores, mx.finfo(mx.float32).min)
-            else:
-                scores = scores + mask[0].astype(mx.float32)
+        positions = mx.arange(key_codes.shape[2])
+        valid = (positions >= start[:, None]) & (positions < end)
+        scores = mx.where(valid[:, None, None, :], scores, mx.finfo(mx.float32).min)
         return mx.softmax(scores, axis=-1, precise=True) @ values
 
     return mx.compile(attend)
+
+
+_FUSED_GRANULE = 64  # positions: the fused decode's key length is rounded up to this
 
 
 def _plain_attention(queries: mx.array, kv: RotatedKV, scale: float, mask: Any) -> mx.array:
@@ -130,23 +155,30 @@ def _plain_attention(queries: mx.array, kv: RotatedKV, scale: float, mask: Any) 
     return kv.value_codec.unrotate(out).astype(queries.dtype)
 
 
-def _fused_attention(queries: mx.array, kv: RotatedKV, scale: float, mask: Any) -> mx.array:
+def _fused_attention(queries: mx.array, kv: RotatedKV, scale: float) -> mx.array:
+    """Decode attention; the mask is rebuilt from the rows' written range (for one query
+    position after every written one, causal + left padding is exactly that range)."""
     batch, num_heads, _, head_dim = queries.shape
     num_kv_heads = kv.key_codes.shape[1]
     repeats = num_heads // num_kv_heads
     rotated = kv.key_codec.rotate(queries.astype(mx.float32)) * scale
     rotated = rotated.reshape(batch, num_kv_heads, repeats, head_dim)
-    masks: tuple[mx.array, ...] = ()
-    if isinstance(mask, mx.array):
-        if mask.ndim == 4 and mask.shape[1] > 1:
-            length = mask.shape[-1]
-            mask = mx.broadcast_to(mask, (mask.shape[0], num_heads, 1, length)).reshape(
-                mask.shape[0], num_kv_heads, repeats, length)
-        masks = (mask,)
-    attend = _fused_decode(kv.key_codec.bits, kv.value_codec.bits, bool(masks))
-    out = attend(rotated, kv.key_codes, kv.key_norms, kv.value_codes, kv.value_norms,
-                 _unpack_tables(head_dim, kv.key_codec.bits),
-                 _unpack_tables(head_dim, kv.value_codec.bits), *masks)
+    span = min(kv.key_codes.shape[2], -(-kv.length // _FUSED_GRANULE) * _FUSED_GRANULE)
+    key_codes, key_norms, value_codes, value_norms = (
+        a[:, :, :span] for a in (kv.key_codes, kv.key_norms, kv.value_codes, kv.value_norms))
+    start = mx.array(kv.left_padding, dtype=mx.int32)
+    key_tables = _unpack_tables(head_dim, kv.key_codec.bits)
+    value_tables = _unpack_tables(head_dim, kv.value_codec.bits)
+    if cuda_decode.available(head_dim, repeats):
+        out = cuda_decode.decode_attention(
+            rotated, key_codes, key_norms, value_codes, value_norms, key_tables[0],
+            value_tables[0], kv.key_codec.bits,
+            kv.value_codec.bits, start, kv.length)
+    else:
+        attend = _fused_decode(kv.key_codec.bits, kv.value_codec.bits)
+        out = attend(rotated, key_codes, key_norms, value_codes, value_norms, key_tables,
+                     value_tables, start,
+                     mx.array(kv.length, dtype=mx.int32))
     out = out.reshape(batch, num_heads, 1, head_dim)
     return kv.value_codec.unrotate(out).astype(queries.dtype)
 
@@ -187,7 +219,7 @@ def turboquant_sdpa(queries: mx.array, cache_state: RotatedKV | MixedRowsKV, sca
         raise ValueError(f"queries of dim {queries.shape[-1]} for a cache of head_dim "
                          f"{cache_state.key_codec.head_dim}")
     if cache_state.fused_decode and queries.shape[2] == 1:
-        return _fused_attention(queries, cache_state, scale, mask)
+        return _fused_attention(queries, cache_state, scale)
     return _plain_attention(queries, cache_state, scale, mask)
 
 

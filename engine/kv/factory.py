@@ -1,4 +1,4 @@
-"""Per-layer TurboQuant cache lists for a model, head-dim checks, and the bits spec.
+"""Per-layer TurboQuant and affine cache lists for a model, head-dim checks, the bits spec.
 
 `make_turboquant_cache_factory(...)` returns a `make_cache(model)` with the shape of
 mlx-lm's `make_prompt_cache`: it asks the model for its plain caches and replaces every
@@ -8,6 +8,11 @@ mlx-lm cache: sliding-window layers (RotatingKVCache) stay in the model dtype be
 rotating buffer overwrites positions in place, and the first list a factory makes that has
 such layers logs ONE warning naming them. Each cache resolves the fused-decode selection
 (TQSERVE_TURBOQUANT_FUSED_DECODE) when it is constructed.
+
+`make_affine_cache_factory(bits, group_size)` does the same with AffineKVCache (mlx-lm's
+`kv_bits` quantization, batchable); `check_affine_head_dims` refuses a full-attention layer
+whose head dim is not a multiple of the group size. TurboQuant and affine KV are mutually
+exclusive: `cache_factory_for` given both picks TurboQuant and logs one warning.
 
 `check_head_dims(model)` is the engine-start check: a full-attention layer whose key or
 value head dim is not one the codec supports raises ValueError naming the layer and dim.
@@ -25,6 +30,7 @@ from typing import Any
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from engine.codec.turboquant import MAX_BITS, MIN_BITS, SUPPORTED_HEAD_DIMS
+from engine.kv.affine import AffineKVCache, check_affine_settings
 from engine.kv.attention import install_attention
 from engine.kv.delayed import DelayedTurboQuantKVCache
 from engine.kv.turboquant import TurboQuantConfig, TurboQuantKVCache
@@ -81,20 +87,73 @@ def check_head_dims(model: Any) -> dict[int, int]:
     return dims
 
 
-def cache_factory_for(model: Any, turboquant: str | None,
-                      quantized_kv_start: int = 0) -> CacheFactory | None:
-    """The engine-start choice: None for mlx-lm's plain caches, else a TurboQuant factory.
+def check_affine_head_dims(model: Any, group_size: int) -> list[int]:
+    """Full-attention layer indices; ValueError names a layer whose key or value head dim is
+    not a multiple of `group_size`."""
+    layers = []
+    for i, cache in enumerate(make_prompt_cache(model)):
+        if type(cache) is not KVCache:
+            continue
+        for kind, dim in zip(("key", "value"), _layer_dims(model.layers[i])):
+            if dim % group_size:
+                raise ValueError(f"layer {i}: {kind} head dim {dim} is not a multiple of "
+                                 f"kv-group-size {group_size}")
+        layers.append(i)
+    return layers
+
+
+def cache_factory_for(model: Any, turboquant: str | None, quantized_kv_start: int = 0,
+                      kv_quant: int | None = None, kv_group_size: int = 64) -> CacheFactory | None:
+    """The engine-start choice: None for mlx-lm's plain caches, else a TurboQuant factory,
+    else (`kv_quant` bits) an affine one.
 
     Checks every full-attention layer's head dim now (ValueError naming the layer), so a
-    model TurboQuant cannot serve is refused before any request, and installs the
-    rotated attention port into mlx-lm's dispatch.
+    model the cache cannot serve is refused before any request; TurboQuant also installs
+    the rotated attention port into mlx-lm's dispatch. Given both, TurboQuant wins and one
+    warning is logged. `quantized_kv_start` applies to TurboQuant only (ValueError with
+    affine KV, which quantizes from the first token).
     """
     if turboquant is None:
-        return None
+        if kv_quant is None:
+            return None
+        if quantized_kv_start > 0:
+            raise ValueError("quantized-kv-start applies to TurboQuant only; kv-quant "
+                             "quantizes from the first token")
+        factory = make_affine_cache_factory(kv_quant, kv_group_size)
+        check_affine_head_dims(model, kv_group_size)
+        return factory
     k_bits, v_bits = parse_turboquant(turboquant)
     check_head_dims(model)
     install_attention()
+    if kv_quant is not None:
+        logger.warning("turboquant %s and kv-quant %d are mutually exclusive: using "
+                       "TurboQuant, ignoring kv-quant", turboquant, kv_quant)
     return make_turboquant_cache_factory(k_bits, v_bits, quantized_kv_start)
+
+
+def make_affine_cache_factory(bits: int, group_size: int = 64) -> CacheFactory:
+    """A `make_cache(model) -> list` of AffineKVCache for full-attention layers."""
+    check_affine_settings(bits, group_size)
+    warned = False
+    layers_by_model: dict[int, list[int]] = {}
+
+    def make_cache(model: Any) -> list[Any]:
+        nonlocal warned
+        if id(model) not in layers_by_model:
+            layers_by_model[id(model)] = check_affine_head_dims(model, group_size)
+        layers = layers_by_model[id(model)]
+        caches = make_prompt_cache(model)
+        plain = [i for i in range(len(caches)) if i not in layers]
+        if plain and not warned:
+            warned = True
+            logger.warning("kv-quant: layers %s keep plain %s caches (sliding window or not "
+                           "full attention)", plain,
+                           sorted({type(caches[i]).__name__ for i in plain}))
+        for i in layers:
+            caches[i] = AffineKVCache(bits, group_size)
+        return caches
+
+    return make_cache
 
 
 def make_turboquant_cache_factory(k_bits: int, v_bits: int, quantized_kv_start: int = 0,

@@ -127,11 +127,12 @@ class _TurboQuantCache(_BaseCache):
         raise ValueError(f"a block of {num_rows} rows for a cache of {self.rows.num_rows}")
 
     def fetch(self) -> RotatedKV:
-        """The written planes (B, H, idx, W) with the codecs, for attention."""
-        planes = self.rows.valid_planes()
+        """The allocated planes (B, H, T_alloc, W), the written range, and the codecs."""
+        planes = self.rows.planes
         return RotatedKV(**{n: planes[n] for n in PLANES}, key_codec=self.config.key_codec,
                          value_codec=self.config.value_codec,
-                         fused_decode=self.config.fused_decode)
+                         fused_decode=self.config.fused_decode, length=self.rows.idx,
+                         left_padding=self.rows.left_padding)
 
     def _planes_state(self) -> tuple[mx.array | None, ...]:
         planes = self.rows.valid_planes()
