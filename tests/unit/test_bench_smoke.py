@@ -1,0 +1,33 @@
+"""tools.bench end to end at tiny sizes on the bundled model: every key, positive figures.
+
+No wall-clock assertions (DESIGN.md §5): only that both sides ran and were measured.
+"""
+
+import json
+
+from engine.model import DEFAULT_MODEL
+from tools.bench import FIGURES, QUICK, main
+
+
+def test_quick_bench_writes_every_figure(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    assert main(["--quick", "--model", str(DEFAULT_MODEL), "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+
+    assert set(report) == {"machine", "model", "settings", *FIGURES}
+    assert {"platform", "cpu_count", "mlx", "mlx_lm", "device", "dtype", "blas",
+            "fp32_matmul_gflops"} <= set(report["machine"])
+    assert report["machine"]["dtype"] == report["model"]["dtype"] == "float32"
+    assert report["model"]["name"] == DEFAULT_MODEL.name
+    assert report["settings"]["concurrency"] == QUICK["concurrency"] == 2
+    assert report["settings"]["new_tokens"] == QUICK["new_tokens"] == 8
+    for name in FIGURES:
+        figure = report[name]
+        assert set(figure) == {"tqserve", "mlx_lm", "ratio", "outputs_match"}
+        for side in ("tqserve", "mlx_lm"):
+            assert len(figure[side]["runs"]) == QUICK["repeats"]
+            assert figure[side]["median"] > 0
+            assert all(v > 0 for v in figure[side]["runs"])
+        assert figure["ratio"] > 0
+        assert isinstance(figure["outputs_match"], bool)
+    assert "aggregate decode tok/s (x2)" in capsys.readouterr().out

@@ -1,0 +1,167 @@
+"""Decode speed with a TurboQuant KV cache vs the plain cache, side by side in one run.
+
+    python -m tools.bench_kv --model ../shared/models/pycoder-29m --contexts 1024,4096
+    python -m tools.bench_kv --shape qwen3-8b --contexts 8192,32768      # random weights (GPU)
+
+For each context length N: one row is prefilled with N random tokens (chunks of
+--prefill-chunk) for each scheme, then --steps greedy decode steps are timed (each step:
+forward of one token, argmax, mx.eval — the same loop for every scheme). Schemes: the
+plain mlx-lm cache (the baseline, in the model's dtype), and TurboQuant --turboquant
+(default k4v4) with fused decode and with the plain operations
+(TQSERVE_TURBOQUANT_FUSED_DECODE is read when a cache is built). Schemes run interleaved,
+--repeats times, median ms/step reported, with each scheme's ratio to the plain cache and
+its resident KV bytes. Needs only MLX and engine/ (no trio), so it runs on the lent GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+SHAPES = {  # Qwen3 shapes for random-weight runs: (layers, hidden, heads, kv heads, ffn, vocab)
+    "qwen3-0.6b": (28, 1024, 16, 8, 3072, 151936),
+    "qwen3-8b": (36, 4096, 32, 8, 12288, 151936),
+}
+FUSED_ENV = "TQSERVE_TURBOQUANT_FUSED_DECODE"
+
+
+def _random_model(shape: str, dtype: str) -> Any:
+    import mlx.core as mx
+    from mlx_lm.models import qwen3
+
+    layers, hidden, heads, kv_heads, ffn, vocab = SHAPES[shape]
+    args = qwen3.ModelArgs(model_type="qwen3", hidden_size=hidden, num_hidden_layers=layers,
+                           intermediate_size=ffn, num_attention_heads=heads,
+                           num_key_value_heads=kv_heads, head_dim=128, rms_norm_eps=1e-6,
+                           vocab_size=vocab, max_position_embeddings=65536, rope_theta=1e6,
+                           tie_word_embeddings=False)
+    mx.random.seed(0)
+    model = qwen3.Model(args)
+    model.set_dtype(getattr(mx, dtype))
+    mx.eval(model.parameters())
+    return model
+
+
+def _schemes(turboquant: str) -> dict[str, tuple[str | None, str]]:
+    return {"plain": (None, "1"), f"{turboquant}-fused": (turboquant, "1"),
+            f"{turboquant}-plain-ops": (turboquant, "0")}
+
+
+def _make_cache(model: Any, turboquant: str | None, fused: str) -> list[Any]:
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from engine.kv.factory import cache_factory_for
+
+    os.environ[FUSED_ENV] = fused
+    factory = cache_factory_for(model, turboquant)
+    return factory(model) if factory is not None else make_prompt_cache(model)
+
+
+def _measure(model: Any, cache_fn: Callable[[], list[Any]], context: int, steps: int,
+             chunk: int, vocab: int) -> tuple[float, int]:
+    """Prefill `context` random tokens, then time `steps` decode steps: (ms/step, kv bytes)."""
+    import mlx.core as mx
+
+    cache = cache_fn()
+    tokens = mx.random.randint(0, vocab, (1, context), key=mx.random.key(1))
+    for start in range(0, context, chunk):
+        model(tokens[:, start:start + chunk], cache=cache)
+        mx.eval([c.state for c in cache])
+    y = mx.array([[1]])
+    for _ in range(3):  # warm the decode shapes
+        y = mx.argmax(model(y, cache=cache)[:, -1, :], axis=-1, keepdims=True)
+        mx.eval(y)
+    tic = time.perf_counter()
+    for _ in range(steps):
+        y = mx.argmax(model(y, cache=cache)[:, -1, :], axis=-1, keepdims=True)
+        mx.eval(y)
+    elapsed = time.perf_counter() - tic
+    nbytes = sum(c.nbytes for c in cache)
+    del cache
+    mx.clear_cache()
+    return 1000.0 * elapsed / steps, nbytes
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    import mlx.core as mx
+
+    from engine.model import load_model
+
+    if args.shape:
+        dtype = "float32" if mx.default_device() == mx.cpu and args.dtype == "auto" else (
+            "bfloat16" if args.dtype == "auto" else args.dtype)
+        model, name, vocab = _random_model(args.shape, dtype), f"random {args.shape}", \
+            SHAPES[args.shape][-1]
+    else:
+        loaded = load_model(args.model, args.dtype)
+        model, name, vocab, dtype = loaded.model, loaded.path.name, loaded.vocab_size, loaded.dtype
+    schemes = _schemes(args.turboquant)
+    results: dict[str, Any] = {}
+    for context in args.contexts:
+        runs: dict[str, list[float]] = {s: [] for s in schemes}
+        nbytes: dict[str, int] = {}
+        for _ in range(args.repeats):
+            for scheme, (tq, fused) in schemes.items():
+                ms, nb = _measure(model, lambda: _make_cache(model, tq, fused), context,
+                                  args.steps, args.prefill_chunk, vocab)
+                runs[scheme].append(ms)
+                nbytes[scheme] = nb
+        base = statistics.median(runs["plain"])
+        results[str(context)] = {
+            scheme: {"ms_per_step": statistics.median(v), "tokens_per_s": 1000.0 / statistics.median(v),
+                     "ratio_vs_plain": base / statistics.median(v), "kv_bytes": nbytes[scheme],
+                     "runs_ms": v}
+            for scheme, v in runs.items()}
+    return {
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
+                    "mlx": importlib.metadata.version("mlx"), "device": str(mx.default_device()),
+                    "blas": os.environ.get("TQSERVE_BENCH_BLAS", "mlx default")},
+        "model": name, "dtype": dtype, "turboquant": args.turboquant, "steps": args.steps,
+        "repeats": args.repeats, "prefill_chunk": args.prefill_chunk, "results": results,
+    }
+
+
+def _table(report: dict[str, Any]) -> str:
+    lines = [f"{report['model']} ({report['dtype']}, {report['machine']['device']}): "
+             "decode ms/step, tokens/s, ratio vs plain, KV MB",
+             f"{'context':>8} {'scheme':<20} {'ms/step':>9} {'tok/s':>9} {'ratio':>7} {'KV MB':>9}"]
+    for context, schemes in report["results"].items():
+        for scheme, r in schemes.items():
+            lines.append(f"{context:>8} {scheme:<20} {r['ms_per_step']:>9.2f} "
+                         f"{r['tokens_per_s']:>9.1f} {r['ratio_vs_plain']:>7.2f} "
+                         f"{r['kv_bytes'] / 2**20:>9.1f}")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="tools.bench_kv", description=__doc__.splitlines()[0])
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--model", default="../shared/models/pycoder-29m")
+    src.add_argument("--shape", choices=sorted(SHAPES))
+    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
+    p.add_argument("--turboquant", default="k4v4")
+    p.add_argument("--contexts", type=lambda s: [int(x) for x in s.split(",")],
+                   default=[1024, 4096])
+    p.add_argument("--steps", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--prefill-chunk", type=int, default=2048)
+    p.add_argument("--out", type=Path, default=Path("bench-out/bench_kv.json"))
+    args = p.parse_args(argv)
+    if args.steps < 1 or args.repeats < 1 or min(args.contexts) < 1:
+        p.error("--steps, --repeats and --contexts must be positive")
+    report = run(args)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2))
+    print(_table(report))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
