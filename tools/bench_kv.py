@@ -49,17 +49,25 @@ def _random_model(shape: str, dtype: str) -> Any:
     return model
 
 
-def _schemes(turboquant: str) -> dict[str, tuple[str | None, str]]:
-    return {"plain": (None, "1"), f"{turboquant}-fused": (turboquant, "1"),
-            f"{turboquant}-plain-ops": (turboquant, "0")}
+def _schemes(turboquant: str) -> dict[str, tuple[str | None, str, str]]:
+    """scheme -> (turboquant, fused decode env, CUDA kernel env)."""
+    from engine.kv import cuda_decode
+
+    schemes = {"plain": (None, "1", "1"), f"{turboquant}-fused": (turboquant, "1", "1"),
+               f"{turboquant}-plain-ops": (turboquant, "0", "1")}
+    if cuda_decode.available(128, 1):
+        schemes[f"{turboquant}-fused-compiled-ops"] = (turboquant, "1", "0")
+    return schemes
 
 
-def _make_cache(model: Any, turboquant: str | None, fused: str) -> list[Any]:
+def _make_cache(model: Any, turboquant: str | None, fused: str, kernel: str) -> list[Any]:
     from mlx_lm.models.cache import make_prompt_cache
 
+    from engine.kv.cuda_decode import KERNEL_ENV
     from engine.kv.factory import cache_factory_for
 
     os.environ[FUSED_ENV] = fused
+    os.environ[KERNEL_ENV] = kernel
     factory = cache_factory_for(model, turboquant)
     return factory(model) if factory is not None else make_prompt_cache(model)
 
@@ -108,8 +116,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         runs: dict[str, list[float]] = {s: [] for s in schemes}
         nbytes: dict[str, int] = {}
         for _ in range(args.repeats):
-            for scheme, (tq, fused) in schemes.items():
-                ms, nb = _measure(model, lambda: _make_cache(model, tq, fused), context,
+            for scheme, (tq, fused, kernel) in schemes.items():
+                ms, nb = _measure(model, lambda: _make_cache(model, tq, fused, kernel), context,
                                   args.steps, args.prefill_chunk, vocab)
                 runs[scheme].append(ms)
                 nbytes[scheme] = nb

@@ -16,6 +16,7 @@ and the reference it is tested against.
 from __future__ import annotations
 
 import functools
+import os
 from typing import Any
 
 import mlx.core as mx
@@ -101,11 +102,16 @@ _SOURCE = """
 _SHARED_LIMIT = 40 * 1024  # bytes of static shared memory the combine step may use
 
 
+KERNEL_ENV = "TQSERVE_TURBOQUANT_CUDA_KERNEL"  # "0": use the compiled mx ops on CUDA too
+
+
 def available(head_dim: int, group: int) -> bool:
-    """True on MLX's CUDA backend (where mx.fast.cuda_kernel runs) for shapes that fit."""
+    """True on MLX's CUDA backend (where mx.fast.cuda_kernel runs) for shapes that fit,
+    unless TQSERVE_TURBOQUANT_CUDA_KERNEL=0."""
     cuda = getattr(mx, "cuda", None)
     fits = _WARPS * group * (head_dim + 2) * 4 <= _SHARED_LIMIT
-    return bool(fits and cuda is not None and cuda.is_available()
+    wanted = os.environ.get(KERNEL_ENV, "1").strip() != "0"
+    return bool(wanted and fits and cuda is not None and cuda.is_available()
                 and mx.default_device() == mx.gpu)
 
 
