@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import attrs
 import mlx.core as mx
@@ -274,9 +274,18 @@ class TurboQuantCodec:
         return (_hadamard(y32) * self._signs).astype(y.dtype)
 
     def encode(self, x: mx.array) -> EncodedVectors:
-        """Encode (..., head_dim) vectors."""
-        unit, norms = self._normalize(x)
-        return self._quantize(self.rotate(unit), norms)
+        """Encode (..., head_dim) vectors: one compiled graph (normalize, rotate, quantize,
+        pack), so a decode step costs a few kernel launches per layer, not dozens."""
+        codes, norms = self._compiled_encode(self._check_shape(x))
+        return EncodedVectors(codes=codes, norms=norms)
+
+    @functools.cached_property
+    def _compiled_encode(self) -> Callable[[mx.array], tuple[mx.array, mx.array]]:
+        def encode(x: mx.array) -> tuple[mx.array, mx.array]:
+            unit, norms = self._normalize(x)
+            return tuple(self._quantize(self.rotate(unit), norms))  # type: ignore[return-value]
+
+        return mx.compile(encode)
 
     def encode_rotated(self, y: mx.array) -> EncodedVectors:
         """Encode vectors already in the rotated basis (y = rotate(x))."""

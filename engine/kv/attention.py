@@ -166,18 +166,17 @@ def _fused_attention(queries: mx.array, kv: RotatedKV, scale: float) -> mx.array
     span = min(kv.key_codes.shape[2], -(-kv.length // _FUSED_GRANULE) * _FUSED_GRANULE)
     key_codes, key_norms, value_codes, value_norms = (
         a[:, :, :span] for a in (kv.key_codes, kv.key_norms, kv.value_codes, kv.value_norms))
-    start = mx.array(kv.left_padding, dtype=mx.int32)
     key_tables = _unpack_tables(head_dim, kv.key_codec.bits)
     value_tables = _unpack_tables(head_dim, kv.value_codec.bits)
     if cuda_decode.available(head_dim, repeats):
         out = cuda_decode.decode_attention(
-            rotated, key_codes, key_norms, value_codes, value_norms, key_tables[0],
+            rotated, kv.key_codes, kv.key_norms, kv.value_codes, kv.value_norms, key_tables[0],
             value_tables[0], kv.key_codec.bits,
-            kv.value_codec.bits, start, kv.length)
+            kv.value_codec.bits, kv.left_padding, kv.length)
     else:
         attend = _fused_decode(kv.key_codec.bits, kv.value_codec.bits)
         out = attend(rotated, key_codes, key_norms, value_codes, value_norms, key_tables,
-                     value_tables, start,
+                     value_tables, mx.array(kv.left_padding, dtype=mx.int32),
                      mx.array(kv.length, dtype=mx.int32))
     out = out.reshape(batch, num_heads, 1, head_dim)
     return kv.value_codec.unrotate(out).astype(queries.dtype)

@@ -31,10 +31,10 @@ _SOURCE = """
     const int split = blockIdx.y;
     const int nsplit = gridDim.y;
     const int row = bh / HKV;
-    const int TSPAN = dims[0];
-    const int SPLIT_LEN = dims[1];
-    const int t_begin = max(start[row], split * SPLIT_LEN);
-    const int t_end = min(end[0], (split + 1) * SPLIT_LEN);
+    const int TSPAN = meta[0];
+    const int SPLIT_LEN = meta[1];
+    const int t_begin = max(meta[3 + row], split * SPLIT_LEN);
+    const int t_end = min(meta[2], (split + 1) * SPLIT_LEN);
     const float* qrow = q + (size_t)bh * R * D;
     float qv[R][NC];
     for (int r = 0; r < R; ++r)
@@ -120,7 +120,7 @@ def _kernel() -> Any:
     return mx.fast.cuda_kernel(
         name="tqserve_turboquant_decode",
         input_names=["q", "key_codes", "key_norms", "value_codes", "value_norms",
-                     "key_centroids", "value_centroids", "start", "end", "dims"],
+                     "key_centroids", "value_centroids", "meta"],
         output_names=["part_max", "part_sum", "part_acc"],
         source=_SOURCE)
 
@@ -128,19 +128,20 @@ def _kernel() -> Any:
 def decode_attention(q: mx.array, key_codes: mx.array, key_norms: mx.array,
                      value_codes: mx.array, value_norms: mx.array, key_centroids: mx.array,
                      value_centroids: mx.array, key_bits: int, value_bits: int,
-                     start: mx.array, end: int) -> mx.array:
-    """(B, Hkv, R, D) pre-scaled rotated queries over packed planes -> (B, Hkv, R, D)."""
+                     start: tuple[int, ...], end: int) -> mx.array:
+    """(B, Hkv, R, D) pre-scaled rotated queries over packed planes -> (B, Hkv, R, D).
+
+    Row b attends positions [start[b], end); the few scalars travel as one int32 array."""
     batch, num_kv_heads, group, head_dim = q.shape
-    span = key_codes.shape[2]
+    span = key_codes.shape[2]  # the whole allocation: contiguous, so nothing is copied
     blocks = batch * num_kv_heads
     num_splits = max(1, min(-(-_TARGET_BLOCKS // blocks), -(-max(end, 1) // 64)))
-    split_len = -(-span // num_splits)
+    split_len = -(-end // num_splits)
     part_max, part_sum, part_acc = _kernel()(
         inputs=[q.astype(mx.float32), key_codes, key_norms.astype(mx.float32).reshape(
             batch, num_kv_heads, span), value_codes, value_norms.astype(mx.float32).reshape(
             batch, num_kv_heads, span), key_centroids, value_centroids,
-            start.astype(mx.int32), mx.array([end], dtype=mx.int32),
-            mx.array([span, split_len], dtype=mx.int32)],
+            mx.array([span, split_len, end, *start], dtype=mx.int32)],
         template=[("D", head_dim), ("NC", head_dim // 32), ("R", group), ("KB", key_bits),
                   ("VB", value_bits), ("WK", key_codes.shape[-1]), ("WV", value_codes.shape[-1]),
                   ("HKV", num_kv_heads), ("NWARPS", _WARPS)],
@@ -149,8 +150,13 @@ def decode_attention(q: mx.array, key_codes: mx.array, key_norms: mx.array,
         output_shapes=[(blocks, num_splits, group), (blocks, num_splits, group),
                        (blocks, num_splits, group, head_dim)],
         output_dtypes=[mx.float32, mx.float32, mx.float32])
+    return _combine(part_max, part_sum, part_acc).reshape(batch, num_kv_heads, group, head_dim)
+
+
+@mx.compile
+def _combine(part_max: mx.array, part_sum: mx.array, part_acc: mx.array) -> mx.array:
+    """Merge the splits' online-softmax partials: (blocks, splits, R[, D]) -> (blocks, R, D)."""
     top = mx.max(part_max, axis=1, keepdims=True)
     weight = mx.exp(part_max - top)
     total = mx.sum(part_sum * weight, axis=1)
-    out = mx.sum(part_acc * weight[..., None], axis=1) / total[..., None]
-    return out.reshape(batch, num_kv_heads, group, head_dim)
+    return mx.sum(part_acc * weight[..., None], axis=1) / total[..., None]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import mlx.core as mx
+import numpy as np
 import pytest
 
 from engine.kv import attention, cuda_decode
@@ -32,6 +33,23 @@ def test_kernel_matches_compiled_and_plain(monkeypatch, bits, head_dim, kv_heads
     kernel = attention._fused_attention(queries, fetched, 0.1)
     monkeypatch.setenv(cuda_decode.KERNEL_ENV, "0")
     compiled = attention._fused_attention(queries, fetched, 0.1)
-    plain = attention._plain_attention(queries, fetched, 0.1, mask)
-    assert float(mx.max(mx.abs(kernel - compiled))) < TOL
-    assert float(mx.max(mx.abs(kernel - plain))) < TOL
+    reference = _float64_reference(queries, fetched, 0.1)
+    # The compiled ops' float32 matmuls may run in TF32 on the GPU; the kernel does not.
+    assert np.max(np.abs(np.array(kernel) - reference)) < TOL
+    assert np.max(np.abs(np.array(compiled) - reference)) < 5e-3
+
+
+def _float64_reference(queries, fetched, scale):
+    """Attention over the decoded keys/values in float64 (numpy), original basis."""
+    keys, values = (np.array(a, dtype=np.float64) for a in fetched.decode_rotated())
+    rot = np.array(fetched.key_codec.rotate(queries.astype(mx.float32)), dtype=np.float64)
+    batch, heads, _, dim = rot.shape
+    kv_heads = keys.shape[1]
+    rot = rot.reshape(batch, kv_heads, heads // kv_heads, dim)
+    scores = np.einsum("bhrd,bhtd->bhrt", rot, keys) * scale
+    for b, start in enumerate(fetched.left_padding):
+        scores[b, :, :, :start] = -np.inf
+    weights = np.exp(scores - scores.max(-1, keepdims=True))
+    weights /= weights.sum(-1, keepdims=True)
+    out = np.einsum("bhrt,bhtd->bhrd", weights, values).reshape(batch, heads, 1, dim)
+    return np.array(fetched.value_codec.unrotate(mx.array(out.astype(np.float32))))
