@@ -1,4 +1,7 @@
-"""`tqserve` command line: serve | generate. Flags map 1:1 onto engine.config.Config.
+"""`tqserve` command line: serve | generate | bench | bench-kv | eval-kv.
+
+serve and generate map their flags 1:1 onto engine.config.Config; bench, bench-kv and
+eval-kv hand their arguments to tools.bench, tools.bench_kv and tools.eval_kv.
 
 Bad arguments print one line and exit with code 2; a model that cannot be loaded
 too. Nothing here prints a traceback for the user's mistakes.
@@ -7,6 +10,7 @@ too. Nothing here prints a traceback for the user's mistakes.
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from typing import NoReturn, Sequence
 
@@ -57,6 +61,10 @@ def build_parser() -> argparse.ArgumentParser:
     _config_flags(serve, server=True)
     gen = sub.add_parser("generate", help="generate from one prompt, printing as it streams")
     _config_flags(gen, server=False)
+    for name, text in (("bench", "tqserve vs mlx-lm, side by side (tools/bench)"),
+                       ("bench-kv", "TurboQuant vs plain decode speed (tools/bench_kv)"),
+                       ("eval-kv", "KV-cache quality: perplexity and KL (tools/eval_kv)")):
+        sub.add_parser(name, help=text, add_help=False)
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--max-tokens", type=int, default=128)
     gen.add_argument("--temperature", type=float, default=0.0)
@@ -100,7 +108,13 @@ async def _serve(config: Config) -> int:
     return 0
 
 
+_TOOLS = {"bench": "tools.bench", "bench-kv": "tools.bench_kv", "eval-kv": "tools.eval_kv"}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in _TOOLS:  # the tools parse their own flags
+        return int(importlib.import_module(_TOOLS[argv[0]]).main(argv[1:]))
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

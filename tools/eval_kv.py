@@ -309,7 +309,7 @@ def _ints(text: str) -> list[int]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the evaluation, write the --out JSON and --plot PNG, print the table."""
-    p = argparse.ArgumentParser(prog="python -m tools.eval_kv", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="tqserve eval-kv", description=__doc__.split("\n")[0])
     p.add_argument("--model", default=DEFAULT_MODEL, help="model dir, relative to the repo root")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     p.add_argument("--contexts", type=_ints, default=[512, 2048], help="scoring depths")
