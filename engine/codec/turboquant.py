@@ -20,6 +20,15 @@ runs on this shared machine); a token is 32 vectors here.
 Quality is the same for both and matches random unit vectors. The randomized Hadamard
 transform is O(d log d), needs no d x d matrix and is never slower, so it is the default.
 
+Norm correction (`norm_correction=True`, what the KV caches use): the stored norm is
+||x|| / ||c^|| where c^ is the quantized unit direction, so every reconstruction has
+exactly the input's length. Plain Lloyd-Max reconstructions are shorter on average
+(E||c^||^2 = 1 - D), which shrinks every attention score by about D. Corrected, the MSE
+is 2 - 2||c^|| ~ D + D^2/4 (0.0093 -> 0.0093 at 4 bits; 0.36 -> 0.40 at 1 bit), and on
+pycoder-29m (tools/eval_kv, 512-token context) mean next-token KL against the plain cache
+fell from 8.6e-3 to 4.1e-3 at k4v4 and from 3.4e-2 to 1.7e-2 at k3v3. The paper's
+distortion table is for the plain quantizer (the default here).
+
 Norms: computed after scaling by the max |x_i|, so tiny (1e-30) and huge (1e30) fp32 inputs
 neither underflow nor overflow. Stored norms saturate at fp16's largest finite value (65504):
 a vector with a larger norm decodes with norm 65504 in its own direction. Norms below fp16's
@@ -231,10 +240,12 @@ class TurboQuantCodec:
     """
 
     def __init__(
-        self, head_dim: int, bits: int, seed: int = 0, rotation: str = DEFAULT_ROTATION
+        self, head_dim: int, bits: int, seed: int = 0, rotation: str = DEFAULT_ROTATION,
+        norm_correction: bool = False,
     ) -> None:
         _check_head_dim(head_dim)
         _check_bits(bits)
+        self.norm_correction = norm_correction
         if rotation not in ROTATIONS:
             raise ValueError(f"rotation {rotation!r} is not supported; use one of {ROTATIONS}")
         self.head_dim = head_dim
@@ -322,5 +333,8 @@ class TurboQuantCodec:
         bucket = mx.floor((unit - self._bucket_origin) / self._bucket_width)
         below = self._bucket_table[mx.clip(bucket, 0, last_bucket).astype(mx.uint32)]
         indices = below + (unit > self._upper_boundaries[below]).astype(mx.uint32)
+        if self.norm_correction:
+            recon = mx.linalg.norm(self._centroids[indices], axis=-1, keepdims=True)
+            norms = norms / mx.where(recon > 0, recon, 1.0)
         stored = mx.minimum(norms, FP16_MAX).astype(mx.float16)
         return EncodedVectors(codes=pack_bits(indices, self.bits), norms=stored)

@@ -46,7 +46,7 @@ PLANES = ("key_codes", "key_norms", "value_codes", "value_norms")
 
 @functools.cache
 def _codec(head_dim: int, bits: int, seed: int, rotation: str) -> TurboQuantCodec:
-    return TurboQuantCodec(head_dim, bits, seed=seed, rotation=rotation)
+    return TurboQuantCodec(head_dim, bits, seed=seed, rotation=rotation, norm_correction=True)
 
 
 @attrs.frozen(kw_only=True)

@@ -252,3 +252,20 @@ def test_bad_rotation_and_shape() -> None:
         rotation_matrix(128, 0, "givens")
     with pytest.raises(ValueError, match=r"\(\.\.\., 128\)"):
         TurboQuantCodec(128, 4).encode(mx.zeros((3, 64)))
+
+
+@pytest.mark.parametrize("bits", [1, 3, 4])
+def test_norm_correction_keeps_lengths_and_costs_little_mse(bits: int) -> None:
+    x = mx.random.normal((512, 128), key=mx.random.key(21)) * 3.0
+    plain = TurboQuantCodec(128, bits, seed=1)
+    corrected = TurboQuantCodec(128, bits, seed=1, norm_correction=True)
+    same_codes = np.array(plain.encode(x).codes) == np.array(corrected.encode(x).codes)
+    assert same_codes.all()
+    lengths = mx.linalg.norm(corrected.decode(corrected.encode(x)), axis=-1)
+    np.testing.assert_allclose(np.array(lengths), np.array(mx.linalg.norm(x, axis=-1)),
+                               rtol=2e-3)  # fp16 norms
+    shrunk = mx.linalg.norm(plain.decode(plain.encode(x)), axis=-1) / mx.linalg.norm(x, axis=-1)
+    assert float(mx.mean(shrunk)) < 1.0 - plain.codebook.distortion / 3
+    d = plain.codebook.distortion
+    err = _distortion(corrected, num=1000)
+    assert d * 0.95 < err < (2 - 2 * math.sqrt(1 - d)) * 1.05
