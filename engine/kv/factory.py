@@ -131,29 +131,38 @@ def cache_factory_for(model: Any, turboquant: str | None, quantized_kv_start: in
     return make_turboquant_cache_factory(k_bits, v_bits, quantized_kv_start)
 
 
-def make_affine_cache_factory(bits: int, group_size: int = 64) -> CacheFactory:
-    """A `make_cache(model) -> list` of AffineKVCache for full-attention layers."""
-    check_affine_settings(bits, group_size)
+def _layer_replacing_factory(label: str, full_layers: Callable[[Any], dict[int, int]],
+                             make_layer: Callable[[int], Any]) -> CacheFactory:
+    """mlx-lm's cache list with every full-attention layer's cache made by `make_layer`
+    (given the layer's head dim); the first list with other layers logs ONE warning."""
     warned = False
-    layers_by_model: dict[int, list[int]] = {}
+    layers_by_model: dict[int, dict[int, int]] = {}
 
     def make_cache(model: Any) -> list[Any]:
         nonlocal warned
         if id(model) not in layers_by_model:
-            layers_by_model[id(model)] = check_affine_head_dims(model, group_size)
+            layers_by_model[id(model)] = full_layers(model)
         layers = layers_by_model[id(model)]
         caches = make_prompt_cache(model)
         plain = [i for i in range(len(caches)) if i not in layers]
         if plain and not warned:
             warned = True
-            logger.warning("kv-quant: layers %s keep plain %s caches (sliding window or not "
-                           "full attention)", plain,
+            logger.warning("%s: layers %s keep plain %s caches (sliding window or not full "
+                           "attention)", label, plain,
                            sorted({type(caches[i]).__name__ for i in plain}))
-        for i in layers:
-            caches[i] = AffineKVCache(bits, group_size)
+        for i, head_dim in layers.items():
+            caches[i] = make_layer(head_dim)
         return caches
 
     return make_cache
+
+
+def make_affine_cache_factory(bits: int, group_size: int = 64) -> CacheFactory:
+    """A `make_cache(model) -> list` of AffineKVCache for full-attention layers."""
+    check_affine_settings(bits, group_size)
+    return _layer_replacing_factory(
+        "kv-quant", lambda model: dict.fromkeys(check_affine_head_dims(model, group_size), 0),
+        lambda head_dim: AffineKVCache(bits, group_size))
 
 
 def make_turboquant_cache_factory(k_bits: int, v_bits: int, quantized_kv_start: int = 0,
@@ -163,27 +172,11 @@ def make_turboquant_cache_factory(k_bits: int, v_bits: int, quantized_kv_start: 
     TurboQuantConfig.create(k_bits, v_bits, SUPPORTED_HEAD_DIMS[0], seed)
     if quantized_kv_start < 0:
         raise ValueError(f"quantized_kv_start must be >= 0, got {quantized_kv_start}")
-    warned = False
-    dims_by_model: dict[int, dict[int, int]] = {}
 
-    def make_cache(model: Any) -> list[Any]:
-        nonlocal warned
-        if id(model) not in dims_by_model:
-            dims_by_model[id(model)] = check_head_dims(model)
-        dims = dims_by_model[id(model)]
-        caches = make_prompt_cache(model)
-        plain = [i for i in range(len(caches)) if i not in dims]
-        if plain and not warned:
-            warned = True
-            logger.warning("TurboQuant: layers %s keep plain %s caches (sliding window or "
-                           "not full attention)", plain,
-                           sorted({type(caches[i]).__name__ for i in plain}))
-        for i, head_dim in dims.items():
-            if quantized_kv_start > 0:
-                caches[i] = DelayedTurboQuantKVCache(quantized_kv_start, k_bits, v_bits,
-                                                     head_dim, seed=seed)
-            else:
-                caches[i] = TurboQuantKVCache(k_bits, v_bits, head_dim, seed=seed)
-        return caches
+    def make_layer(head_dim: int) -> Any:
+        if quantized_kv_start > 0:
+            return DelayedTurboQuantKVCache(quantized_kv_start, k_bits, v_bits, head_dim,
+                                            seed=seed)
+        return TurboQuantKVCache(k_bits, v_bits, head_dim, seed=seed)
 
-    return make_cache
+    return _layer_replacing_factory("TurboQuant", check_head_dims, make_layer)
