@@ -9,6 +9,10 @@ The graph (every edge a bounded msgpack mailbox):
     generate() -> admission -> scheduler -> hub -> generate()
                       ^            |  \\
                       +-Dequeued---+   -> cache_owner
+                                   \\-> spill task (--ssd-flush async; SPILL_QUEUE)
+
+The prefix cache (actors.prefix_cache) runs in the scheduler's task; with --cache-dir its
+SSD tier is recovered (verified, quarantined, indexed) before the first request.
 
 Cancelling the caller's scope (or leaving the `async for` early) sends a Cancel;
 the row is freed at the start of the next engine step.
@@ -16,6 +20,7 @@ the row is freed at the start of the next engine step.
 
 from __future__ import annotations
 
+import logging
 import uuid
 from contextlib import asynccontextmanager
 from typing import AsyncIterator
@@ -28,15 +33,21 @@ from actors.cache_owner import RowBooks, run_cache_owner
 from actors.hub import Hub, run_hub
 from actors.mailbox import Outbox, Recorder, open_mailbox
 from actors.messages import Cancel, Done, Error, Event, Submit
+from actors.prefix_cache import PrefixCache, PrefixCacheStatistics, run_spiller
 from actors.runner_thread import RunnerThread
 from actors.scheduler import run_scheduler
 from engine.config import Config
 from engine.detokenize import TextStream
 from engine.kv.factory import cache_factory_for
+from engine.codec.turboquant import DEFAULT_ROTATION
 from engine.model import LoadedModel, load_model
+from engine.prefix import cache_namespace
 from engine.request import GenerateRequest
 from engine.runner import Runner
 from engine.scheduler import SchedulerCore
+from storage import SsdTier
+
+log = logging.getLogger("tqserve.engine")
 
 # Mailbox sizes. "If in doubt, use 0"; these are not 0 for the reasons given.
 ADMISSION_MAILBOX = 64   # absorbs a burst of submits; a full mailbox rejects at once
@@ -56,13 +67,15 @@ class EngineStatistics:
     steps: int
     model: str
     dtype: str
+    prefix_cache: PrefixCacheStatistics | None
 
 
 class Engine:
     """Handle returned by open_engine: generate, cancel, statistics."""
 
     def __init__(self, config: Config, loaded: LoadedModel, admission: Outbox, hub: Hub,
-                 control: AdmissionControl, books: RowBooks, core: SchedulerCore) -> None:
+                 control: AdmissionControl, books: RowBooks, core: SchedulerCore,
+                 prefix: PrefixCache | None = None) -> None:
         self.config = config
         self.model = loaded
         self._admission = admission
@@ -70,6 +83,7 @@ class Engine:
         self._control = control
         self._books = books
         self._core = core
+        self.prefix = prefix
 
     def validate(self, request: GenerateRequest) -> tuple[int, ...]:
         """Tokenize and check limits; raises ValueError naming the field."""
@@ -153,7 +167,8 @@ class Engine:
             requests_rejected=admission.requests_rejected,
             streams_open=self._hub.statistics().num_streams,
             steps=self._core.statistics().num_steps,
-            model=self.model.path.name, dtype=self.model.dtype)
+            model=self.model.path.name, dtype=self.model.dtype,
+            prefix_cache=self.prefix.statistics() if self.prefix is not None else None)
 
 
 @asynccontextmanager
@@ -184,16 +199,53 @@ async def open_engine(config: Config, *, loaded: LoadedModel | None = None,
         # Reply edge: one Dequeued per queued request, so this size can never fill.
         replies_out, replies_in = open_mailbox(config.max_queued_requests + SCHEDULER_MAILBOX,
                                                "admission_replies", recorder)
+        prefix = None
+        if config.prefix_cache:
+            if await thread.call(runner.can_snapshot):
+                prefix = _prefix_cache(config, loaded, runner, thread)
+            else:
+                log.warning("prefix cache off: this model has caches that cannot be reused "
+                            "by prefix (sliding-window layers)")
         async with trio.open_nursery() as nursery:
+            if prefix is not None:
+                await prefix.recover()
+                if config.ssd_flush == "async" and prefix.tier is not None:
+                    await nursery.start(run_spiller, prefix)
             await nursery.start(run_hub, hub, hub_in)
             await nursery.start(run_cache_owner, books, owner_in)
             await nursery.start(run_scheduler, core, runner, thread, scheduler_in, replies_out,
-                                owner_out, hub_out.clone())
+                                owner_out, hub_out.clone(), prefix)
             await nursery.start(run_admission, control, admission_in, replies_in,
                                 scheduler_out, hub_out)
             try:
-                yield Engine(config, loaded, admission_out, hub, control, books, core)
+                yield Engine(config, loaded, admission_out, hub, control, books, core, prefix)
             finally:
                 nursery.cancel_scope.cancel()
     finally:
         await thread.aclose()
+
+
+def kv_scheme(config: Config, dtype: str) -> str:
+    """The KV scheme part of the prefix-cache namespace."""
+    if config.turboquant is not None:
+        return (f"turboquant:{config.turboquant}:rotation={DEFAULT_ROTATION}:seed=0:"
+                f"start={config.quantized_kv_start}")
+    if config.kv_quant is not None:
+        return f"affine:bits={config.kv_quant}:group={config.kv_group_size}"
+    return f"plain:{dtype}"
+
+
+def _prefix_cache(config: Config, loaded: LoadedModel, runner: Runner,
+                  thread: RunnerThread) -> PrefixCache:
+    tier = None
+    if config.cache_dir is not None:
+        tier = SsdTier(config.cache_dir, config.ssd_cache_bytes,
+                       expected_fingerprints=[loaded.fingerprint])
+
+    async def restore(*args: object) -> int:
+        return await thread.call(runner.restore, *args)
+
+    return PrefixCache(
+        namespace=cache_namespace(loaded.fingerprint, kv_scheme(config, loaded.dtype)),
+        fingerprint=loaded.fingerprint, ram_budget=config.ram_cache_bytes, tier=tier,
+        flush=config.ssd_flush, runner_call=restore)

@@ -112,12 +112,20 @@ class Done:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0
+    cached_tier: str | None = None  # "ram" or "ssd": where the reused prefix came from
+
+    @property
+    def cached_tokens_by_tier(self) -> dict[str, int]:
+        """Reused prompt tokens per tier, e.g. {"ram": 40, "ssd": 0}."""
+        return {tier: self.cached_tokens if tier == self.cached_tier else 0
+                for tier in ("ram", "ssd")}
 
     def to_wire(self) -> dict[str, Any]:
         return {"type": "done", "id": self.request_id, "finish_reason": self.finish_reason,
                 "usage": {"prompt_tokens": self.prompt_tokens,
                           "completion_tokens": self.completion_tokens,
-                          "cached_tokens": self.cached_tokens}}
+                          "cached_tokens": self.cached_tokens,
+                          "cached_tokens_by_tier": self.cached_tokens_by_tier}}
 
 
 @attrs.frozen(kw_only=True)

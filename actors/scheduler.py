@@ -7,6 +7,9 @@ Sends: Token/Done/Error to the hub; Lease/Release/KvUsage to the cache owner;
        one message per queued request, so it cannot fill).
 Between steps it drains its mailbox without waiting, so a cancel frees its row
 at the start of the next step. When idle it waits for a message.
+With a prefix cache (actors.prefix_cache), a Submit first looks up a donor (an SSD hit
+reads the file on a worker thread meanwhile), each plan carries the cache's snapshot,
+spill and drop orders, and each result is absorbed by it (a sync flush writes here).
 A runner failure is our bug: it is logged, every request in flight gets an
 `internal_error` event, the runner is reset, and serving goes on.
 """
@@ -18,6 +21,7 @@ import logging
 import trio
 
 from actors.mailbox import Inbox, Outbox
+from actors.prefix_cache import PrefixCache
 from actors.messages import (Cancel, Dequeued, Done, Error, KvUsage, Lease, Release,
                              Submit, Token)
 from actors.runner_thread import RunnerThread
@@ -35,6 +39,7 @@ async def run_scheduler(
     admission_replies: Outbox,
     cache_owner: Outbox,
     hub: Outbox,
+    prefix: PrefixCache | None = None,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """The step loop."""
@@ -50,6 +55,8 @@ async def run_scheduler(
                     request_id=event.request_id, index=event.index, token_id=event.token_id,
                     text=event.text, logprob=event.logprob, top_logprobs=event.top_logprobs))
             case Finished():
+                if prefix is not None:
+                    prefix.finished(event)
                 if event.was_queued:
                     admission_replies.send_nowait(Dequeued(
                         request_id=event.request_id, num_prompt_tokens=event.prompt_tokens))
@@ -64,14 +71,23 @@ async def run_scheduler(
                         request_id=event.request_id, finish_reason=event.finish_reason,
                         prompt_tokens=event.prompt_tokens,
                         completion_tokens=event.completion_tokens,
-                        cached_tokens=event.cached_tokens))
+                        cached_tokens=event.cached_tokens, cached_tier=event.cached_tier))
 
     async def handle(msg: Submit | Cancel) -> None:
         match msg:
             case Submit():
+                reuse = None
+                if prefix is not None:
+                    reuse = await prefix.lookup(msg.request_id, msg.prompt_tokens)
                 try:
-                    core.add(msg.request_id, msg.prompt_tokens, msg.params)
+                    if reuse is None:
+                        core.add(msg.request_id, msg.prompt_tokens, msg.params)
+                    else:
+                        core.add(msg.request_id, msg.prompt_tokens, msg.params,
+                                 reuse=reuse.key, cached=reuse.cached, cached_tier=reuse.tier)
                 except ValueError as exc:
+                    if prefix is not None:
+                        prefix.release_reuse(msg.request_id)
                     admission_replies.send_nowait(Dequeued(
                         request_id=msg.request_id, num_prompt_tokens=len(msg.prompt_tokens)))
                     await hub.send(Error(request_id=msg.request_id, code="invalid_request",
@@ -102,6 +118,8 @@ async def run_scheduler(
                     closed = True
                 continue
             plan, started = core.schedule()
+            if prefix is not None:
+                plan = prefix.decorate(plan)
             for event in started:
                 await emit(event)
             try:
@@ -109,11 +127,15 @@ async def run_scheduler(
             except Exception as exc:
                 log.exception("runner step failed; failing %d requests", len(core.active_ids()))
                 await thread.call(runner.reset)
+                for new in plan.new_rows if prefix is not None else ():
+                    prefix.release_reuse(new.request_id)
                 for event in core.fail_all():
                     await emit(event, error=f"engine step failed: {type(exc).__name__}: {exc}")
                 await cache_owner.send(KvUsage(kv_bytes=0, num_rows=0))
                 continue
             await cache_owner.send(KvUsage(kv_bytes=result.kv_bytes, num_rows=len(plan.decode)))
+            if prefix is not None:
+                await prefix.absorb(plan, result)
             for event in core.postprocess(result):
                 await emit(event)
             await trio.lowlevel.checkpoint()

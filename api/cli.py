@@ -10,6 +10,7 @@ too. Nothing here prints a traceback for the user's mistakes.
 from __future__ import annotations
 
 import argparse
+import logging
 import importlib
 import sys
 from typing import NoReturn, Sequence
@@ -23,7 +24,8 @@ from engine.model import DTYPES, ModelLoadError
 
 _INT_FLAGS = ("max_batch", "prefill_chunk", "max_queued_requests", "max_queued_tokens",
               "max_tokens_cap", "default_max_tokens", "stream_buffer", "port",
-              "max_message_bytes", "max_streams_per_connection")
+              "max_message_bytes", "max_streams_per_connection", "ram_cache_bytes",
+              "ssd_cache_bytes")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -50,6 +52,13 @@ def _config_flags(p: argparse.ArgumentParser, *, server: bool) -> None:
                         "--turboquant wins if both are given")
     p.add_argument("--kv-group-size", type=int, choices=KV_GROUP_SIZES,
                    default=defaults.kv_group_size, help="elements per scale/bias of --kv-quant")
+    p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
+                   help="never reuse KV of earlier requests")
+    p.add_argument("--cache-dir", default=None,
+                   help="directory of the SSD prefix-cache tier (restored at start)")
+    p.add_argument("--ssd-flush", choices=("sync", "async"), default=defaults.ssd_flush,
+                   help="sync: spills are written before the step goes on; async: a bounded "
+                        "queue, a full queue drops the spill")
     if server:
         p.add_argument("--host", default=defaults.host)
 
@@ -102,6 +111,8 @@ async def _generate(config: Config, args: argparse.Namespace) -> int:
 async def _serve(config: Config) -> int:
     from api.server import serve
 
+    logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
+    logging.getLogger("tqserve.prefix").setLevel(logging.INFO)
     async with trio.open_nursery() as nursery:
         url = await nursery.start(serve, config)
         print(f"tqserve: serving {config.model} on {url} (WebSocket /v1/stream)", flush=True)

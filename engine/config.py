@@ -41,6 +41,11 @@ def _kv_group_size(inst: object, attr: attrs.Attribute, value: int) -> None:
                          f"{', '.join(map(str, KV_GROUP_SIZES))}, got {value!r}")
 
 
+def _ssd_flush(inst: object, attr: attrs.Attribute, value: str) -> None:
+    if value not in ("sync", "async"):
+        raise ValueError(f"ssd-flush must be sync or async, got {value!r}")
+
+
 @attrs.frozen(kw_only=True)
 class Config:
     """Engine and server settings (defaults suit a laptop and the bundled model)."""
@@ -62,6 +67,12 @@ class Config:
     quantized_kv_start: int = attrs.field(default=0, validator=_non_negative)
     kv_quant: int | None = attrs.field(default=None, validator=_kv_quant)
     kv_group_size: int = attrs.field(default=64, validator=_kv_group_size)
+    # Prefix cache (DESIGN.md 3.3): RAM tier budget; the SSD tier only with cache_dir.
+    prefix_cache: bool = True
+    ram_cache_bytes: int = attrs.field(default=1 << 30, validator=_non_negative)
+    cache_dir: str | None = None
+    ssd_cache_bytes: int = attrs.field(default=16 << 30, validator=_positive)
+    ssd_flush: str = attrs.field(default="sync", validator=_ssd_flush)
 
     def __attrs_post_init__(self) -> None:
         if self.default_max_tokens > self.max_tokens_cap:

@@ -14,6 +14,13 @@ released in between is filtered out of those logits and of the cache (its extra
 position goes with it); rows joining in between join after that step, so their
 first forward is the following one. Sampling itself (keys, penalties, logprobs) always
 runs inside `execute`, on host-known history.
+
+Prefix cache (engine.snapshot): the runner holds the RAM tier's snapshots by key. A
+released row named in `plan.snapshot` is extracted from the batch cache before `filter`
+(its offset may include the extra position of its last sampled token; the scheduler
+actor maps the offset back to tokens). `plan.spill` snapshots are serialized to bytes
+(here, on this thread) and dropped; a new row with `reuse` starts from new cache objects
+sliced from the snapshot (no copy) and prefills only the rest of its prompt.
 """
 
 from __future__ import annotations
@@ -25,7 +32,10 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
 from engine.sampling import LazySample, RowSampler, build_sample, finalize_sample
-from engine.scheduler import RowOutput, StepPlan, StepResult
+from engine.scheduler import RowOutput, SnapshotMade, SpillPayload, StepPlan, StepResult
+from engine.snapshot import (Snapshot, describe, extract_snapshot, from_planes,
+                             layer_kinds_text, row_from_snapshot, snapshot_kinds,
+                             to_planes)
 
 CacheFactory = Callable[[Any], list[Any]]
 
@@ -44,6 +54,8 @@ class RunnerStatistics:
     num_batch_rows: int
     kv_bytes: int
     num_forward_tokens: int
+    num_snapshots: int
+    snapshot_bytes: int
 
 
 def _cache_nbytes(cache: list[Any] | None) -> int:
@@ -61,17 +73,26 @@ class Runner:
         self._batch_cache: list[Any] | None = None
         self._pending: tuple[mx.array, list[str]] | None = None  # in-flight logits, their rows
         self._num_forward_tokens = 0
+        self._snapshots: dict[str, Snapshot] = {}
 
     def execute(self, plan: StepPlan) -> StepResult:
-        """Run one step: release, admit, prefill, join, decode; return sampled tokens."""
+        """Run one step: snapshot, release, spill, admit, prefill, join, decode."""
+        snapshots = self._snapshot(plan.snapshot)
         self._release(plan.release)
+        spills = tuple(self._spill(key) for key in plan.spill)
         for new in plan.new_rows:
+            if new.reuse is not None:
+                cache = row_from_snapshot(self._snapshots[new.reuse], new.cached)
+            else:
+                cache = self._make_cache(self._model)
             self._rows[new.request_id] = _RowRuntime(
                 sampler=RowSampler.create(new.params, new.prompt),
                 prompt=new.prompt,
-                cache=self._make_cache(self._model),
+                cache=cache,
                 last_token=new.prompt[-1],
             )
+        for key in plan.drop:
+            self._snapshots.pop(key, None)
         for chunk in plan.prefill:
             row = self._rows[chunk.request_id]
             if row.cache is None:
@@ -89,7 +110,46 @@ class Runner:
         if self._batch:
             self._launch(ready)
         outputs = self._finalize(ready) if ready is not None else ()
-        return StepResult(outputs=outputs, kv_bytes=self.kv_bytes())
+        return StepResult(outputs=outputs, kv_bytes=self.kv_bytes(), snapshots=snapshots,
+                          spills=spills)
+
+    def _snapshot(self, orders: tuple[tuple[str, str], ...]) -> tuple[SnapshotMade, ...]:
+        made = []
+        for rid, key in orders:
+            if rid not in self._batch or self._batch_cache is None:
+                continue
+            snap = extract_snapshot(self._batch_cache, self._batch.index(rid))
+            if snap is None or snap.offset == 0:
+                continue
+            self._snapshots[key] = snap
+            made.append(SnapshotMade(key=key, request_id=rid, offset=snap.offset,
+                                     minimum_reusable_offset=snap.minimum_reusable_offset,
+                                     num_bytes=snap.nbytes))
+        return tuple(made)
+
+    def _spill(self, key: str) -> SpillPayload:
+        snap = self._snapshots.pop(key)
+        header = {**describe(snap), "offset": snap.offset,
+                  "minimum_reusable_offset": snap.minimum_reusable_offset,
+                  "extra": {"layer_kinds": layer_kinds_text(snap)}}
+        return SpillPayload(key=key, header=header, planes=tuple(to_planes(snap)))
+
+    def restore(self, key: str, kinds: str, offset: int, boundary: int,
+                planes: dict[str, tuple[bytes, tuple[int, ...], str]]) -> int:
+        """Hold a snapshot read from the SSD tier under `key`; returns its bytes.
+
+        ValueError if it does not fit this engine's caches."""
+        snap = from_planes(self._make_cache(self._model), kinds, offset, boundary, planes)
+        self._snapshots[key] = snap
+        return snap.nbytes
+
+    def can_snapshot(self) -> bool:
+        """Whether every layer of this model's caches can be snapshotted."""
+        return snapshot_kinds(self._make_cache(self._model)) is not None
+
+    def drop_snapshot(self, key: str) -> None:
+        """Forget a held snapshot (unknown keys are ignored)."""
+        self._snapshots.pop(key, None)
 
     def _release(self, request_ids: tuple[str, ...]) -> None:
         gone = set(request_ids)
@@ -168,4 +228,6 @@ class Runner:
     def statistics(self) -> RunnerStatistics:
         return RunnerStatistics(
             num_rows=len(self._rows), num_batch_rows=len(self._batch),
-            kv_bytes=self.kv_bytes(), num_forward_tokens=self._num_forward_tokens)
+            kv_bytes=self.kv_bytes(), num_forward_tokens=self._num_forward_tokens,
+            num_snapshots=len(self._snapshots),
+            snapshot_bytes=sum(s.nbytes for s in self._snapshots.values()))

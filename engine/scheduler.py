@@ -50,10 +50,15 @@ class IllegalTransition(RuntimeError):
 
 @attrs.frozen(kw_only=True)
 class NewRow:
+    """A row to create: from scratch, or (reuse set) from the first `cached` positions of
+    the runner's snapshot `reuse`; its prefill then starts at `cached`."""
+
     request_id: str
     row_id: int
     prompt: tuple[int, ...]
     params: SamplingParams
+    reuse: str | None = None
+    cached: int = 0
 
 
 @attrs.frozen(kw_only=True)
@@ -72,10 +77,17 @@ class StepPlan:
     prefill: tuple[PrefillChunk, ...] = ()
     join: tuple[str, ...] = ()
     decode: tuple[str, ...] = ()  # every decoding row after the joins, in batch order
+    # Prefix cache orders (set by the scheduler actor, not the core): snapshot these
+    # released rows under the given keys before they leave the batch; serialize then drop
+    # `spill` snapshots; drop `drop` snapshots after the new rows are built.
+    snapshot: tuple[tuple[str, str], ...] = ()
+    spill: tuple[str, ...] = ()
+    drop: tuple[str, ...] = ()
 
     @property
     def empty(self) -> bool:
-        return not (self.release or self.new_rows or self.prefill or self.join or self.decode)
+        return not (self.release or self.new_rows or self.prefill or self.join or self.decode
+                    or self.snapshot or self.spill or self.drop)
 
 
 @attrs.frozen(kw_only=True)
@@ -87,9 +99,31 @@ class RowOutput:
 
 
 @attrs.frozen(kw_only=True)
+class SnapshotMade:
+    """A released row's snapshot now held by the runner under `key`."""
+
+    key: str
+    request_id: str
+    offset: int
+    minimum_reusable_offset: int
+    num_bytes: int
+
+
+@attrs.frozen(kw_only=True)
+class SpillPayload:
+    """A snapshot serialized for the SSD tier (bytes only; it left the runner's RAM)."""
+
+    key: str
+    header: dict
+    planes: tuple[tuple[str, bytes, tuple[int, ...], str], ...]
+
+
+@attrs.frozen(kw_only=True)
 class StepResult:
     outputs: tuple[RowOutput, ...]
     kv_bytes: int
+    snapshots: tuple[SnapshotMade, ...] = ()
+    spills: tuple[SpillPayload, ...] = ()
 
 
 @attrs.frozen(kw_only=True)
@@ -120,6 +154,8 @@ class Finished:
     cached_tokens: int
     row_id: int | None
     was_queued: bool
+    cached_tier: str | None = None
+    tokens: tuple[int, ...] = ()  # prompt + generated: what the row's KV may cover
 
 
 Event = Started | TokenOut | Finished
@@ -135,6 +171,10 @@ class _Row:
     row_id: int | None = None
     num_prefilled: int = 0
     num_generated: int = 0
+    reuse: str | None = None
+    cached: int = 0
+    cached_tier: str | None = None
+    generated: list[int] = attrs.Factory(list)
 
     def move(self, new: RowState) -> None:
         if new not in _TRANSITIONS[self.state]:
@@ -176,14 +216,21 @@ class SchedulerCore:
         self._free_row_ids = list(range(max_batch - 1, -1, -1))
         self._num_steps = 0
 
-    def add(self, request_id: str, prompt: tuple[int, ...], params: SamplingParams) -> None:
-        """Queue a request. Raises ValueError for a duplicate id or an empty prompt."""
+    def add(self, request_id: str, prompt: tuple[int, ...], params: SamplingParams, *,
+            reuse: str | None = None, cached: int = 0, cached_tier: str | None = None) -> None:
+        """Queue a request, optionally reusing `cached` positions of snapshot `reuse`.
+
+        Raises ValueError for a duplicate id, an empty prompt or a bad cached length."""
         if request_id in self._rows:
             raise ValueError(f"duplicate request id {request_id!r}")
         if not prompt:
             raise ValueError("prompt must hold at least one token")
+        if not 0 <= cached <= len(prompt) - 1 or (cached > 0) != (reuse is not None):
+            raise ValueError(f"cannot reuse {cached} tokens of a {len(prompt)}-token prompt")
         stream = self._make_text_stream(params.stop)
-        self._rows[request_id] = _Row(request_id, tuple(prompt), params, stream)
+        self._rows[request_id] = _Row(request_id, tuple(prompt), params, stream,
+                                      num_prefilled=cached, reuse=reuse, cached=cached,
+                                      cached_tier=cached_tier)
         self._queue.append(request_id)
 
     def cancel(self, request_id: str) -> list[Event]:
@@ -216,7 +263,8 @@ class SchedulerCore:
             row.row_id = self._free_row_ids.pop()
             self._prefilling.append(row.request_id)
             new_rows.append(NewRow(request_id=row.request_id, row_id=row.row_id,
-                                   prompt=row.prompt, params=row.params))
+                                   prompt=row.prompt, params=row.params, reuse=row.reuse,
+                                   cached=row.cached))
             events.append(Started(request_id=row.request_id, row_id=row.row_id,
                                   num_prompt_tokens=len(row.prompt)))
         chunks, joins = self._plan_prefill()
@@ -259,6 +307,7 @@ class SchedulerCore:
             if row is None or row.state is not RowState.DECODING:
                 continue
             row.num_generated += 1
+            row.generated.append(out.token)
             params = row.params
             is_stop_token = out.token in self._eos or out.token in params.stop_token_ids
             text = "" if is_stop_token else row.text.add(out.token)
@@ -292,8 +341,10 @@ class SchedulerCore:
             self._free_row_ids.append(row.row_id)
         return Finished(
             request_id=row.request_id, finish_reason=reason, prompt_tokens=len(row.prompt),
-            completion_tokens=row.num_generated, cached_tokens=0, row_id=row.row_id,
-            was_queued=was_queued)
+            completion_tokens=row.num_generated,
+            cached_tokens=row.cached, row_id=row.row_id,
+            was_queued=was_queued, cached_tier=row.cached_tier,
+            tokens=row.prompt + tuple(row.generated))
 
     def statistics(self) -> SchedulerStatistics:
         return SchedulerStatistics(
@@ -303,3 +354,4 @@ class SchedulerCore:
             num_queued_tokens=sum(len(self._rows[r].prompt) for r in self._queue),
             num_steps=self._num_steps,
         )
+

@@ -107,7 +107,8 @@ async def test_cancel_queued_request(nursery, draft_model):
         (waiting,) = await session.wait("waiting")
         assert waiting.finish_reason == "cancelled" and waiting.kinds == [True, True]
         assert waiting.end["usage"] == {"prompt_tokens": prompt_len, "completion_tokens": 0,
-                                        "cached_tokens": 0}
+                                        "cached_tokens": 0,
+                                        "cached_tokens_by_tier": {"ram": 0, "ssd": 0}}
         mid = await wait_stats(client, server.url, rows_queued=0)
         assert mid["rows_active"] == 1 and session.results["running"].end is None
         await session.send({"type": "cancel", "id": "running"})

@@ -173,8 +173,13 @@ def assert_well_formed(result: Result, tokenizer: Any, *, binary: bool,
     assert set(result.kinds) == {binary}, f"{result.rid}: frame kinds {set(result.kinds)}"
     assert [f["index"] for f in result.tokens] == list(range(len(result.tokens)))
     usage = result.end["usage"]
-    assert set(usage) == {"prompt_tokens", "completion_tokens", "cached_tokens"}
-    assert all(isinstance(v, int) and v >= 0 for v in usage.values()), usage
+    assert set(usage) == {"prompt_tokens", "completion_tokens", "cached_tokens",
+                          "cached_tokens_by_tier"}
+    by_tier = usage["cached_tokens_by_tier"]
+    assert set(by_tier) == {"ram", "ssd"}
+    assert sum(by_tier.values()) == usage["cached_tokens"] < max(1, usage["prompt_tokens"])
+    assert all(isinstance(v, int) and v >= 0 for k, v in usage.items()
+               if k != "cached_tokens_by_tier"), usage
     assert usage["completion_tokens"] == len(result.tokens)
     if prompt_tokens is not None:
         assert usage["prompt_tokens"] == prompt_tokens

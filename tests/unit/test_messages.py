@@ -23,6 +23,8 @@ EXAMPLES = [
     m.Token(request_id="r1", index=1, token_id=9, text=""),
     m.Done(request_id="r1", finish_reason="length", prompt_tokens=3, completion_tokens=5,
            cached_tokens=0),
+    m.Done(request_id="r1", finish_reason="stop", prompt_tokens=30, completion_tokens=5,
+           cached_tokens=24, cached_tier="ssd"),
     m.Error(request_id=None, code="bad_frame", message="nope"),
 ]
 
@@ -49,7 +51,8 @@ def test_wire_forms_are_plain_objects():
                              "logprob": -0.1, "top_logprobs": [[7, -0.1]]}
     done = m.Done(request_id="a", finish_reason="stop", prompt_tokens=1, completion_tokens=2)
     assert done.to_wire()["usage"] == {"prompt_tokens": 1, "completion_tokens": 2,
-                                       "cached_tokens": 0}
+                                       "cached_tokens": 0,
+                                       "cached_tokens_by_tier": {"ram": 0, "ssd": 0}}
 
 
 def test_bad_bytes_raise_codec_error():

@@ -1,0 +1,211 @@
+"""KV snapshots on the runner thread: extract a row, rebuild a row by reference, planes.
+
+A `Snapshot` is the per-layer single-row caches of one finished row, extracted from the
+batch cache (fresh contiguous arrays, `extract`) and never mutated afterwards. A new row
+reuses it by reference: `row_from_snapshot` builds NEW cache objects whose arrays are
+slices of the snapshot's arrays cut to the reused length (copy on write: MLX's slice
+assignment rebinds the data of the array object it is applied to, and every append past
+the slice's end reallocates, so the snapshot's arrays are never written). No deep copy.
+
+Supported kinds, per layer: mlx-lm KVCache ("kv"), TurboQuantKVCache ("tq"),
+DelayedTurboQuantKVCache ("dplain" before conversion, "dtq" after) and AffineKVCache
+("affine"). RotatingKVCache (sliding windows) is refused: its buffer overwrites positions
+in place, so a prefix of it is not recoverable; a model with such layers is served
+without prefix reuse (`snapshot_kinds` returns None).
+
+Planes for the SSD tier: `to_planes` gives (name, bytes, shape, dtype) per array
+("<layer>.<plane>"); bfloat16 travels as its 16-bit pattern. `from_planes` restores a
+Snapshot against the layer templates of the engine's own cache factory, so a file whose
+kinds or settings differ from this engine's is refused (ValueError) and served as a miss.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import attrs
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models.cache import KVCache
+
+from engine.kv.affine import AffineKVCache
+from engine.kv.affine import PLANES as AFFINE_PLANES
+from engine.kv.delayed import DelayedTurboQuantKVCache
+from engine.kv.rows import KvTensorRows
+from engine.kv.turboquant import PLANES as TQ_PLANES
+from engine.kv.turboquant import TurboQuantKVCache
+
+PLAIN_PLANES = ("keys", "values")
+_DTYPES = {mx.float32: "float32", mx.float16: "float16", mx.bfloat16: "bfloat16",
+           mx.uint8: "uint8", mx.uint16: "uint16", mx.uint32: "uint32", mx.int32: "int32",
+           mx.int8: "int8"}
+_MX_DTYPES = {name: dtype for dtype, name in _DTYPES.items()}
+
+
+@attrs.frozen(kw_only=True)
+class Snapshot:
+    """One row's caches per layer (immutable by convention: nothing writes them)."""
+
+    layers: tuple[Any, ...]
+    kinds: tuple[str, ...]
+    offset: int
+    minimum_reusable_offset: int
+
+    @property
+    def nbytes(self) -> int:
+        return sum(_planes_nbytes(_planes(c)) for c in self.layers)
+
+
+def _planes_nbytes(planes: Mapping[str, mx.array]) -> int:
+    return sum(a.nbytes for a in planes.values())
+
+
+def layer_kind(cache: Any) -> str | None:
+    """The snapshot kind of one layer's cache; None if it cannot be snapshotted."""
+    if type(cache) is KVCache:
+        return "kv"
+    if isinstance(cache, TurboQuantKVCache):
+        return "tq"
+    if isinstance(cache, DelayedTurboQuantKVCache):
+        return "dtq" if cache.converted else "dplain"
+    if isinstance(cache, AffineKVCache):
+        return "affine"
+    return None
+
+
+def snapshot_kinds(template: Sequence[Any]) -> tuple[str, ...] | None:
+    """Kinds of a fresh cache list; None if some layer cannot be snapshotted."""
+    kinds = tuple(layer_kind(c) for c in template)
+    return None if None in kinds else kinds  # type: ignore[return-value]
+
+
+def _planes(cache: Any) -> dict[str, mx.array]:
+    if type(cache) is KVCache:
+        if cache.keys is None:
+            return {}
+        return {"keys": cache.keys[..., :cache.offset, :],
+                "values": cache.values[..., :cache.offset, :]}
+    if isinstance(cache, DelayedTurboQuantKVCache):
+        return _planes(cache.inner)
+    return cache.rows.valid_planes()
+
+
+def extract_snapshot(batch_layers: Sequence[Any], index: int) -> Snapshot | None:
+    """Row `index` of the batch caches as a Snapshot; None if a layer cannot be."""
+    layers = tuple(c.extract(index) for c in batch_layers)
+    kinds = tuple(layer_kind(c) for c in layers)
+    if None in kinds:
+        return None
+    mx.eval([list(_planes(c).values()) for c in layers])
+    offset = min(int(c.offset) for c in layers)
+    boundary = max((c.minimum_reusable_offset for c in layers
+                    if isinstance(c, DelayedTurboQuantKVCache)), default=0)
+    return Snapshot(layers=layers, kinds=kinds, offset=offset,  # type: ignore[arg-type]
+                    minimum_reusable_offset=boundary)
+
+
+def _cut(planes: Mapping[str, mx.array], length: int) -> dict[str, mx.array]:
+    return {name: a[:, :, :length] for name, a in planes.items()}
+
+
+def _layer_from(template: Any, kind: str, planes: Mapping[str, mx.array],
+                boundary: int) -> Any:
+    """A NEW cache like `template` holding `planes` (already cut)."""
+    if kind == "kv":
+        cache = KVCache()
+        if planes:
+            cache.keys, cache.values = planes["keys"], planes["values"]
+            cache.offset = int(cache.keys.shape[2])
+        return cache
+    if kind == "tq":
+        return TurboQuantKVCache.of(template.config, KvTensorRows.from_planes(planes))
+    if kind in ("dplain", "dtq"):
+        inner = (TurboQuantKVCache.of(template.config, KvTensorRows.from_planes(planes))
+                 if kind == "dtq" else _layer_from(None, "kv", planes, 0))
+        return DelayedTurboQuantKVCache.of(template.quantized_kv_start, template.config, inner,
+                                           boundary if kind == "dtq" else 0)
+    if kind == "affine":
+        cache = AffineKVCache(template.bits, template.group_size)
+        cache.rows = KvTensorRows.from_planes(planes)
+        return cache
+    raise ValueError(f"unknown snapshot layer kind {kind!r}")
+
+
+def row_from_snapshot(snapshot: Snapshot, length: int) -> list[Any]:
+    """New per-layer caches holding the snapshot's first `length` positions, by reference."""
+    if not snapshot.minimum_reusable_offset <= length <= snapshot.offset:
+        raise ValueError(f"cannot reuse {length} positions of a snapshot of {snapshot.offset} "
+                         f"with boundary {snapshot.minimum_reusable_offset}")
+    out = []
+    for cache, kind in zip(snapshot.layers, snapshot.kinds):
+        boundary = getattr(cache, "minimum_reusable_offset", 0)
+        out.append(_layer_from(cache, kind, _cut(_planes(cache), length), boundary))
+    return out
+
+
+def to_planes(snapshot: Snapshot) -> list[tuple[str, bytes, tuple[int, ...], str]]:
+    """Every array as (name, raw bytes, shape, dtype) for the SSD tier."""
+    out = []
+    for i, cache in enumerate(snapshot.layers):
+        for name, array in _planes(cache).items():
+            dtype = _DTYPES[array.dtype]
+            raw = array.view(mx.uint16) if array.dtype == mx.bfloat16 else array
+            out.append((f"{i}.{name}", np.array(raw).tobytes(), tuple(array.shape), dtype))
+    return out
+
+
+def layer_kinds_text(snapshot: Snapshot) -> str:
+    """The kinds as one header string, e.g. "kv,kv" or "dtq,dtq"."""
+    return ",".join(snapshot.kinds)
+
+
+def from_planes(template: Sequence[Any], kinds_text: str, offset: int, boundary: int,
+                planes: Mapping[str, tuple[bytes, Sequence[int], str]]) -> Snapshot:
+    """Rebuild a Snapshot against a fresh cache list; ValueError if anything disagrees."""
+    kinds = tuple(kinds_text.split(","))
+    if len(kinds) != len(template):
+        raise ValueError(f"snapshot has {len(kinds)} layers, the model {len(template)}")
+    expected = snapshot_kinds(template)
+    if expected is None:
+        raise ValueError("this model's caches cannot be restored from snapshots")
+    layers = []
+    for i, (kind, fresh, want) in enumerate(zip(kinds, template, expected)):
+        if kind != want and {kind, want} != {"dplain", "dtq"}:
+            raise ValueError(f"layer {i}: snapshot kind {kind} != engine kind {want}")
+        names = {"kv": PLAIN_PLANES, "dplain": PLAIN_PLANES, "tq": TQ_PLANES,
+                 "dtq": TQ_PLANES, "affine": AFFINE_PLANES}[kind]
+        arrays = {}
+        for name in names:
+            if f"{i}.{name}" not in planes:
+                raise ValueError(f"plane {i}.{name} is missing")
+            data, shape, dtype = planes[f"{i}.{name}"]
+            if dtype not in _MX_DTYPES:
+                raise ValueError(f"unsupported plane dtype {dtype}")
+            stored = "uint16" if dtype == "bfloat16" else dtype
+            array = mx.array(np.frombuffer(data, dtype=stored).reshape(tuple(shape)))
+            arrays[name] = array.view(mx.bfloat16) if dtype == "bfloat16" else array
+            if len(shape) != 4 or shape[0] != 1 or shape[2] != offset:
+                raise ValueError(f"plane {i}.{name} of shape {tuple(shape)} for offset {offset}")
+        layers.append(_layer_from(fresh, kind, arrays, boundary))
+    mx.eval([list(_planes(c).values()) for c in layers])
+    return Snapshot(layers=tuple(layers), kinds=kinds, offset=offset,
+                    minimum_reusable_offset=boundary)
+
+
+def describe(snapshot: Snapshot) -> dict[str, Any]:
+    """The header fields of the SSD format that depend on the cache kind."""
+    tq = next((c for c in snapshot.layers if isinstance(c, (TurboQuantKVCache,
+                                                            DelayedTurboQuantKVCache))), None)
+    if tq is not None:
+        config = tq.config
+        return {"cache_kind": "turboquant", "k_bits": config.k_bits, "v_bits": config.v_bits,
+                "head_dim": config.head_dim, "rotation_id": f"{config.rotation}:{config.seed}"}
+    affine = next((c for c in snapshot.layers if isinstance(c, AffineKVCache)), None)
+    first = _planes(snapshot.layers[0])
+    head_dim = int(first["keys"].shape[-1]) if "keys" in first else 1
+    if affine is not None:
+        return {"cache_kind": "affine", "k_bits": affine.bits, "v_bits": affine.bits,
+                "head_dim": head_dim, "rotation_id": None}
+    return {"cache_kind": "kv", "k_bits": None, "v_bits": None, "head_dim": head_dim,
+            "rotation_id": None}
