@@ -169,6 +169,10 @@ class PrefixCache:
         if event.finish_reason in ("stop", "length") and event.completion_tokens > 0:
             self._finished[event.request_id] = (f"r{next(self._ids)}", event.tokens)
 
+    def has_orders(self) -> bool:
+        """Whether spill or drop orders wait for a step (the scheduler then runs one)."""
+        return bool(self._spill or self._drop)
+
     def decorate(self, plan: StepPlan) -> StepPlan:
         """Add this step's snapshot, spill and drop orders to the core's plan."""
         orders = []

@@ -109,7 +109,7 @@ async def run_scheduler(
                     break
                 except trio.EndOfChannel:
                     closed = True
-            if not core.has_work():
+            if not core.has_work() and not (prefix is not None and prefix.has_orders()):
                 if closed:
                     return
                 try:
