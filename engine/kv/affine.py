@@ -27,10 +27,9 @@ from collections.abc import Sequence
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.base import create_causal_mask
-from mlx_lm.models.cache import KVCache, _BaseCache, create_attention_mask
+from mlx_lm.models.cache import KVCache, _BaseCache
 
-from engine.kv.rows import KvTensorRows, row_indices
+from engine.kv.rows import BatchRowsView, KvTensorRows, SingleRowView, row_indices
 
 KV_BITS = (4, 8)
 KV_GROUP_SIZES = (32, 64, 128)
@@ -116,7 +115,7 @@ class _AffineCache(_BaseCache):
                              f"{self.bits}/{self.group_size} and {other.bits}/{other.group_size}")
 
 
-class AffineKVCache(_AffineCache):
+class AffineKVCache(SingleRowView, _AffineCache):
     """One row of affine-quantized KV (see the module doc)."""
 
     def __init__(self, bits: int = 8, group_size: int = 64) -> None:
@@ -133,19 +132,6 @@ class AffineKVCache(_AffineCache):
             end = kv_cache.offset
             cache.update_and_fetch(kv_cache.keys[..., :end, :], kv_cache.values[..., :end, :])
         return cache
-
-    def _reshape_empty(self, num_rows: int) -> None:
-        self.rows = KvTensorRows([0] * num_rows)
-
-    @property
-    def offset(self) -> int:
-        """Tokens held."""
-        return self.rows.idx
-
-    def make_mask(self, N: int, return_array: bool = False,
-                  window_size: int | None = None) -> Any:
-        """The mask a KVCache at this offset makes: None, "causal" or an array."""
-        return create_attention_mask(N, self.offset, return_array, window_size)
 
     @classmethod
     def merge(cls, caches: Sequence[_AffineCache]) -> BatchedAffineKVCache:
@@ -165,27 +151,12 @@ class AffineKVCache(_AffineCache):
             raise ValueError(f"state planes of {self.rows.idx} positions for offset {v[6]}")
 
 
-class BatchedAffineKVCache(_AffineCache):
+class BatchedAffineKVCache(BatchRowsView, _AffineCache):
     """A batch of affine rows with per-row offsets and physical left padding."""
 
     def __init__(self, bits: int, group_size: int, left_padding: Sequence[int]) -> None:
         """Empty rows with `left_padding` (as BatchKVCache)."""
         super().__init__(bits, group_size, KvTensorRows(left_padding))
-
-    @property
-    def offset(self) -> mx.array:
-        """Tokens held per row (int32 array)."""
-        return mx.array(self.rows.offsets, dtype=mx.int32)
-
-    @property
-    def left_padding(self) -> mx.array:
-        """Physical left padding per row (int32 array)."""
-        return mx.array(self.rows.left_padding, dtype=mx.int32)
-
-    def make_mask(self, N: int, return_array: bool = False, **kwargs: Any) -> mx.array:
-        """Causal boolean mask (B, 1, N, idx + N) hiding each row's padding."""
-        return create_causal_mask(N, offset=self.rows.idx, left_padding=self.left_padding,
-                                  **kwargs)
 
     @classmethod
     def merge(cls, caches: Sequence[_AffineCache]) -> BatchedAffineKVCache:

@@ -19,9 +19,12 @@ Rows are validated with exceptions: wrong plane names or shapes raise ValueError
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
+from mlx_lm.models.base import create_causal_mask
+from mlx_lm.models.cache import create_attention_mask
 
 STEP = 256
 Planes = dict[str, mx.array]
@@ -249,3 +252,44 @@ class KvTensorRows:
                             for n, a in self._planes.items()}
         self._left_padding = [p + q for p, q in zip(self._left_padding, self._right_padding)]
         self._right_padding = None
+
+
+class SingleRowView:
+    """The position side of mlx-lm's protocol for a one-row cache on `self.rows`."""
+
+    rows: KvTensorRows
+
+    def _reshape_empty(self, num_rows: int) -> None:
+        self.rows = KvTensorRows([0] * num_rows)
+
+    @property
+    def offset(self) -> int:
+        """Tokens held."""
+        return self.rows.idx
+
+    def make_mask(self, N: int, return_array: bool = False,
+                  window_size: int | None = None) -> Any:
+        """The mask a KVCache at this offset makes: None, "causal" or an array."""
+        return create_attention_mask(N, self.offset, return_array, window_size)
+
+
+class BatchRowsView:
+    """The position side of mlx-lm's protocol for a batched cache on `self.rows`
+    (as BatchKVCache: per-row offset and left padding arrays, a padded causal mask)."""
+
+    rows: KvTensorRows
+
+    @property
+    def offset(self) -> mx.array:
+        """Tokens held per row (int32 array)."""
+        return mx.array(self.rows.offsets, dtype=mx.int32)
+
+    @property
+    def left_padding(self) -> mx.array:
+        """Physical left padding per row (int32 array)."""
+        return mx.array(self.rows.left_padding, dtype=mx.int32)
+
+    def make_mask(self, N: int, return_array: bool = False, **kwargs: Any) -> mx.array:
+        """Causal boolean mask (B, 1, N, idx + N) hiding each row's padding."""
+        return create_causal_mask(N, offset=self.rows.idx, left_padding=self.left_padding,
+                                  **kwargs)

@@ -34,12 +34,11 @@ from typing import Any
 
 import attrs
 import mlx.core as mx
-from mlx_lm.models.base import create_causal_mask
-from mlx_lm.models.cache import KVCache, _BaseCache, create_attention_mask
+from mlx_lm.models.cache import KVCache, _BaseCache
 
 from engine.codec.turboquant import DEFAULT_ROTATION, TurboQuantCodec
 from engine.kv.attention import RotatedKV, fused_decode_from_env
-from engine.kv.rows import KvTensorRows, row_indices
+from engine.kv.rows import BatchRowsView, KvTensorRows, SingleRowView, row_indices
 
 PLANES = ("key_codes", "key_norms", "value_codes", "value_norms")
 
@@ -169,7 +168,7 @@ class _TurboQuantCache(_BaseCache):
             raise ValueError(f"cannot combine TurboQuant caches {self.config} and {other.config}")
 
 
-class TurboQuantKVCache(_TurboQuantCache):
+class TurboQuantKVCache(SingleRowView, _TurboQuantCache):
     """One row of TurboQuant KV (see the module doc)."""
 
     def __init__(self, k_bits: int, v_bits: int, head_dim: int, seed: int = 0,
@@ -205,19 +204,6 @@ class TurboQuantKVCache(_TurboQuantCache):
             cache.update_and_fetch(kv_cache.keys[..., :end, :], kv_cache.values[..., :end, :])
         return cache
 
-    def _reshape_empty(self, num_rows: int) -> None:
-        self.rows = KvTensorRows([0] * num_rows)
-
-    @property
-    def offset(self) -> int:
-        """Tokens held."""
-        return self.rows.idx
-
-    def make_mask(self, N: int, return_array: bool = False,
-                  window_size: int | None = None) -> Any:
-        """The mask a KVCache at this offset makes: None, "causal" or an array."""
-        return create_attention_mask(N, self.offset, return_array, window_size)
-
     @classmethod
     def merge(cls, caches: Sequence[TurboQuantKVCache]) -> BatchedTurboQuantKVCache:
         """A batch of single rows (shorter rows are left-padded)."""
@@ -237,7 +223,7 @@ class TurboQuantKVCache(_TurboQuantCache):
         self.rows = KvTensorRows.from_planes(planes)
 
 
-class BatchedTurboQuantKVCache(_TurboQuantCache):
+class BatchedTurboQuantKVCache(BatchRowsView, _TurboQuantCache):
     """A batch of TurboQuant rows with per-row offsets and physical left padding."""
 
     def __init__(self, k_bits: int, v_bits: int, head_dim: int, left_padding: Sequence[int],
@@ -253,21 +239,6 @@ class BatchedTurboQuantKVCache(_TurboQuantCache):
         cache = cls.__new__(cls)
         _TurboQuantCache.__init__(cache, config, rows)
         return cache
-
-    @property
-    def offset(self) -> mx.array:
-        """Tokens held per row (int32 array)."""
-        return mx.array(self.rows.offsets, dtype=mx.int32)
-
-    @property
-    def left_padding(self) -> mx.array:
-        """Physical left padding per row (int32 array)."""
-        return mx.array(self.rows.left_padding, dtype=mx.int32)
-
-    def make_mask(self, N: int, return_array: bool = False, **kwargs: Any) -> mx.array:
-        """Causal mask over the written positions, hiding each row's padding."""
-        return create_causal_mask(N, offset=self.rows.idx, left_padding=self.left_padding,
-                                  **kwargs)
 
     @classmethod
     def merge(cls, caches: Sequence[_TurboQuantCache]) -> BatchedTurboQuantKVCache:
