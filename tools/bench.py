@@ -217,8 +217,11 @@ async def _measure(settings: Settings, loaded: Any) -> dict[str, Any]:
     prompts = make_prompts(loaded.tokenizer, c, settings.decode_prompt_tokens)
     long_prompt = make_prompts(loaded.tokenizer, 1, settings.prompt_tokens,
                                skip=c * settings.decode_prompt_tokens)[0]
+    # The prefix cache is off: every run repeats the same prompts, and mlx-lm has none,
+    # so with it on TTFT would measure cache hits (tools/bench_prefix measures those).
     config = Config(model=str(loaded.path), dtype=settings.dtype, max_batch=max(32, c),
-                    max_queued_requests=max(64, c), max_tokens_cap=max(4096, n))
+                    max_queued_requests=max(64, c), max_tokens_cap=max(4096, n),
+                    prefix_cache=False)
     no_eos = attrs.evolve(loaded, eos_token_ids=frozenset())
     async with open_engine(config, loaded=no_eos) as engine:
         single = await compare(lambda: tq_batch(engine, prompts[:1], n),
