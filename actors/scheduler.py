@@ -98,6 +98,15 @@ async def run_scheduler(
             case _:
                 raise TypeError(f"scheduler got unexpected {type(msg).__name__}")
 
+    last_usage = KvUsage(kv_bytes=0, num_rows=0)
+
+    async def report_usage(usage: KvUsage) -> None:
+        """Tell the cache owner, only when it changed (the cache grows every 256 steps)."""
+        nonlocal last_usage
+        if usage != last_usage:
+            last_usage = usage
+            await cache_owner.send(usage)
+
     task_status.started()
     async with admission_replies, cache_owner, hub:
         closed = False
@@ -131,9 +140,9 @@ async def run_scheduler(
                     prefix.release_reuse(new.request_id)
                 for event in core.fail_all():
                     await emit(event, error=f"engine step failed: {type(exc).__name__}: {exc}")
-                await cache_owner.send(KvUsage(kv_bytes=0, num_rows=0))
+                await report_usage(KvUsage(kv_bytes=0, num_rows=0))
                 continue
-            await cache_owner.send(KvUsage(kv_bytes=result.kv_bytes, num_rows=len(plan.decode)))
+            await report_usage(KvUsage(kv_bytes=result.kv_bytes, num_rows=len(plan.decode)))
             if prefix is not None:
                 await prefix.absorb(plan, result)
             for event in core.postprocess(result):
