@@ -27,9 +27,10 @@ from collections.abc import Sequence
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache, _BaseCache
+from mlx_lm.models.cache import KVCache
 
-from engine.kv.rows import BatchRowsView, KvTensorRows, SingleRowView, row_indices
+from engine.kv.rows import (BatchRowsView, KvTensorRows, PlanesCache, SingleRowView,
+                             row_indices)
 
 KV_BITS = (4, 8)
 KV_GROUP_SIZES = (32, 64, 128)
@@ -46,8 +47,10 @@ def check_affine_settings(bits: int, group_size: int) -> None:
                          f"got {group_size!r}")
 
 
-class _AffineCache(_BaseCache):
+class _AffineCache(PlanesCache):
     """What one row and a batch share: bits, group size, the six planes, encode + append."""
+
+    PLANES = PLANES
 
     def __init__(self, bits: int, group_size: int, rows: KvTensorRows) -> None:
         check_affine_settings(bits, group_size)
@@ -79,35 +82,6 @@ class _AffineCache(_BaseCache):
         p = self.rows.valid_planes()
         return ((p["key_wq"], p["key_scales"], p["key_biases"]),
                 (p["value_wq"], p["value_scales"], p["value_biases"]))
-
-    def _planes_state(self) -> tuple[mx.array | None, ...]:
-        planes = self.rows.valid_planes()
-        return tuple(planes.get(n) for n in PLANES)
-
-    @staticmethod
-    def _planes_from(values: Sequence[mx.array | None]) -> dict[str, mx.array]:
-        return {n: v for n, v in zip(PLANES, values) if v is not None}
-
-    def size(self) -> int:
-        """Positions written (the shared write index; padding included for batches)."""
-        return self.rows.idx
-
-    def empty(self) -> bool:
-        """True until the first append."""
-        return self.rows.empty
-
-    @property
-    def nbytes(self) -> int:
-        """Allocated bytes of the six planes (KvTensorRows.nbytes)."""
-        return self.rows.nbytes
-
-    def is_trimmable(self) -> bool:
-        """Always: positions can be dropped from the end."""
-        return True
-
-    def trim(self, n: int) -> int:
-        """Drop the last n positions (at most the shortest row); returns how many."""
-        return self.rows.trim(n)
 
     def _check_same_settings(self, other: _AffineCache) -> None:
         if (other.bits, other.group_size) != (self.bits, self.group_size):

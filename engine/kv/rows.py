@@ -24,7 +24,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 from mlx_lm.models.base import create_causal_mask
-from mlx_lm.models.cache import create_attention_mask
+from mlx_lm.models.cache import _BaseCache, create_attention_mask
 
 STEP = 256
 Planes = dict[str, mx.array]
@@ -293,3 +293,40 @@ class BatchRowsView:
         """Causal boolean mask (B, 1, N, idx + N) hiding each row's padding."""
         return create_causal_mask(N, offset=self.rows.idx, left_padding=self.left_padding,
                                   **kwargs)
+
+
+class PlanesCache(_BaseCache):
+    """The storage side of mlx-lm's cache protocol for caches whose state is the named
+    planes `PLANES` of a KvTensorRows (`self.rows`): sizes, trim, state planes."""
+
+    PLANES: tuple[str, ...] = ()
+    rows: KvTensorRows
+
+    def _planes_state(self) -> tuple[mx.array | None, ...]:
+        planes = self.rows.valid_planes()
+        return tuple(planes.get(n) for n in self.PLANES)
+
+    @classmethod
+    def _planes_from(cls, values: Sequence[mx.array | None]) -> dict[str, mx.array]:
+        return {n: v for n, v in zip(cls.PLANES, values) if v is not None}
+
+    def size(self) -> int:
+        """Positions written (the shared write index; padding included for batches)."""
+        return self.rows.idx
+
+    def empty(self) -> bool:
+        """True until the first append."""
+        return self.rows.empty
+
+    @property
+    def nbytes(self) -> int:
+        """Allocated bytes of the planes (KvTensorRows.nbytes)."""
+        return self.rows.nbytes
+
+    def is_trimmable(self) -> bool:
+        """Always: positions can be dropped from the end."""
+        return True
+
+    def trim(self, n: int) -> int:
+        """Drop the last n positions (at most the shortest row); returns how many."""
+        return self.rows.trim(n)

@@ -34,11 +34,12 @@ from typing import Any
 
 import attrs
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache, _BaseCache
+from mlx_lm.models.cache import KVCache
 
 from engine.codec.turboquant import DEFAULT_ROTATION, TurboQuantCodec
 from engine.kv.attention import RotatedKV, fused_decode_from_env
-from engine.kv.rows import BatchRowsView, KvTensorRows, SingleRowView, row_indices
+from engine.kv.rows import (BatchRowsView, KvTensorRows, PlanesCache, SingleRowView,
+                             row_indices)
 
 PLANES = ("key_codes", "key_norms", "value_codes", "value_norms")
 
@@ -95,8 +96,10 @@ class TurboQuantConfig:
                    seed=int(seed), rotation=str(rotation), fused_decode=bool(fused))
 
 
-class _TurboQuantCache(_BaseCache):
+class _TurboQuantCache(PlanesCache):
     """What one row and a batch share: the config, the four planes, encode + append."""
+
+    PLANES = PLANES
 
     def __init__(self, config: TurboQuantConfig, rows: KvTensorRows) -> None:
         self.config = config
@@ -132,36 +135,6 @@ class _TurboQuantCache(_BaseCache):
                          value_codec=self.config.value_codec,
                          fused_decode=self.config.fused_decode, length=self.rows.idx,
                          left_padding=self.rows.left_padding)
-
-    def _planes_state(self) -> tuple[mx.array | None, ...]:
-        planes = self.rows.valid_planes()
-        return tuple(planes.get(n) for n in PLANES)
-
-    @staticmethod
-    def _planes_from(values: Sequence[mx.array | None]) -> dict[str, mx.array]:
-        if values[0] is None:
-            return {}
-        return {n: v for n, v in zip(PLANES, values) if v is not None}
-
-    def size(self) -> int:
-        """Positions written (the shared write index; padding included for batches)."""
-        return self.rows.idx
-
-    def empty(self) -> bool:
-        """True until the first append."""
-        return self.rows.empty
-
-    @property
-    def nbytes(self) -> int:
-        """Allocated bytes of the four planes (KvTensorRows.nbytes)."""
-        return self.rows.nbytes
-
-    def is_trimmable(self) -> bool:
-        return True
-
-    def trim(self, n: int) -> int:
-        """Drop the last n positions (at most the shortest row); returns how many."""
-        return self.rows.trim(n)
 
     def _check_same_config(self, other: _TurboQuantCache) -> None:
         if other.config != self.config:
