@@ -235,12 +235,16 @@ def kv_scheme(config: Config, dtype: str) -> str:
     return f"plain:{dtype}"
 
 
+def _log_eviction(key: str) -> None:
+    logging.getLogger("tqserve.prefix").info("snapshot removed %s", key)
+
+
 def _prefix_cache(config: Config, loaded: LoadedModel, runner: Runner,
                   thread: RunnerThread) -> PrefixCache:
     tier = None
     if config.cache_dir is not None:
         tier = SsdTier(config.cache_dir, config.ssd_cache_bytes,
-                       expected_fingerprints=[loaded.fingerprint])
+                       expected_fingerprints=[loaded.fingerprint], on_evict=_log_eviction)
 
     async def restore(*args: object) -> int:
         return await thread.call(runner.restore, *args)

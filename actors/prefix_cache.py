@@ -19,7 +19,9 @@ sync calls, no await in between), so there is no edge back and the graph stays a
 
 Acknowledgement: a snapshot is acknowledged when SsdTier.put returned (temp file, fsync,
 rename, directory fsync); then "snapshot acknowledged <key>" is logged on tqserve.prefix.
-Files dropped later (superseded, evicted) log "snapshot removed <key>".
+Files dropped later (superseded, evicted) log "snapshot removed <key>" before the unlink
+(evictions inside SsdTier through its `on_evict` hook), so an acknowledged file that is gone
+after a crash was always announced.
 """
 
 from __future__ import annotations
@@ -261,8 +263,10 @@ class PrefixCache:
     async def _remove_files(self, keys: list[str]) -> None:
         for key in keys:
             if self.tier is not None:
-                await trio.to_thread.run_sync(functools.partial(self.tier.remove, key))
+                # Logged before the unlink: a kill in between leaves a file that is merely
+                # not required, never an acknowledged file gone without a word.
                 log.info("snapshot removed %s", key)
+                await trio.to_thread.run_sync(functools.partial(self.tier.remove, key))
 
     def statistics(self) -> PrefixCacheStatistics:
         index = self.index.statistics()

@@ -16,7 +16,7 @@ import functools
 import logging
 import os
 import threading
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -85,7 +85,10 @@ class SsdTier:
         zstd_level: int = 3,
         expected_fingerprints: Collection[str] | None = None,
         expected_namespaces: Collection[str] | None = None,
+        on_evict: Callable[[str], None] | None = None,
     ) -> None:
+        """`on_evict(key)` runs before each evicted file is unlinked (under the tier's lock:
+        it must not call back into the tier)."""
         if max_bytes <= 0:
             raise ValueError(f"max_bytes must be positive, got {max_bytes}")
         self.directory = Path(directory)
@@ -93,6 +96,7 @@ class SsdTier:
         self.zstd_level = zstd_level
         self._expected_fingerprints = _optional_set(expected_fingerprints)
         self._expected_namespaces = _optional_set(expected_namespaces)
+        self._on_evict = on_evict
         self._lock = threading.Lock()
         self._index: dict[str, TierEntry] | None = None
         self._num_bytes = 0
@@ -297,6 +301,8 @@ class SsdTier:
                 break
             if entry.key == keep:
                 continue
+            if self._on_evict is not None:
+                self._on_evict(entry.key)
             self._delete_locked(entry)
             num_evicted += 1
         self._counts["evicted"] += num_evicted

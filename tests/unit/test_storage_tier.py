@@ -275,3 +275,25 @@ async def test_async_wrappers_run_on_worker_threads(tmp_path):
         assert planes["layers.0.keys"].data == data
     assert tier.statistics().num_writes == 8
     assert index_matches_directory(tier)
+
+
+def test_on_evict_announces_each_eviction_before_the_unlink(tmp_path):
+    """The server logs "snapshot removed" from this hook: it must run while the file exists,
+    so a crash between the two never hides the removal of an acknowledged file."""
+    directory = tmp_path / "ssd"
+    seen: list[tuple[str, bool]] = []
+
+    def hook(key: str) -> None:
+        seen.append((key, (directory / f"{key}.tqsnap").is_file()))
+
+    tier = SsdTier(directory, max_bytes=1 << 20, on_evict=hook)
+    tier.recover()
+    first = store(tier, (1,), size=1000)
+    one = tier.entries()[0].num_bytes
+    tier.max_bytes = 2 * one + one // 2
+    keys = [first] + [store(tier, (2, n), size=1000) for n in range(3)]
+    assert seen == [(keys[0], True), (keys[1], True)]
+    restarted = SsdTier(directory, max_bytes=one + one // 2, on_evict=hook)
+    restarted.recover()  # the budget shrank: recovery evicts the oldest too
+    assert seen[2:] == [(keys[2], True)]
+    assert [entry.key for entry in restarted.entries()] == keys[3:]
