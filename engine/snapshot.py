@@ -202,10 +202,13 @@ def describe(snapshot: Snapshot) -> dict[str, Any]:
         return {"cache_kind": "turboquant", "k_bits": config.k_bits, "v_bits": config.v_bits,
                 "head_dim": config.head_dim, "rotation_id": f"{config.rotation}:{config.seed}"}
     affine = next((c for c in snapshot.layers if isinstance(c, AffineKVCache)), None)
-    first = _planes(snapshot.layers[0])
-    head_dim = int(first["keys"].shape[-1]) if "keys" in first else 1
     if affine is not None:
+        # key_wq packs head_dim values of `bits` bits into uint32 words.
+        words = _planes(affine).get("key_wq")
+        head_dim = int(words.shape[-1]) * 32 // affine.bits if words is not None else 1
         return {"cache_kind": "affine", "k_bits": affine.bits, "v_bits": affine.bits,
                 "head_dim": head_dim, "rotation_id": None}
+    first = _planes(snapshot.layers[0])
+    head_dim = int(first["keys"].shape[-1]) if "keys" in first else 1
     return {"cache_kind": "kv", "k_bits": None, "v_bits": None, "head_dim": head_dim,
             "rotation_id": None}
