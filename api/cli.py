@@ -1,7 +1,8 @@
-"""`tqserve` command line: serve | generate | bench | bench-kv | eval-kv.
+"""`tqserve` command line: serve | generate | bench | bench-kv | bench-prefix | eval-kv.
 
-serve and generate map their flags 1:1 onto engine.config.Config; bench, bench-kv and
-eval-kv hand their arguments to tools.bench, tools.bench_kv and tools.eval_kv.
+serve and generate map their flags 1:1 onto engine.config.Config; bench, bench-kv,
+bench-prefix and eval-kv hand their arguments to tools.bench, tools.bench_kv,
+tools.bench_prefix and tools.eval_kv.
 
 Bad arguments print one line and exit with code 2; a model that cannot be loaded
 too. Nothing here prints a traceback for the user's mistakes.
@@ -72,6 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     _config_flags(gen, server=False)
     for name, text in (("bench", "tqserve vs mlx-lm, side by side (tools/bench)"),
                        ("bench-kv", "TurboQuant vs plain decode speed (tools/bench_kv)"),
+                       ("bench-prefix", "prefix cache TTFT cold/RAM/SSD and snapshot bytes "
+                                        "(tools/bench_prefix)"),
                        ("eval-kv", "KV-cache quality: perplexity and KL (tools/eval_kv)")):
         sub.add_parser(name, help=text, add_help=False)
     gen.add_argument("--prompt", required=True)
@@ -119,7 +122,8 @@ async def _serve(config: Config) -> int:
     return 0
 
 
-_TOOLS = {"bench": "tools.bench", "bench-kv": "tools.bench_kv", "eval-kv": "tools.eval_kv"}
+_TOOLS = {"bench": "tools.bench", "bench-kv": "tools.bench_kv", "eval-kv": "tools.eval_kv",
+          "bench-prefix": "tools.bench_prefix"}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
