@@ -136,8 +136,9 @@ async def run_scheduler(
             except Exception as exc:
                 log.exception("runner step failed; failing %d requests", len(core.active_ids()))
                 await thread.call(runner.reset)
-                for new in plan.new_rows if prefix is not None else ():
-                    prefix.release_reuse(new.request_id)
+                if prefix is not None:
+                    for new in plan.new_rows:
+                        prefix.release_reuse(new.request_id)
                 for event in core.fail_all():
                     await emit(event, error=f"engine step failed: {type(exc).__name__}: {exc}")
                 await report_usage(KvUsage(kv_bytes=0, num_rows=0))

@@ -29,7 +29,7 @@ from typing import Any, Callable
 
 import attrs
 import mlx.core as mx
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 
 from engine.sampling import LazySample, RowSampler, build_sample, finalize_sample
 from engine.scheduler import RowOutput, SnapshotMade, SpillPayload, StepPlan, StepResult
@@ -56,6 +56,20 @@ class RunnerStatistics:
     num_forward_tokens: int
     num_snapshots: int
     snapshot_bytes: int
+
+
+def _as_batch(cache: Any) -> Any:
+    """One row's cache as a batch of one. A plain KVCache hands its buffers over as they
+    are (no copy: the row's cache is dropped after joining, and its spare capacity means
+    the next append does not re-copy the whole history, as `BatchKVCache.merge`'s
+    exact-size buffer would); other kinds go through their class's `merge`."""
+    if type(cache) is not KVCache or cache.keys is None:
+        return type(cache).merge([cache])
+    batch = BatchKVCache([0])
+    batch.keys, batch.values = cache.keys, cache.values
+    batch.offset = mx.array([cache.offset])
+    batch._idx = cache.offset
+    return batch
 
 
 def _cache_nbytes(cache: list[Any] | None) -> int:
@@ -172,10 +186,10 @@ class Runner:
         row = self._rows[request_id]
         if row.cache is None:
             raise RuntimeError(f"{request_id} joined twice")
-        merged = [type(c).merge([c]) for c in row.cache]
         if self._batch_cache is None:
-            self._batch_cache = merged
+            self._batch_cache = [_as_batch(c) for c in row.cache]
         else:
+            merged = [type(c).merge([c]) for c in row.cache]
             for mine, theirs in zip(self._batch_cache, merged):
                 mine.extend(theirs)
         row.cache = None

@@ -126,9 +126,9 @@ def _layer_from(template: Any, kind: str, planes: Mapping[str, mx.array],
         return DelayedTurboQuantKVCache.of(template.quantized_kv_start, template.config, inner,
                                            boundary if kind == "dtq" else 0)
     if kind == "affine":
-        cache = AffineKVCache(template.bits, template.group_size)
-        cache.rows = KvTensorRows.from_planes(planes)
-        return cache
+        affine = AffineKVCache(template.bits, template.group_size)
+        affine.rows = KvTensorRows.from_planes(planes)
+        return affine
     raise ValueError(f"unknown snapshot layer kind {kind!r}")
 
 

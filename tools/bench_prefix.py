@@ -106,7 +106,9 @@ async def _measure(loaded: Any, prompt_tokens: int, repeats: int, workdir: Path)
         for prompt in prompts:
             runs["ssd"].append(await _ttft(engine, prompt))
     sizes = {}
-    for name, kv in (("plain", {}), ("turboquant_k4v4", {"turboquant": "k4v4"})):
+    schemes: list[tuple[str, dict[str, Any]]] = [("plain", {}),
+                                                 ("turboquant_k4v4", {"turboquant": "k4v4"})]
+    for name, kv in schemes:
         directory = workdir / f"sizes-{name}"
         config = Config(**base, ram_cache_bytes=1, cache_dir=str(directory), **kv)
         async with open_engine(config, loaded=no_eos) as engine:
