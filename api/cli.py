@@ -11,17 +11,15 @@ too. Nothing here prints a traceback for the user's mistakes.
 from __future__ import annotations
 
 import argparse
-import logging
 import importlib
+import logging
 import sys
-from typing import NoReturn, Sequence
+from typing import TYPE_CHECKING, NoReturn, Sequence
 
-import attrs
 import trio
 
-from engine.config import Config
-from engine.kv.affine import KV_BITS, KV_GROUP_SIZES
-from engine.model import DTYPES, ModelLoadError
+if TYPE_CHECKING:
+    from engine.config import Config
 
 _INT_FLAGS = ("max_batch", "prefill_chunk", "max_queued_requests", "max_queued_tokens",
               "max_tokens_cap", "default_max_tokens", "stream_buffer", "port",
@@ -35,6 +33,11 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _config_flags(p: argparse.ArgumentParser, *, server: bool) -> None:
+    # engine imports MLX: imported here, so that `tqserve bench --blas` can preload a BLAS
+    from engine.config import Config
+    from engine.kv.affine import KV_BITS, KV_GROUP_SIZES
+    from engine.model import DTYPES
+
     defaults = Config()
     p.add_argument("--model", default=defaults.model,
                    help="mlx-lm model directory or hub id (default: the bundled pycoder-draft-4m)")
@@ -85,6 +88,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _config(args: argparse.Namespace) -> Config:
+    import attrs
+
+    from engine.config import Config
+
     fields = {f.name for f in attrs.fields(Config)}
     return Config(**{k: v for k, v in vars(args).items() if k in fields})
 
@@ -137,7 +144,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "generate":
             return trio.run(_generate, config, args)
         return trio.run(_serve, config)
-    except (ValueError, ModelLoadError) as exc:
+    except ValueError as exc:  # ModelLoadError is a ValueError
         print(f"tqserve: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
