@@ -102,9 +102,7 @@ class AffineKVCache(SingleRowView, _AffineCache):
         if not isinstance(kv_cache, KVCache):
             raise TypeError(f"expected an mlx-lm KVCache, got {type(kv_cache).__name__}")
         cache = cls(bits, group_size)
-        if kv_cache.keys is not None and kv_cache.offset > 0:
-            end = kv_cache.offset
-            cache.update_and_fetch(kv_cache.keys[..., :end, :], kv_cache.values[..., :end, :])
+        cache.append_written(kv_cache)
         return cache
 
     @classmethod

@@ -302,6 +302,10 @@ class PlanesCache(_BaseCache):
     PLANES: tuple[str, ...] = ()
     rows: KvTensorRows
 
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> Any:
+        """Encode and append a (B, H, L, D) block; fetch what attention needs."""
+        raise NotImplementedError
+
     def _planes_state(self) -> tuple[mx.array | None, ...]:
         planes = self.rows.valid_planes()
         return tuple(planes.get(n) for n in self.PLANES)
@@ -313,6 +317,12 @@ class PlanesCache(_BaseCache):
     def size(self) -> int:
         """Positions written (the shared write index; padding included for batches)."""
         return self.rows.idx
+
+    def append_written(self, kv_cache: Any) -> None:
+        """Encode and append what a plain mlx-lm KVCache holds (its written positions)."""
+        if kv_cache.keys is not None and kv_cache.offset > 0:
+            end = kv_cache.offset
+            self.update_and_fetch(kv_cache.keys[..., :end, :], kv_cache.values[..., :end, :])
 
     def empty(self) -> bool:
         """True until the first append."""

@@ -172,9 +172,7 @@ class TurboQuantKVCache(SingleRowView, _TurboQuantCache):
             raise ValueError("an empty KVCache converts only with head_dim given")
         dim = head_dim if head_dim is not None else kv_cache.keys.shape[-1]
         cache = cls(k_bits, v_bits, dim, seed=seed, rotation=rotation, fused_decode=fused_decode)
-        if kv_cache.keys is not None and kv_cache.offset > 0:
-            end = kv_cache.offset
-            cache.update_and_fetch(kv_cache.keys[..., :end, :], kv_cache.values[..., :end, :])
+        cache.append_written(kv_cache)
         return cache
 
     @classmethod
