@@ -12,6 +12,7 @@ import trio
 from actors.engine import open_engine
 from actors.messages import Done, Token
 from engine.config import Config
+from engine.model import DEFAULT_MODEL, load_model
 from engine.request import GenerateRequest
 from engine.sampling import SamplingParams
 from tests.e2e.reference import PROMPTS
@@ -74,7 +75,7 @@ _COLD: dict = {}
 
 
 async def cold(loaded, requests, **kv):
-    key = tuple(sorted(kv.items()))
+    key = (loaded.fingerprint, *sorted(kv.items()))
     if key not in _COLD:
         async with open_engine(Config(prefix_cache=False, max_batch=8, **kv),
                                loaded=loaded) as engine:
@@ -82,10 +83,26 @@ async def cold(loaded, requests, **kv):
     return _COLD[key]
 
 
+@pytest.fixture(scope="module")
+def bf16_model():
+    """The bundled model in bfloat16: plain bf16 KV caches (slow matmuls on the CPU backend,
+    fine at this size)."""
+    return load_model(DEFAULT_MODEL, "bfloat16")
+
+
 @pytest.mark.parametrize("kv", [{}, {"turboquant": "k4v4"}], ids=["plain", "turboquant"])
 @pytest.mark.parametrize("flush", ["sync", "async"])
 @pytest.mark.parametrize("concurrency", [1, 8])
 async def test_cold_ram_ssd_identical(draft_model, tmp_path, kv, flush, concurrency):
+    await _cold_ram_ssd_identical(draft_model, tmp_path, kv, flush, concurrency)
+
+
+async def test_cold_ram_ssd_identical_bfloat16(bf16_model, tmp_path):
+    assert bf16_model.dtype == "bfloat16"
+    await _cold_ram_ssd_identical(bf16_model, tmp_path, {}, "sync", 8)
+
+
+async def _cold_ram_ssd_identical(draft_model, tmp_path, kv, flush, concurrency):
     requests = build_prompts(draft_model.tokenizer)
     want = await cold(draft_model, requests, **kv)
     config = Config(max_batch=8, ram_cache_bytes=200_000, cache_dir=str(tmp_path),
