@@ -206,9 +206,10 @@ async def open_engine(config: Config, *, loaded: LoadedModel | None = None,
             else:
                 log.warning("prefix cache off: this model has caches that cannot be reused "
                             "by prefix (sliding-window layers)")
+        if prefix is not None:
+            await prefix.recover()  # before the nursery: a bad cache-dir is a plain ValueError
         async with trio.open_nursery() as nursery:
             if prefix is not None:
-                await prefix.recover()
                 if config.ssd_flush == "async" and prefix.tier is not None:
                     await nursery.start(run_spiller, prefix)
             await nursery.start(run_hub, hub, hub_in)

@@ -55,6 +55,8 @@ def test_cli_generate_streams_text():
     (["generate", "--prompt", "x", "--model", "no/such/dir/anywhere"], "model"),
     (["generate", "--prompt", "x", "--dtype", "int4"], "--dtype"),
     (["serve", "--port", "70000"], "port"),
+    (["generate", "--prompt", "x", "--cache-dir", "README.md"], "cache-dir"),
+    (["generate", "--prompt", "x", "--ram-cache-bytes", "-5"], "ram-cache-bytes"),
     (["frobnicate"], "invalid choice"),
 ])
 def test_cli_bad_arguments_exit_2_with_one_line(args, needle):
