@@ -119,14 +119,23 @@ async def _generate(config: Config, args: argparse.Namespace) -> int:
 
 
 async def _serve(config: Config) -> int:
-    from api.server import serve
+    from api.server import listen, serve
 
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
     logging.getLogger("tqserve.prefix").setLevel(logging.INFO)
+    listening = listen(config)  # a taken port fails here, before the model loads
     async with trio.open_nursery() as nursery:
-        url = await nursery.start(serve, config)
+        url = await nursery.start(lambda task_status: serve(config, listening=listening,
+                                                            task_status=task_status))
         print(f"tqserve: serving {config.model} on {url} (WebSocket /v1/stream)", flush=True)
     return 0
+
+
+def _leaves(group: BaseExceptionGroup) -> list[BaseException]:
+    out: list[BaseException] = []
+    for exc in group.exceptions:
+        out.extend(_leaves(exc) if isinstance(exc, BaseExceptionGroup) else [exc])
+    return out
 
 
 _TOOLS = {"bench": "tools.bench", "bench-kv": "tools.bench_kv", "eval-kv": "tools.eval_kv",
@@ -146,6 +155,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return trio.run(_serve, config)
     except ValueError as exc:  # ModelLoadError is a ValueError
         print(f"tqserve: error: {exc}", file=sys.stderr)
+        return 2
+    except BaseExceptionGroup as group:  # raised inside a nursery (e.g. at engine start)
+        leaves = _leaves(group)
+        if not all(isinstance(e, ValueError) for e in leaves):
+            raise
+        print(f"tqserve: error: {leaves[0]}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

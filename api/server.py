@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from hypercorn.config import Config as HypercornConfig
-from hypercorn.trio import serve as hypercorn_serve
+from hypercorn.config import Sockets
+from hypercorn.trio.run import worker_serve
+from hypercorn.utils import wrap_app
 import trio
 
 from actors.engine import open_engine
@@ -16,21 +18,40 @@ from engine.model import LoadedModel
 _HARD_FRAME_FACTOR = 4
 
 
+def listen(config: Config) -> tuple[HypercornConfig, Sockets]:
+    """hypercorn's config and the bound, listening sockets; ValueError naming host:port
+    when the address is taken or invalid (so callers can fail before loading a model)."""
+    hc = HypercornConfig()
+    hc.bind = [f"{config.host}:{config.port}"]
+    hc.websocket_max_message_size = config.max_message_bytes * _HARD_FRAME_FACTOR
+    hc.accesslog = None
+    hc.graceful_timeout = 1.0
+    try:
+        sockets = hc.create_sockets()
+        for sock in sockets.insecure_sockets:
+            sock.listen(hc.backlog)
+    except OSError as exc:
+        raise ValueError(f"cannot listen on {config.host}:{config.port}: "
+                         f"{exc.strerror or exc}") from exc
+    return hc, sockets
+
+
 async def serve(config: Config, *, loaded: LoadedModel | None = None,
+                listening: tuple[HypercornConfig, Sockets] | None = None,
                 shutdown_trigger: trio.Event | None = None,
                 task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> None:
-    """Start the engine and the server; report the bound URL through task_status."""
+    """Start the engine and the server; report the bound URL through task_status.
+
+    The listening socket is bound first, so a taken port is a ValueError naming it before
+    the model loads."""
+    hc, sockets = listening if listening is not None else listen(config)
     async with open_engine(config, loaded=loaded) as engine:
-        hc = HypercornConfig()
-        hc.bind = [f"{config.host}:{config.port}"]
-        hc.websocket_max_message_size = config.max_message_bytes * _HARD_FRAME_FACTOR
-        hc.accesslog = None
-        hc.graceful_timeout = 1.0
-        app = create_app(engine)
+        app = wrap_app(create_app(engine), hc.wsgi_max_body_size, None)
 
         async def started(*, task_status: trio.TaskStatus[list[str]]) -> None:
             trigger = shutdown_trigger.wait if shutdown_trigger is not None else None
-            await hypercorn_serve(app, hc, shutdown_trigger=trigger, task_status=task_status)
+            await worker_serve(app, hc, sockets=sockets, shutdown_trigger=trigger,
+                               task_status=task_status)
 
         async with trio.open_nursery() as nursery:
             binds = await nursery.start(started)
