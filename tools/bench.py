@@ -88,6 +88,12 @@ def first_token_latency(traces: Sequence[Trace]) -> float:
     return traces[0].times[0] - traces[0].submit
 
 
+def add_blas_flag(p: argparse.ArgumentParser) -> None:
+    """The --blas flag every CPU bench shares (see `load_blas`)."""
+    p.add_argument("--blas", default=None, help="optimized BLAS loaded before mlx, e.g. "
+                   "/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3")
+
+
 def load_blas(path: str | None) -> str:
     """Load an optimized BLAS with RTLD_GLOBAL before mlx; return what the JSON records."""
     if path is None:
@@ -290,8 +296,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name, (minimum, what) in _COUNTS.items():
         p.add_argument("--" + name.replace("_", "-"), type=int,
                        default=getattr(d, name), help=f"{what} (default {getattr(d, name)})")
-    p.add_argument("--blas", default=None, help="optimized BLAS loaded before mlx, e.g. "
-                   "/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3")
+    add_blas_flag(p)
     p.add_argument("--out", type=Path, default=Path("bench-out/bench.json"))
     p.add_argument("--quick", action="store_true", help="tiny sizes (smoke test)")
     return p

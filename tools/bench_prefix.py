@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from tools.bench import REPO_ROOT, load_blas, machine, make_prompts, Settings
+from tools.bench import REPO_ROOT, add_blas_flag, load_blas, machine, make_prompts, Settings
 
 DEFAULT_MODEL = "../shared/models/pycoder-29m"
 WARMUP_TOKENS = 16
@@ -175,8 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     p.add_argument("--prompt-tokens", type=int, default=2048)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--blas", default=None, help="optimized BLAS loaded before mlx, e.g. "
-                   "/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3")
+    add_blas_flag(p)
     p.add_argument("--out", type=Path, default=Path("bench-out/bench_prefix.json"))
     p.add_argument("--quick", action="store_true", help="64-token prompts, 1 repeat (smoke)")
     return p

@@ -157,16 +157,6 @@ class BatchedAffineKVCache(BatchRowsView, _AffineCache):
         row.rows = KvTensorRows.from_planes(self.rows.extract(idx))
         return row
 
-    def prepare(self, *, left_padding: Sequence[int] | None = None,
-                lengths: Sequence[int] | None = None,
-                right_padding: Sequence[int] | None = None) -> None:
-        """mlx-lm's batch prefill hook (`lengths` is unused, as in BatchKVCache)."""
-        self.rows.prepare(left_padding=left_padding, right_padding=right_padding)
-
-    def finalize(self) -> None:
-        """Move right padding noted by `prepare` to the left."""
-        self.rows.finalize()
-
     @property
     def state(self) -> tuple[Any, ...]:
         """The six planes (or Nones), left_padding, the write index, bits, group_size."""

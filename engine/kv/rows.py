@@ -289,6 +289,16 @@ class BatchRowsView:
         """Physical left padding per row (int32 array)."""
         return mx.array(self.rows.left_padding, dtype=mx.int32)
 
+    def prepare(self, *, left_padding: Sequence[int] | None = None,
+                lengths: Sequence[int] | None = None,
+                right_padding: Sequence[int] | None = None) -> None:
+        """mlx-lm's batch prefill hook (`lengths` is unused, as in BatchKVCache)."""
+        self.rows.prepare(left_padding=left_padding, right_padding=right_padding)
+
+    def finalize(self) -> None:
+        """Move right padding noted by `prepare` to the left."""
+        self.rows.finalize()
+
     def make_mask(self, N: int, return_array: bool = False, **kwargs: Any) -> mx.array:
         """Causal boolean mask (B, 1, N, idx + N) hiding each row's padding."""
         return create_causal_mask(N, offset=self.rows.idx, left_padding=self.left_padding,

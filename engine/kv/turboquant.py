@@ -233,16 +233,6 @@ class BatchedTurboQuantKVCache(BatchRowsView, _TurboQuantCache):
         """Row idx as a single-row cache (its bytes, no padding, same config)."""
         return TurboQuantKVCache.of(self.config, KvTensorRows.from_planes(self.rows.extract(idx)))
 
-    def prepare(self, *, left_padding: Sequence[int] | None = None,
-                lengths: Sequence[int] | None = None,
-                right_padding: Sequence[int] | None = None) -> None:
-        """mlx-lm's batch prefill hook (`lengths` is unused, as in BatchKVCache)."""
-        self.rows.prepare(left_padding=left_padding, right_padding=right_padding)
-
-    def finalize(self) -> None:
-        """Move right padding noted by `prepare` to the left."""
-        self.rows.finalize()
-
     @property
     def state(self) -> tuple[Any, ...]:
         return (*self._planes_state(), self.left_padding, self.rows.idx, *self.config.scalars())
