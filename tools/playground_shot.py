@@ -1,7 +1,7 @@
 """Screenshot the playground page in headless Chromium (the README's picture).
 
     python -m tools.playground_shot [--model PATH] [--out docs/playground.png]
-                                    [--prompt TEXT] [--max-tokens 96] [--seed 7]
+                                    [--prompt TEXT] [--max-tokens 96] [--seed 3]
 
 Starts a real server (float32) on a loopback port, opens `/` in Debian's `chromium`
 (`apt-get install chromium`) driven by Playwright's Python package with executable_path:
@@ -26,7 +26,7 @@ CHROMIUM_ARGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic"
                  "--disable-component-update", "--disable-sync")
 VIEWPORT = {"width": 1000, "height": 700}
 ACTION_TIMEOUT_MS = 60_000  # a hang guard for each browser wait, never a measurement
-DEFAULT_PROMPT = "def binary_search(items, target):\n"
+DEFAULT_PROMPT = "import json\n\n\ndef load_config(path):\n"
 
 
 def chromium_missing() -> str | None:
@@ -62,7 +62,7 @@ def run_in_page(page: Any, prompt: str, *, max_tokens: int, temperature: float,
 
 
 def take_screenshot(context: Any, url: str, out: Path, *, prompt: str = DEFAULT_PROMPT,
-                    max_tokens: int = 96, seed: int = 7) -> None:
+                    max_tokens: int = 96, seed: int = 3) -> None:
     """Generate twice on the page at `url`, hover the least likely token, save a PNG."""
     page = context.new_page()
     page.goto(url + "/")
@@ -117,7 +117,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("docs/playground.png"))
     parser.add_argument("--prompt", default=DEFAULT_PROMPT)
     parser.add_argument("--max-tokens", type=int, default=96)
-    parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--seed", type=int, default=3)
     args = parser.parse_args(argv)
     problem = chromium_missing()
     if problem is not None:
