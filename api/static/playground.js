@@ -179,12 +179,13 @@ function finish() {
 }
 
 function numberField(input) {
+  if (input.validity.badInput) throw new Error(`${input.labels[0].textContent} is not a number`);
   return input.value.trim() === "" ? undefined : Number(input.value);
 }
 
 /** The generate frame for the form, or an Error naming the field that cannot be sent. */
 function buildRequest() {
-  const frame = {
+  const frame = {  // an empty number field is left out: the server's default applies
     type: "generate", id: `playground-${state.nextId++}`, prompt: ui.prompt.value,
     max_tokens: numberField(ui.maxTokens), temperature: numberField(ui.temperature),
     seed: numberField(ui.seed), logprobs: true, top_logprobs: numberField(ui.topLogprobs),

@@ -19,7 +19,7 @@ import httpx
 import pytest
 import trio
 
-from tests.api.wsclient import LONG_PROMPT, run_alone
+from tests.api.wsclient import LONG_PROMPT, STATS_POLL_SLEEP, STATS_POLLS, run_alone, stats
 from tests.conftest import start_server
 from tools.playground_shot import chromium_missing, launch_chromium, run_in_page, take_screenshot
 
@@ -93,7 +93,7 @@ def dom_tokens(page: Any) -> list[dict[str, Any]]:
         color: getComputedStyle(s).backgroundColor}))""")
 
 
-def stats(page: Any) -> dict[str, str]:
+def summary(page: Any) -> dict[str, str]:
     return page.eval_on_selector_all(".stats dd", """dds => Object.fromEntries(
         dds.map(d => [d.id.replace('stat-', ''), d.textContent]))""")
 
@@ -131,7 +131,7 @@ def check_page(page: Any, url: str, reference: Any, tokenizer: Any) -> None:
     assert len({s["color"] for s in spans}) > 1  # tints differ with the logprob
     usage = done["usage"]
     assert usage["cached_tokens"] > 0 and usage["cached_tokens_by_tier"]["ram"] > 0
-    assert stats(page) | {"ttft": "", "rate": ""} == {
+    assert summary(page) | {"ttft": "", "rate": ""} == {
         "finish": done["finish_reason"], "prompt": str(usage["prompt_tokens"]),
         "completion": str(len(spans)), "cached": str(usage["cached_tokens"]), "tier": "ram",
         "ttft": "", "rate": ""}
@@ -151,11 +151,20 @@ def check_page(page: Any, url: str, reference: Any, tokenizer: Any) -> None:
         assert not any(r["chosen"] for r in rows[1:])
     page.mouse.move(0, 0)
     page.wait_for_selector("#tooltip", state="hidden")
+    page.focus("#output")  # the keyboard reaches the same alternatives
+    page.keyboard.press("ArrowRight")
+    page.wait_for_selector(".tok.focused[data-index='0']")
+    page.keyboard.press("End")
+    page.wait_for_selector(f".tok.focused[data-index='{len(spans) - 1}']")
+    last = page.eval_on_selector_all("#tooltip .alt", "rows => rows.map(r => r.dataset.tokenId)")
+    assert [int(t) for t in last] == [t for t, _ in tokens[-1]["top_logprobs"]]
+    page.keyboard.press("Escape")
+    page.wait_for_selector("#tooltip", state="hidden")
 
     # A prompt never seen: nothing cached.
     run_in_page(page, OTHER_PROMPT, max_tokens=4, temperature=0, seed=3, top_logprobs=0)
     assert frames.last_sent()["seed"] == 3 and frames.last_sent()["top_logprobs"] == 0
-    assert stats(page)["cached"] == "0" and stats(page)["tier"] == "none"
+    assert summary(page)["cached"] == "0" and summary(page)["tier"] == "none"
     assert len(dom_tokens(page)) == 4
 
     # A bad request: the server's error frame is shown and the form is usable again.
@@ -163,7 +172,7 @@ def check_page(page: Any, url: str, reference: Any, tokenizer: Any) -> None:
     (error,) = frames.of(frames.last_sent()["id"])
     assert error["type"] == "error" and "temperature" in error["message"]
     assert error_text(page) == f"{error['code']}: {error['message']}"
-    assert dom_tokens(page) == [] and stats(page)["finish"] == ""
+    assert dom_tokens(page) == [] and summary(page)["finish"] == ""
 
     # A frame over the server's size limit is refused whole (an error with no id).
     run_in_page(page, "x = 1\n" * (MAX_MESSAGE_BYTES // 6), max_tokens=4, temperature=0)
@@ -187,7 +196,7 @@ def check_page(page: Any, url: str, reference: Any, tokenizer: Any) -> None:
     if end["type"] == "error":
         assert error_text(page) == f"{end['code']}: {end['message']}"
     else:
-        assert end["type"] == "done" and stats(page)["finish"] == end["finish_reason"]
+        assert end["type"] == "done" and summary(page)["finish"] == end["finish_reason"]
         assert error_text(page) == ""
     page.fill("#schema", "")
 
@@ -200,9 +209,19 @@ def check_page(page: Any, url: str, reference: Any, tokenizer: Any) -> None:
     page.click("#cancel")
     page.wait_for_selector("#generate:not([disabled])")
     assert frames.last_sent() == {"type": "cancel", "id": frames.sent[-2]["id"]}
-    assert stats(page)["finish"] == "cancelled" and error_text(page) == ""
+    assert summary(page)["finish"] == "cancelled" and error_text(page) == ""
     assert 0 < len(dom_tokens(page)) < 2000
-    assert stats(page)["completion"] == str(len(dom_tokens(page)))
+    assert summary(page)["completion"] == str(len(dom_tokens(page)))
+
+
+async def wait_published(url: str) -> None:
+    """Poll /v1/stats (bounded) until the prefix cache holds a RAM entry."""
+    async with httpx.AsyncClient() as client:
+        for _ in range(STATS_POLLS):
+            if (await stats(client, url))["prefix_cache"]["ram_entries"] > 0:
+                return
+            await trio.sleep(STATS_POLL_SLEEP)
+    raise AssertionError("the reference prompt's prefix was never published")
 
 
 async def test_playground_in_chromium(nursery, draft_model, tmp_path: Path):
@@ -215,6 +234,7 @@ async def test_playground_in_chromium(nursery, draft_model, tmp_path: Path):
     reference = await run_alone(server.ws_url, "ref", prompt=PROMPT, max_tokens=MAX_TOKENS,
                                 temperature=0, logprobs=True, top_logprobs=TOP)
     assert reference.end["type"] == "done" and reference.end["usage"]["cached_tokens"] == 0
+    await wait_published(server.url)
     shot = tmp_path / "playground.png"
 
     def browse() -> None:
