@@ -105,6 +105,9 @@ def error_text(page: Any) -> str:
 def check_page(page: Any, url: str, reference: Any, tokenizer: Any) -> None:
     """Everything the browser must show; runs in a worker thread."""
     frames = Frames(page)
+    console_errors: list[str] = []  # script errors, CSP violations, failed loads
+    page.on("console", lambda m: m.type == "error" and console_errors.append(m.text))
+    page.on("pageerror", lambda exc: console_errors.append(str(exc)))
     page.goto(url + "/")
     page.wait_for_selector("#connection[data-state='open']")
     assert page.title() == "tqserve playground"
@@ -212,6 +215,7 @@ def check_page(page: Any, url: str, reference: Any, tokenizer: Any) -> None:
     assert summary(page)["finish"] == "cancelled" and error_text(page) == ""
     assert 0 < len(dom_tokens(page)) < 2000
     assert summary(page)["completion"] == str(len(dom_tokens(page)))
+    assert console_errors == []
 
 
 async def wait_published(url: str) -> None:
