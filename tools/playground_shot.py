@@ -4,7 +4,8 @@
                                     [--prompt TEXT] [--max-tokens 96] [--seed 3]
 
 Starts a real server (float32) on a loopback port, opens `/` in Debian's `chromium`
-(`apt-get install chromium`) driven by Playwright's Python package with executable_path:
+(`apt-get install chromium`; TQSERVE_CHROMIUM names another binary) driven by
+Playwright's Python package with executable_path:
 Playwright's own browser downloads are never used. The prompt runs twice (the second run
 reuses the first one's prefix from the RAM tier, so the summary shows cached tokens), then
 the pointer rests on the least likely token so its alternatives show, and a 1000x700 PNG
@@ -15,12 +16,13 @@ it too.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any, Sequence
 
-CHROMIUM = "/usr/bin/chromium"
+CHROMIUM = os.environ.get("TQSERVE_CHROMIUM", "/usr/bin/chromium")  # Debian's package
 CHROMIUM_ARGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
                  "--no-first-run", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync")
@@ -32,7 +34,8 @@ DEFAULT_PROMPT = "import json\n\n\ndef load_config(path):\n"
 def chromium_missing() -> str | None:
     """Why the browser cannot run here, naming what to install; None when it can."""
     if not Path(CHROMIUM).is_file():
-        return f"{CHROMIUM} not found: install Debian's chromium (apt-get install chromium)"
+        return (f"{CHROMIUM} not found: install Debian's chromium (apt-get install chromium) "
+                "or point TQSERVE_CHROMIUM at a Chromium binary")
     try:
         import playwright.sync_api  # noqa: F401
     except ImportError:
