@@ -21,6 +21,7 @@ from quart_trio import QuartTrio
 
 from actors.engine import Engine
 from actors.messages import Error
+from api.playground import add_playground
 from api.protocol import (CancelCommand, GenerateCommand, ProtocolError, decode_frame,
                           encode_frame, parse_command)
 
@@ -98,6 +99,8 @@ def create_app(engine: Engine) -> QuartTrio:
     @app.get("/v1/stats")
     async def stats() -> Any:
         return jsonify(attrs.asdict(engine.statistics()))
+
+    add_playground(app, engine)  # GET /, its static files, the vocabulary it shows
 
     @app.websocket("/v1/stream")
     async def stream() -> None:
