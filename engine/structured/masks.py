@@ -61,7 +61,11 @@ class _Counters:
 class GrammarMasks:
     """Matchers for constrained rows, one worker thread computing their masks."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Iterable[int]) -> None:
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Iterable[int], *,
+                 inline: bool = False) -> None:
+        """`inline=True` computes masks on the calling (runner) thread instead: only for
+        measuring what the worker thread saves (tools/bench_grammar)."""
+        self.inline = inline
         self._hf_tokenizer = getattr(tokenizer, "_tokenizer", tokenizer)
         self.vocab_size = vocab_size
         self.num_words = (vocab_size + 31) // 32
@@ -85,7 +89,16 @@ class GrammarMasks:
         return self._tokenizer
 
     def submit(self, fn: Callable[[], None]) -> Future[None]:
-        return self._pool.submit(fn)
+        """Run `fn` on the worker thread (or now, inline)."""
+        if not self.inline:
+            return self._pool.submit(fn)
+        future: Future[None] = Future()
+        try:
+            fn()
+            future.set_result(None)
+        except Exception as exc:
+            future.set_exception(exc)
+        return future
 
     def open_row(self, fmt: ResponseFormat) -> RowGrammar:
         """Start a row's matcher on the worker thread (its first mask follows)."""
