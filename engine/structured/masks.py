@@ -13,6 +13,9 @@ mask). A constrained row's `RowGrammar` goes through:
                                computes the next mask while the forward just launched
                                runs and the actors do their round trip
 
+The worker's queue is bounded by the rows: a row asks for its next mask only after the
+runner took its last one, so at most one job per constrained row (max_batch) is queued.
+
 A mask is a bitmask of `num_words` int32 words, bit t of word t // 32 set when token t is
 allowed; EOS is allowed only where the grammar accepts. A matcher that fails (a grammar
 llguidance cannot build for this tokenizer, or one that hits its parser limits) sets
