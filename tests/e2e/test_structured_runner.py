@@ -2,7 +2,8 @@
 
 A constrained greedy row reports the target model's raw logprobs (not the masked
 distribution's); a grammar that stops ends the row with "stop" and no EOS token; a row
-whose matcher cannot be built finishes with "error" and a message naming response_format,
+whose matcher cannot be built finishes with "error" and a message naming response_format
+(an `invalid_request` event through the engine),
 while the unconstrained row beside it runs on; the grammar statistics count the work."""
 
 from __future__ import annotations
@@ -84,3 +85,45 @@ def test_a_matcher_that_cannot_be_built_fails_only_its_row(draft_model):
     assert not [e for e in events if isinstance(e, TokenOut) and e.request_id == "c"]
     assert finished["u"].finish_reason == "length" and finished["u"].error is None
     assert runner.statistics().num_rows == 0 and runner.kv_bytes() == 0
+
+
+class _OpaqueTokenizer:
+    """The model's tokenizer for everything but llguidance, which cannot convert it."""
+
+    _tokenizer = object()
+
+    def __init__(self, real) -> None:
+        self._real = real
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+
+async def test_a_failed_matcher_is_an_invalid_request_event_through_the_engine(draft_model):
+    import attrs
+    import trio
+
+    from actors.engine import open_engine
+    from actors.messages import Done, Error
+    from engine.config import Config
+    from engine.request import GenerateRequest
+
+    loaded = attrs.evolve(draft_model, tokenizer=_OpaqueTokenizer(draft_model.tokenizer))
+    ends: dict[str, object] = {}
+
+    async def run(name: str, request: GenerateRequest) -> None:
+        async for event in engine.generate(request):
+            if isinstance(event, (Done, Error)):
+                ends[name] = event
+
+    async with open_engine(Config(), loaded=loaded) as engine:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(run, "c", GenerateRequest(
+                prompt="x = ", params=SamplingParams(max_tokens=8),
+                response_format={"type": "json_object"}))
+            nursery.start_soon(run, "u", GenerateRequest(
+                prompt="x = ", params=SamplingParams(max_tokens=8, temperature=0.0)))
+        await engine.wait_idle()
+    assert isinstance(ends["c"], Error) and ends["c"].code == "invalid_request"
+    assert "response_format" in ends["c"].message and "tokenizer" in ends["c"].message
+    assert isinstance(ends["u"], Done) and ends["u"].finish_reason == "length"
