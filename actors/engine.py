@@ -45,6 +45,7 @@ from engine.prefix import cache_namespace
 from engine.request import GenerateRequest
 from engine.runner import Runner
 from engine.scheduler import SchedulerCore
+from engine.structured import GrammarMasks
 from storage import SsdTier
 
 log = logging.getLogger("tqserve.engine")
@@ -124,7 +125,8 @@ class Engine:
         try:
             try:
                 self._admission.send_nowait(
-                    Submit(request_id=rid, prompt_tokens=tokens, params=request.params))
+                    Submit(request_id=rid, prompt_tokens=tokens, params=request.params,
+                           response_format=request.constraint))
             except trio.WouldBlock:
                 finished = True
                 yield Error(request_id=rid, code="overloaded", message="admission mailbox full")
@@ -187,7 +189,8 @@ async def open_engine(config: Config, *, loaded: LoadedModel | None = None,
             max_batch=config.max_batch, prefill_chunk=config.prefill_chunk,
             eos_token_ids=loaded.eos_token_ids,
             make_text_stream=lambda stop: TextStream(tokenizer, stop))
-        runner = Runner(loaded.model, make_cache)
+        runner = Runner(loaded.model, make_cache,
+                        GrammarMasks(tokenizer, loaded.vocab_size, loaded.eos_token_ids))
         control = AdmissionControl(max_queued_requests=config.max_queued_requests,
                                    max_queued_tokens=config.max_queued_tokens)
         books = RowBooks()

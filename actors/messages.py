@@ -17,6 +17,7 @@ import attrs
 import msgpack
 
 from engine.sampling import SamplingParams
+from engine.structured import ResponseFormat
 
 
 def _tuple_of_pairs(value: Any) -> tuple[tuple[int, float], ...] | None:
@@ -32,6 +33,7 @@ class Submit:
     request_id: str
     prompt_tokens: tuple[int, ...] = attrs.field(converter=lambda v: tuple(int(t) for t in v))
     params: SamplingParams
+    response_format: ResponseFormat | None = None  # validated; its grammar text travels
 
 
 @attrs.frozen(kw_only=True)
@@ -145,7 +147,7 @@ Event = Queued | Token | Done | Error
 
 _CLASSES: dict[str, type] = {cls.__name__: cls for cls in (
     Submit, Cancel, Dequeued, Lease, Release, KvUsage, Queued, Token, Done, Error,
-    SamplingParams)}
+    SamplingParams, ResponseFormat)}
 
 
 class CodecError(ValueError):

@@ -66,6 +66,9 @@ async def run_scheduler(
                 if error is not None:
                     await hub.send(Error(request_id=event.request_id, code="internal_error",
                                          message=error))
+                elif event.error is not None:  # the request's grammar failed mid-way
+                    await hub.send(Error(request_id=event.request_id, code="invalid_request",
+                                         message=event.error))
                 else:
                     await hub.send(Done(
                         request_id=event.request_id, finish_reason=event.finish_reason,
@@ -81,10 +84,12 @@ async def run_scheduler(
                     reuse = await prefix.lookup(msg.request_id, msg.prompt_tokens)
                 try:
                     if reuse is None:
-                        core.add(msg.request_id, msg.prompt_tokens, msg.params)
+                        core.add(msg.request_id, msg.prompt_tokens, msg.params,
+                                 response_format=msg.response_format)
                     else:
                         core.add(msg.request_id, msg.prompt_tokens, msg.params,
-                                 reuse=reuse.key, cached=reuse.cached, cached_tier=reuse.tier)
+                                 reuse=reuse.key, cached=reuse.cached, cached_tier=reuse.tier,
+                                 response_format=msg.response_format)
                 except ValueError as exc:
                     if prefix is not None:
                         prefix.release_reuse(msg.request_id)

@@ -4,6 +4,11 @@ Exactly one of `prompt` (text), `prompt_tokens` (ids) or `messages` (chat) is
 given. Chat messages use the tokenizer's chat template when it has one; a
 tokenizer without one (the bundled pycoder models) gets "role: content" lines
 followed by "assistant: ", which is written down here so that clients know.
+
+`response_format` (optional) constrains the output: OpenAI's `json_schema` and
+`json_object` shapes, or our `regex` and `grammar` (Lark) forms; see
+`engine.structured.formats`. It is validated at construction (a `ResponseFormatError`,
+a ValueError, naming the field path) and its checked grammar is `request.constraint`.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from typing import Any, Iterable
 import attrs
 
 from engine.sampling import SamplingParams
+from engine.structured import ResponseFormat, validate_response_format
 
 ROLES = ("system", "user", "assistant", "tool")
 
@@ -55,6 +61,8 @@ class GenerateRequest:
     messages: tuple[dict[str, Any], ...] | None = attrs.field(
         default=None, converter=_optional_tuple, validator=_messages)
     params: SamplingParams = attrs.field(factory=SamplingParams)
+    response_format: dict[str, Any] | None = None
+    constraint: ResponseFormat | None = attrs.field(init=False, eq=False, repr=False)
 
     def __attrs_post_init__(self) -> None:
         given = [n for n in ("prompt", "prompt_tokens", "messages") if getattr(self, n) is not None]
@@ -62,6 +70,7 @@ class GenerateRequest:
             raise ValueError("give exactly one of prompt, prompt_tokens or messages")
         if self.prompt == "":
             raise ValueError("prompt must not be empty")
+        object.__setattr__(self, "constraint", validate_response_format(self.response_format))
 
     def token_ids(self, tokenizer: Any) -> tuple[int, ...]:
         """The prompt as token ids."""

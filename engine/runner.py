@@ -21,6 +21,13 @@ released row named in `plan.snapshot` is extracted from the batch cache before `
 actor maps the offset back to tokens). `plan.spill` snapshots are serialized to bytes
 (here, on this thread) and dropped; a new row with `reuse` starts from new cache objects
 sliced from the snapshot (no copy) and prefills only the rest of its prompt.
+
+Structured output (engine.structured): a row with a `response_format` gets a matcher
+whose next-token mask is computed on the grammar worker thread (its first during the
+row's prefill, each next one while the forward just launched runs); sampling applies
+the batch's masks per row (unconstrained rows get all-ones masks, so their tokens are
+unchanged). When a token completes the grammar the row's output says so
+(`grammar_done`) and the scheduler stops it with finish_reason "stop".
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ from typing import Any, Callable
 
 import attrs
 import mlx.core as mx
+import numpy as np
 from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 
 from engine.sampling import LazySample, RowSampler, build_sample, finalize_sample
@@ -36,6 +44,7 @@ from engine.scheduler import RowOutput, SnapshotMade, SpillPayload, StepPlan, St
 from engine.snapshot import (Snapshot, describe, extract_snapshot, from_planes,
                              layer_kinds_text, row_from_snapshot, snapshot_kinds,
                              to_planes)
+from engine.structured import GrammarMasks, RowGrammar
 
 CacheFactory = Callable[[Any], list[Any]]
 
@@ -46,6 +55,7 @@ class _RowRuntime:
     prompt: tuple[int, ...]
     cache: list[Any] | None
     last_token: int
+    grammar: RowGrammar | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -79,9 +89,11 @@ def _cache_nbytes(cache: list[Any] | None) -> int:
 class Runner:
     """Owns the model, the per-row caches and the batch cache."""
 
-    def __init__(self, model: Any, make_cache: CacheFactory | None = None) -> None:
+    def __init__(self, model: Any, make_cache: CacheFactory | None = None,
+                 masks: GrammarMasks | None = None) -> None:
         self._model = model
         self._make_cache = make_cache or make_prompt_cache
+        self.masks = masks
         self._rows: dict[str, _RowRuntime] = {}
         self._batch: list[str] = []
         self._batch_cache: list[Any] | None = None
@@ -104,6 +116,7 @@ class Runner:
                 prompt=new.prompt,
                 cache=cache,
                 last_token=new.prompt[-1],
+                grammar=self._open_grammar(new.response_format),
             )
         for key in plan.drop:
             self._snapshots.pop(key, None)
@@ -126,6 +139,25 @@ class Runner:
         outputs = self._finalize(ready) if ready is not None else ()
         return StepResult(outputs=outputs, kv_bytes=self.kv_bytes(), snapshots=snapshots,
                           spills=spills)
+
+    def _open_grammar(self, fmt: Any) -> RowGrammar | None:
+        if fmt is None:
+            return None
+        if self.masks is None:
+            raise RuntimeError("a constrained row reached a runner built without masks")
+        return self.masks.open_row(fmt)
+
+    def _batch_masks(self, rows: list[str]) -> np.ndarray | None:
+        """The rows' grammar masks (all ones for unconstrained rows), or None if none is."""
+        grammars = [self._rows[rid].grammar for rid in rows]
+        if self.masks is None or not any(grammars):
+            return None
+        out = np.full((len(rows), self.masks.num_words), -1, dtype=np.int32)
+        for i, grammar in enumerate(grammars):
+            bits = grammar.mask() if grammar is not None else None
+            if bits is not None:
+                out[i] = bits
+        return out
 
     def _snapshot(self, orders: tuple[tuple[str, str], ...]) -> tuple[SnapshotMade, ...]:
         made = []
@@ -216,7 +248,8 @@ class Runner:
             return None
         logits, rows = self._pending
         self._pending = None
-        return rows, build_sample(logits, [self._rows[rid].sampler for rid in rows])
+        return rows, build_sample(logits, [self._rows[rid].sampler for rid in rows],
+                                  self._batch_masks(rows))
 
     def _finalize(self, ready: tuple[list[str], LazySample]) -> tuple[RowOutput, ...]:
         rows, lazy = ready
@@ -224,9 +257,14 @@ class Runner:
         outputs = []
         for i, rid in enumerate(rows):
             top = sampled.top_logprobs[i]
+            grammar = self._rows[rid].grammar
+            if grammar is not None:
+                grammar.advance(sampled.tokens[i])
             outputs.append(RowOutput(
                 request_id=rid, token=sampled.tokens[i], logprob=sampled.logprobs[i],
-                top_logprobs=tuple((int(t), float(v)) for t, v in top) if top else None))
+                top_logprobs=tuple((int(t), float(v)) for t, v in top) if top else None,
+                grammar_done=grammar is not None and grammar.stopped,
+                error=grammar.error if grammar is not None else None))
         return tuple(outputs)
 
     def reset(self) -> None:

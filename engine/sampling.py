@@ -7,8 +7,11 @@ processed logits, which is exactly categorical sampling from softmax(logits/T).
 Rows without a seed get a fresh random one. `temperature == 0` is greedy.
 
 Processing order (as vLLM): repetition penalty (over prompt and output tokens),
-temperature, top-k, top-p, min-p. Logprobs are always the raw model
-distribution's log-softmax, before any processing.
+the row's grammar mask (structured output: disallowed tokens get -inf), temperature,
+top-k, top-p, min-p. Logprobs are always the raw model distribution's log-softmax,
+before any processing -- the grammar mask included: a constrained row reports the
+target model's own logprob of the token it was made to take, and its top logprobs may
+name tokens the grammar forbade.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from typing import Any, Sequence
 
 import attrs
 import mlx.core as mx
+import numpy as np
 
 MAX_TOP_LOGPROBS = 20
 _NEG_INF = float("-inf")
@@ -174,19 +178,36 @@ class LazySample:
     top_k: int
 
 
-def sample_rows(logits: mx.array, rows: Sequence[RowSampler]) -> SampleOutput:
+def sample_rows(logits: mx.array, rows: Sequence[RowSampler],
+                masks: np.ndarray | None = None) -> SampleOutput:
     """Sample one token per row of `logits` (B, V); evaluates and returns host data."""
-    return finalize_sample(build_sample(logits, rows), rows)
+    return finalize_sample(build_sample(logits, rows, masks), rows)
 
 
-def build_sample(logits: mx.array, rows: Sequence[RowSampler]) -> LazySample:
-    """Build (without evaluating) the sampling graph for one step of `rows`."""
+def apply_token_masks(logits: mx.array, masks: np.ndarray) -> mx.array:
+    """Set logits of disallowed tokens to -inf. `masks` (B, W) int32: bit t % 32 of word
+    t // 32 allows token t; an unconstrained row is all ones (its logits stay bit-equal)."""
+    vocab = logits.shape[-1]
+    words = mx.array(masks.view(np.uint32))
+    bits = (words[:, :, None] >> mx.arange(32, dtype=mx.uint32)) & 1
+    allowed = bits.reshape(words.shape[0], -1)
+    if allowed.shape[1] < vocab:
+        allowed = mx.pad(allowed, [(0, 0), (0, vocab - allowed.shape[1])])
+    return mx.where(allowed[:, :vocab] == 1, logits, _NEG_INF)
+
+
+def build_sample(logits: mx.array, rows: Sequence[RowSampler],
+                 masks: np.ndarray | None = None) -> LazySample:
+    """Build (without evaluating) the sampling graph for one step of `rows`; `masks`
+    (see `apply_token_masks`) constrains rows to their grammars."""
     logits = logits.astype(mx.float32)
     want_lp = any(r.params.logprobs or r.params.top_logprobs for r in rows)
     if any(r.params.repetition_penalty != 1.0 for r in rows):
         processed = _penalize(logits, rows)
     else:
         processed = logits
+    if masks is not None:
+        processed = apply_token_masks(processed, masks)
     greedy_tok = mx.argmax(processed, axis=-1)
     sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
     tokens = greedy_tok

@@ -27,6 +27,7 @@ import attrs
 
 from engine.detokenize import TextStream
 from engine.sampling import SamplingParams
+from engine.structured import ResponseFormat
 
 
 class RowState(enum.Enum):
@@ -59,6 +60,7 @@ class NewRow:
     params: SamplingParams
     reuse: str | None = None
     cached: int = 0
+    response_format: ResponseFormat | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -96,6 +98,8 @@ class RowOutput:
     token: int
     logprob: float | None = None
     top_logprobs: tuple[tuple[int, float], ...] | None = None
+    grammar_done: bool = False  # the row's grammar is complete: nothing but EOS could follow
+    error: str | None = None    # the row's grammar failed: finish it with this message
 
 
 @attrs.frozen(kw_only=True)
@@ -156,6 +160,7 @@ class Finished:
     was_queued: bool
     cached_tier: str | None = None
     tokens: tuple[int, ...] = ()  # prompt + generated: what the row's KV may cover
+    error: str | None = None  # set with finish_reason "error": what went wrong (client-facing)
 
 
 Event = Started | TokenOut | Finished
@@ -175,6 +180,7 @@ class _Row:
     cached: int = 0
     cached_tier: str | None = None
     generated: list[int] = attrs.Factory(list)
+    response_format: ResponseFormat | None = None
 
     def move(self, new: RowState) -> None:
         if new not in _TRANSITIONS[self.state]:
@@ -217,8 +223,10 @@ class SchedulerCore:
         self._num_steps = 0
 
     def add(self, request_id: str, prompt: tuple[int, ...], params: SamplingParams, *,
-            reuse: str | None = None, cached: int = 0, cached_tier: str | None = None) -> None:
-        """Queue a request, optionally reusing `cached` positions of snapshot `reuse`.
+            reuse: str | None = None, cached: int = 0, cached_tier: str | None = None,
+            response_format: ResponseFormat | None = None) -> None:
+        """Queue a request, optionally reusing `cached` positions of snapshot `reuse`,
+        optionally constrained by `response_format`.
 
         Raises ValueError for a duplicate id, an empty prompt or a bad cached length."""
         if request_id in self._rows:
@@ -230,7 +238,7 @@ class SchedulerCore:
         stream = self._make_text_stream(params.stop)
         self._rows[request_id] = _Row(request_id, tuple(prompt), params, stream,
                                       num_prefilled=cached, reuse=reuse, cached=cached,
-                                      cached_tier=cached_tier)
+                                      cached_tier=cached_tier, response_format=response_format)
         self._queue.append(request_id)
 
     def cancel(self, request_id: str) -> list[Event]:
@@ -264,7 +272,7 @@ class SchedulerCore:
             self._prefilling.append(row.request_id)
             new_rows.append(NewRow(request_id=row.request_id, row_id=row.row_id,
                                    prompt=row.prompt, params=row.params, reuse=row.reuse,
-                                   cached=row.cached))
+                                   cached=row.cached, response_format=row.response_format))
             events.append(Started(request_id=row.request_id, row_id=row.row_id,
                                   num_prompt_tokens=len(row.prompt)))
         chunks, joins = self._plan_prefill()
@@ -306,17 +314,20 @@ class SchedulerCore:
             row = self._rows.get(out.request_id)
             if row is None or row.state is not RowState.DECODING:
                 continue
+            if out.error is not None:  # its token was sampled without the grammar: dropped
+                events.append(self._finish(row, "error", error=out.error))
+                continue
             row.num_generated += 1
             row.generated.append(out.token)
             params = row.params
             is_stop_token = out.token in self._eos or out.token in params.stop_token_ids
             text = "" if is_stop_token else row.text.add(out.token)
             reason = None
-            if is_stop_token or row.text.stopped:
+            if is_stop_token or row.text.stopped or out.grammar_done:
                 reason = "stop"
             elif row.num_generated >= params.max_tokens:
                 reason = "length"
-            if is_stop_token or reason == "length":
+            if is_stop_token or reason == "length" or out.grammar_done:
                 text += row.text.flush()
             events.append(TokenOut(
                 request_id=row.request_id, index=row.num_generated - 1, token_id=out.token,
@@ -325,7 +336,7 @@ class SchedulerCore:
                 events.append(self._finish(row, reason))
         return events
 
-    def _finish(self, row: _Row, reason: str) -> Finished:
+    def _finish(self, row: _Row, reason: str, error: str | None = None) -> Finished:
         was_queued = row.state is RowState.QUEUED
         if was_queued:
             self._queue.remove(row.request_id)
@@ -344,7 +355,7 @@ class SchedulerCore:
             completion_tokens=row.num_generated,
             cached_tokens=row.cached, row_id=row.row_id,
             was_queued=was_queued, cached_tier=row.cached_tier,
-            tokens=row.prompt + tuple(row.generated))
+            tokens=row.prompt + tuple(row.generated), error=error)
 
     def statistics(self) -> SchedulerStatistics:
         return SchedulerStatistics(

@@ -6,12 +6,15 @@ import pytest
 
 from actors import messages as m
 from engine.sampling import SamplingParams
+from engine.structured import validate_response_format
 
 EXAMPLES = [
     m.Submit(request_id="r1", prompt_tokens=(1, 2, 3),
              params=SamplingParams(max_tokens=5, temperature=0.5, top_p=0.9, top_k=4,
                                    min_p=0.1, repetition_penalty=1.2, seed=7, logprobs=True,
                                    top_logprobs=3, stop=("\n\n",), stop_token_ids=(5,))),
+    m.Submit(request_id="r2", prompt_tokens=(4,), params=SamplingParams(),
+             response_format=validate_response_format({"type": "regex", "pattern": "a|b"})),
     m.Cancel(request_id="r1"),
     m.Dequeued(request_id="r1", num_prompt_tokens=3),
     m.Lease(request_id="r1", row_id=0),
@@ -30,7 +33,7 @@ EXAMPLES = [
 
 
 def test_every_registered_class_has_an_example():
-    covered = {type(e).__name__ for e in EXAMPLES} | {"SamplingParams"}
+    covered = {type(e).__name__ for e in EXAMPLES} | {"SamplingParams", "ResponseFormat"}
     assert covered == set(m._CLASSES)
 
 

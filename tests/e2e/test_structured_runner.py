@@ -1,0 +1,129 @@
+"""Structured output at the core: the sans-io scheduler driving the real runner and model.
+
+A constrained greedy row reports the target model's raw logprobs (not the masked
+distribution's); a grammar that stops ends the row with "stop" and no EOS token; a row
+whose matcher cannot be built finishes with "error" and a message naming response_format
+(an `invalid_request` event through the engine),
+while the unconstrained row beside it runs on; the grammar statistics count the work."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+
+from engine.detokenize import TextStream
+from engine.runner import Runner
+from engine.sampling import SamplingParams
+from engine.scheduler import Finished, SchedulerCore, TokenOut
+from engine.structured import GrammarMasks, validate_response_format
+
+MAX_STEPS = 200
+LOGPROB_TOLERANCE = 1e-4  # nats: one full forward vs step-by-step decode in float32
+
+
+def make(loaded, masks: GrammarMasks) -> tuple[SchedulerCore, Runner]:
+    core = SchedulerCore(max_batch=4, prefill_chunk=64, eos_token_ids=loaded.eos_token_ids,
+                         make_text_stream=lambda stop: TextStream(loaded.tokenizer, stop))
+    return core, Runner(loaded.model, masks=masks)
+
+
+def drive(core: SchedulerCore, runner: Runner) -> list:
+    events: list = []
+    for _ in range(MAX_STEPS):
+        if not core.has_work():
+            return events
+        plan, started = core.schedule()
+        events += started
+        events += core.postprocess(runner.execute(plan))
+    raise AssertionError(f"still working after {MAX_STEPS} steps")
+
+
+def masks_for(loaded, tokenizer=None) -> GrammarMasks:
+    return GrammarMasks(loaded.tokenizer if tokenizer is None else tokenizer,
+                        loaded.vocab_size, loaded.eos_token_ids)
+
+
+def test_constrained_greedy_logprobs_are_the_models_raw_ones(draft_model):
+    masks = masks_for(draft_model)
+    core, runner = make(draft_model, masks)
+    prompt = tuple(draft_model.tokenizer.encode("import os\n"))
+    fmt = validate_response_format({"type": "regex", "pattern": "(yes|no): [a-z]{2,5}!"})
+    core.add("c", prompt, SamplingParams(max_tokens=24, temperature=0.0, logprobs=True,
+                                         top_logprobs=3), response_format=fmt)
+    core.add("u", prompt, SamplingParams(max_tokens=5, temperature=0.0))
+    events = drive(core, runner)
+    tokens = [e for e in events if isinstance(e, TokenOut) and e.request_id == "c"]
+    (done,) = [e for e in events if isinstance(e, Finished) and e.request_id == "c"]
+    text = "".join(t.text for t in tokens)
+    assert done.finish_reason == "stop" and text.endswith("!") and text[:2] in ("ye", "no")
+    assert tokens[-1].token_id not in draft_model.eos_token_ids  # the grammar stopped it
+    ids = [t.token_id for t in tokens]
+    logits = draft_model.model(mx.array(list(prompt) + ids[:-1])[None])[0, len(prompt) - 1:]
+    raw = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    masked_off = 0
+    for i, tok in enumerate(tokens):
+        assert tok.logprob == pytest.approx(raw[i, tok.token_id].item(), abs=LOGPROB_TOLERANCE)
+        top = [t for t, _ in tok.top_logprobs]
+        assert top == mx.argsort(-raw[i])[:3].tolist()
+        masked_off += top[0] != tok.token_id  # the raw favourite that the grammar refused
+    assert masked_off > 0  # the grammar did steer this greedy row
+    stats = masks.statistics()
+    assert stats.num_rows == 1 and stats.num_masks == len(tokens)
+    assert stats.mask_seconds > 0 and stats.consume_seconds > 0
+
+
+def test_a_matcher_that_cannot_be_built_fails_only_its_row(draft_model):
+    core, runner = make(draft_model, masks_for(draft_model, tokenizer=object()))
+    prompt = tuple(draft_model.tokenizer.encode("def f():"))
+    fmt = validate_response_format({"type": "json_object"})
+    core.add("c", prompt, SamplingParams(max_tokens=8), response_format=fmt)
+    core.add("u", prompt, SamplingParams(max_tokens=6, temperature=0.0))
+    events = drive(core, runner)
+    finished = {e.request_id: e for e in events if isinstance(e, Finished)}
+    assert finished["c"].finish_reason == "error" and finished["c"].completion_tokens == 0
+    assert "response_format" in finished["c"].error and "tokenizer" in finished["c"].error
+    assert not [e for e in events if isinstance(e, TokenOut) and e.request_id == "c"]
+    assert finished["u"].finish_reason == "length" and finished["u"].error is None
+    assert runner.statistics().num_rows == 0 and runner.kv_bytes() == 0
+
+
+class _OpaqueTokenizer:
+    """The model's tokenizer for everything but llguidance, which cannot convert it."""
+
+    _tokenizer = object()
+
+    def __init__(self, real) -> None:
+        self._real = real
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+
+async def test_a_failed_matcher_is_an_invalid_request_event_through_the_engine(draft_model):
+    import attrs
+    import trio
+
+    from actors.engine import open_engine
+    from actors.messages import Done, Error
+    from engine.config import Config
+    from engine.request import GenerateRequest
+
+    loaded = attrs.evolve(draft_model, tokenizer=_OpaqueTokenizer(draft_model.tokenizer))
+    ends: dict[str, object] = {}
+
+    async def run(name: str, request: GenerateRequest) -> None:
+        async for event in engine.generate(request):
+            if isinstance(event, (Done, Error)):
+                ends[name] = event
+
+    async with open_engine(Config(), loaded=loaded) as engine:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(run, "c", GenerateRequest(
+                prompt="x = ", params=SamplingParams(max_tokens=8),
+                response_format={"type": "json_object"}))
+            nursery.start_soon(run, "u", GenerateRequest(
+                prompt="x = ", params=SamplingParams(max_tokens=8, temperature=0.0)))
+        await engine.wait_idle()
+    assert isinstance(ends["c"], Error) and ends["c"].code == "invalid_request"
+    assert "response_format" in ends["c"].message and "tokenizer" in ends["c"].message
+    assert isinstance(ends["u"], Done) and ends["u"].finish_reason == "length"
