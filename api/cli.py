@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 from typing import TYPE_CHECKING, NoReturn, Sequence
 
@@ -65,6 +66,13 @@ def _config_flags(p: argparse.ArgumentParser, *, server: bool) -> None:
                         "queue, a full queue drops the spill")
     if server:
         p.add_argument("--host", default=defaults.host)
+        p.add_argument("--api-key", default=os.environ.get("TQSERVE_API_KEY") or None,
+                       help="require this key as 'Authorization: Bearer KEY' on every route "
+                            "but /health and on the WebSocket upgrade (default: "
+                            "$TQSERVE_API_KEY; unset = no auth)")
+        p.add_argument("--allowed-origins", default="", metavar="ORIGIN,...",
+                       help="browser origins allowed to open the WebSocket, comma-separated "
+                            "(e.g. https://app.example.com); unset = not checked")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -123,6 +131,7 @@ async def _serve(config: Config) -> int:
 
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
     logging.getLogger("tqserve.prefix").setLevel(logging.INFO)
+    logging.getLogger("tqserve.access").setLevel(logging.INFO)
     listening = listen(config)  # a taken port fails here, before the model loads
     async with trio.open_nursery() as nursery:
         url = await nursery.start(lambda task_status: serve(config, listening=listening,

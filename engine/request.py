@@ -55,6 +55,10 @@ class GenerateRequest:
     messages: tuple[dict[str, Any], ...] | None = attrs.field(
         default=None, converter=_optional_tuple, validator=_messages)
     params: SamplingParams = attrs.field(factory=SamplingParams)
+    # OpenAI's shapes: {"type": "json_schema", "json_schema": {"schema": ...}} |
+    # {"type": "json_object"} | {"type": "text"}; None = unconstrained.
+    response_format: dict[str, Any] | None = attrs.field(
+        default=None, validator=attrs.validators.optional(attrs.validators.instance_of(dict)))
 
     def __attrs_post_init__(self) -> None:
         given = [n for n in ("prompt", "prompt_tokens", "messages") if getattr(self, n) is not None]
