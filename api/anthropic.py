@@ -111,6 +111,7 @@ def register(app: QuartTrio, engine: Engine, metrics: Metrics) -> None:
         stream = body.get("stream", bool, False)
         rid = new_id("msg_")
         g.tracked = True
+        g.request_id = rid
         run = await start_run(metrics.track(engine.generate(gen, rid), rid,
                                             "POST /v1/messages"))
         message = {"id": rid, "type": "message", "role": "assistant", "model": model_name}

@@ -158,6 +158,7 @@ def register(app: QuartTrio, engine: Engine, metrics: Metrics) -> None:
         gen = build_request(params, response_format=response_format, **prompt)
         rid = new_id("chatcmpl-" if chat else "cmpl-")
         g.tracked = True
+        g.request_id = rid
         route = f"POST {request.path}"
         run = await start_run(metrics.track(engine.generate(gen, rid), rid, route))
         want_logprobs = params.get("logprobs", False)
