@@ -26,6 +26,7 @@ _INT_FLAGS = ("max_batch", "prefill_chunk", "max_queued_requests", "max_queued_t
               "max_tokens_cap", "default_max_tokens", "stream_buffer", "port",
               "max_message_bytes", "max_streams_per_connection", "ram_cache_bytes",
               "ssd_cache_bytes")
+_LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -136,7 +137,11 @@ async def _serve(config: Config) -> int:
     async with trio.open_nursery() as nursery:
         url = await nursery.start(lambda task_status: serve(config, listening=listening,
                                                             task_status=task_status))
-        print(f"tqserve: serving {config.model} on {url} (WebSocket /v1/stream)", flush=True)
+        print(f"tqserve: serving {config.model} on {url} (WebSocket /v1/stream; HTTP "
+              "/v1/completions, /v1/chat/completions, /v1/messages, /metrics)", flush=True)
+        if config.api_key is None and config.host not in _LOOPBACK:
+            print(f"tqserve: warning: listening on {config.host} without --api-key: anyone "
+                  "who can reach this port can generate", file=sys.stderr, flush=True)
     return 0
 
 
