@@ -56,10 +56,11 @@ def install(app: QuartTrio, api_key: str | None, allowed_origins: tuple[str, ...
 
     @app.after_request
     async def log_plain(response: Response) -> Response:
-        response.headers["X-Request-Id"] = g.request_id
+        request_id = g.get("request_id") or new_id("req-")
+        response.headers["X-Request-Id"] = request_id
         if not g.get("tracked", False):
-            metrics.log_plain(g.request_id, f"{request.method} {request.path}",
-                              response.status_code, g.started)
+            metrics.log_plain(request_id, f"{request.method} {request.path}",
+                              response.status_code, g.get("started", time.perf_counter()))
         return response
 
     @app.before_websocket

@@ -130,7 +130,7 @@ def text_of_content(content: Any, where: str) -> str:
             if not (isinstance(part, dict) and part.get("type") == "text"
                     and isinstance(part.get("text"), str)):
                 raise ApiError(400, f"{where}[{i}] must be a text part "
-                                    "({{\"type\": \"text\", \"text\": ...}})", where)
+                                    '({"type": "text", "text": ...})', where)
             parts.append(part["text"])
         return "".join(parts)
     raise ApiError(400, f"{where} must be a string or a list of text parts", where)

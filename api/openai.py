@@ -28,6 +28,7 @@ from api.httpcommon import (SSE_HEADERS, ApiError, Body, Run, build_request,
                             check_response_format, new_id, sse, start_run, text_of_content,
                             token_text)
 from api.metrics import Metrics
+from engine.sampling import MAX_TOP_LOGPROBS
 
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
                 404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
@@ -240,6 +241,9 @@ def register(app: QuartTrio, engine: Engine, metrics: Metrics) -> None:
                                     "of one of those (one prompt per request)", "prompt")
         params = _sampling(body, config.default_max_tokens)
         logprobs = body.get("logprobs", int)
+        if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
+            raise ApiError(400, f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {logprobs}",
+                           "logprobs")
         if logprobs is not None:
             params.update(logprobs=True, top_logprobs=logprobs)
         key = "prompt" if isinstance(prompt, str) else "prompt_tokens"

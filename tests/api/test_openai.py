@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import httpx
 import openai
 import pytest
@@ -155,7 +157,8 @@ async def test_overload_is_429_with_retry_after(nursery, draft_model):
         await wait_stats(raw, server.url, **IDLE)
 
 
-async def test_disconnect_mid_stream_frees_the_row(server):
+async def test_disconnect_mid_stream_frees_the_row(server, caplog):
+    caplog.set_level(logging.INFO, logger="tqserve.access")
     async with httpx.AsyncClient(timeout=30) as raw:
         async with raw.stream("POST", server.url + "/v1/chat/completions", json={
                 "messages": [{"role": "user", "content": LONG_PROMPT}], "max_tokens": 2000,
@@ -171,3 +174,6 @@ async def test_disconnect_mid_stream_frees_the_row(server):
         busy = (await raw.get(server.url + "/v1/stats")).json()
         assert busy["requests_total"] == 1
         await wait_stats(raw, server.url, **IDLE)
+    (line,) = [r.getMessage() for r in caplog.records if "chat/completions" in r.getMessage()]
+    tokens = int(line.split("completion_tokens=")[1].split()[0])
+    assert "outcome=disconnected" in line and tokens < 2000, line  # cut short, not run out
