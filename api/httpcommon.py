@@ -30,6 +30,14 @@ _FIELD_PREFIXES = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed
                    "prompt", "messages", "response_format")
 
 
+def param_of(message: str) -> str | None:
+    """The request field an engine error message is about (it names it first)."""
+    param = next((f for f in _FIELD_PREFIXES if message.startswith(f)), None)
+    if param is None and "response_format" in message:
+        return "response_format"
+    return param
+
+
 class ApiError(Exception):
     """A refused request: HTTP status, message, the field at fault (if one is)."""
 
@@ -43,8 +51,8 @@ class ApiError(Exception):
 
     @classmethod
     def from_event(cls, event: Error) -> "ApiError":
-        param = next((f for f in _FIELD_PREFIXES if event.message.startswith(f)), None)
-        return cls(STATUS_BY_CODE.get(event.code, 500), event.message, param, event.code)
+        return cls(STATUS_BY_CODE.get(event.code, 500), event.message,
+                   param_of(event.message), event.code)
 
     def headers(self) -> dict[str, str]:
         return {"Retry-After": str(RETRY_AFTER_SECONDS)} if self.status == 429 else {}
@@ -109,7 +117,11 @@ class Body:
 
 
 def check_response_format(value: dict[str, Any] | None) -> None:
-    """Refuse a constraint this engine cannot enforce yet, rather than ignore it."""
+    """Refuse a constraint this engine cannot enforce yet, rather than ignore it.
+
+    The request still carries `response_format` to the engine; once the engine enforces
+    it (and validates it, its ValueError becoming a 400 naming response_format), this
+    refusal goes."""
     if value is None or value.get("type") == "text":
         return
     kind = value.get("type")
@@ -145,9 +157,7 @@ def build_request(params: dict[str, Any], **prompt: Any) -> GenerateRequest:
         return GenerateRequest(params=SamplingParams(**params), response_format=response_format,
                                **prompt)
     except (ValueError, TypeError) as exc:
-        message = str(exc)
-        param = next((f for f in _FIELD_PREFIXES if message.startswith(f)), None)
-        raise ApiError(400, message, param) from None
+        raise ApiError(400, str(exc), param_of(str(exc))) from None
 
 
 def new_id(prefix: str) -> str:
