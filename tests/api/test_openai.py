@@ -177,3 +177,27 @@ async def test_disconnect_mid_stream_frees_the_row(server, caplog):
     (line,) = [r.getMessage() for r in caplog.records if "chat/completions" in r.getMessage()]
     tokens = int(line.split("completion_tokens=")[1].split()[0])
     assert "outcome=disconnected" in line and tokens < 2000, line  # cut short, not run out
+
+
+async def test_http_rows_share_the_batch_with_websocket_rows(server):
+    api = client(server)
+    alone = await api.completions.create(model="m", prompt=LONG_PROMPT, max_tokens=48, temperature=0)
+    async with open_websocket_url(server.ws_url) as ws, httpx.AsyncClient() as raw:
+        session = Session(ws)
+        await session.generate("long", prompt=LONG_PROMPT, max_tokens=600, temperature=0)
+        await session.first_token("long")
+        text = ""
+        chunks = await api.completions.create(model="m", prompt=LONG_PROMPT, max_tokens=200,
+                                              temperature=0, stream=True)
+        async for chunk in chunks:
+            if not text:  # 200 tokens to go: both rows decode together now
+                busy = (await raw.get(server.url + "/v1/stats")).json()
+                assert busy["rows_active"] == 2 and busy["streams_open"] == 2
+            text += chunk.choices[0].text
+            finish = chunk.choices[0].finish_reason
+        assert finish == "length"
+        assert text.startswith(alone.choices[0].text)
+        assert session.results["long"].end is None
+        await session.send({"type": "cancel", "id": "long"})
+        await session.wait("long")
+        await wait_stats(raw, server.url, **IDLE)
