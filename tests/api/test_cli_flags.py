@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
 import pytest
 
 from api.cli import _config, build_parser, main
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def serve_config(argv: list[str]):
@@ -32,3 +40,26 @@ def test_a_blank_or_unprintable_key_is_a_one_line_error(key, capsys, monkeypatch
     assert main(["serve", "--api-key", key]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "api-key" in err[0]
+
+
+def test_serve_takes_the_key_from_the_environment_and_prints_the_access_log():
+    env = dict(os.environ, PYTHONPATH=str(REPO), TQSERVE_API_KEY="env-key")
+    proc = subprocess.Popen([sys.executable, "-m", "api.cli", "serve", "--port", "0"], cwd=REPO,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()  # printed once the server listens
+        assert "serving" in line, (line, proc.stderr.read() if proc.poll() is not None else "")
+        url = line.split(" on ")[1].split()[0]
+        with httpx.Client(timeout=60) as client:
+            body = {"prompt": "secret_marker_text = 1", "max_tokens": 2}
+            assert client.post(url + "/v1/completions", json=body).status_code == 401
+            ok = client.post(url + "/v1/completions", json=body,
+                             headers={"Authorization": "Bearer env-key"})
+            assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
+    finally:
+        proc.terminate()
+        _, err = proc.communicate(timeout=60)
+    access = [x for x in err.splitlines() if x.startswith("tqserve.access: ")]
+    assert len(access) == 2, err
+    assert "status=401" in access[0] and "status=200" in access[1]
+    assert "completion_tokens=2" in access[1] and "secret_marker" not in err

@@ -157,24 +157,27 @@ async def test_overload_is_429_with_retry_after(nursery, draft_model):
         await wait_stats(raw, server.url, **IDLE)
 
 
-async def test_disconnect_mid_stream_frees_the_row(server, caplog):
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/v1/messages"])
+async def test_disconnect_mid_stream_frees_the_row(server, caplog, path):
     caplog.set_level(logging.INFO, logger="tqserve.access")
+    body = {"max_tokens": 2000, "temperature": 0, "stream": True}
+    if path == "/v1/completions":
+        body["prompt"] = LONG_PROMPT
+    else:
+        body["messages"] = [{"role": "user", "content": LONG_PROMPT}]
     async with httpx.AsyncClient(timeout=30) as raw:
-        async with raw.stream("POST", server.url + "/v1/chat/completions", json={
-                "messages": [{"role": "user", "content": LONG_PROMPT}], "max_tokens": 2000,
-                "temperature": 0, "stream": True}) as response:
+        async with raw.stream("POST", server.url + path, json=body) as response:
             assert response.status_code == 200
             assert response.headers["content-type"].startswith("text/event-stream")
-            lines = response.aiter_lines()
             seen = 0
-            async for line in lines:
+            async for line in response.aiter_lines():
                 seen += line.startswith("data: ")
-                if seen == 5:
+                if seen == 8:
                     break
         busy = (await raw.get(server.url + "/v1/stats")).json()
         assert busy["requests_total"] == 1
         await wait_stats(raw, server.url, **IDLE)
-    (line,) = [r.getMessage() for r in caplog.records if "chat/completions" in r.getMessage()]
+    (line,) = [r.getMessage() for r in caplog.records if f"route=POST {path} " in r.getMessage()]
     tokens = int(line.split("completion_tokens=")[1].split()[0])
     assert "outcome=disconnected" in line and tokens < 2000, line  # cut short, not run out
 
