@@ -25,13 +25,14 @@ from quart import Response, g, jsonify, request
 from quart_trio import QuartTrio
 
 from actors.engine import Engine
-from api.httpcommon import (SSE_HEADERS, ApiError, Body, Run, build_request, new_id, sse,
-                            start_run, text_of_content)
+from api.httpcommon import (SSE_HEADERS, ApiError, Body, Run, build_request, new_id,
+                            param_of, sse, start_run, text_of_content)
 from api.metrics import Metrics
 
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
                 403: "permission_error", 404: "not_found_error", 405: "invalid_request_error",
-                413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
+                413: "request_too_large", 415: "invalid_request_error", 429: "rate_limit_error",
+                503: "overloaded_error"}
 FIELDS = frozenset(("model", "max_tokens", "messages", "system", "stop_sequences", "stream",
                     "temperature", "top_p", "top_k", "metadata", "tools", "tool_choice"))
 
@@ -106,8 +107,7 @@ def register(app: QuartTrio, engine: Engine, metrics: Metrics) -> None:
         try:
             prompt_tokens = len(engine.validate(gen))
         except ValueError as exc:
-            raise ApiError(400, str(exc), "max_tokens" if "max_tokens" in str(exc)
-                           else "messages") from None
+            raise ApiError(400, str(exc), param_of(str(exc)) or "messages") from None
         stream = body.get("stream", bool, False)
         rid = new_id("msg_")
         g.tracked = True

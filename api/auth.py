@@ -6,9 +6,12 @@ WebSocket upgrade need the key, as `Authorization: Bearer <key>` or as `x-api-ke
 so that load balancers and probes, which carry no key, can check liveness; it tells
 nothing but "ok" and the model's name. A refused upgrade is an HTTP 401 (no WebSocket).
 
-With `--allowed-origins`, a WebSocket upgrade carrying an `Origin` header (a browser)
-is refused with 403 unless that origin is listed; clients that send no Origin (not
-browsers) are unaffected. Without the flag, browser origins are not checked.
+With `--allowed-origins`, a WebSocket upgrade or HTTP request carrying an `Origin`
+header (a browser) is refused with 403 unless that origin is listed; clients that send
+no Origin (not browsers) are unaffected. Without the flag, origins are not checked.
+POST bodies must be `Content-Type: application/json` (415 otherwise): a page on another
+origin cannot send that without a CORS preflight, which this server never grants, so a
+web page cannot make a local server generate behind its user's back.
 """
 
 from __future__ import annotations
@@ -49,10 +52,18 @@ def install(app: QuartTrio, api_key: str | None, allowed_origins: tuple[str, ...
         g.request_id = new_id("req-")
         g.started = time.perf_counter()
         g.tracked = False
-        if api_key is None or request.path in OPEN_PATHS or key_ok(api_key, request.headers):
-            return None
-        return refusal(request.path, 401, "missing or invalid API key (send it as "
-                                          "'Authorization: Bearer <key>')")
+        if not (api_key is None or request.path in OPEN_PATHS
+                or key_ok(api_key, request.headers)):
+            return refusal(request.path, 401, "missing or invalid API key (send it as "
+                                              "'Authorization: Bearer <key>')")
+        origin = request.headers.get("Origin")
+        if allowed_origins and origin is not None and origin not in allowed_origins:
+            return refusal(request.path, 403, f"origin {origin!r} is not allowed")
+        if (request.method == "POST" and request.url_rule is not None
+                and request.mimetype != "application/json"):
+            return refusal(request.path, 415, "send the body as JSON with "
+                                              "'Content-Type: application/json'")
+        return None
 
     @app.after_request
     async def log_plain(response: Response) -> Response:

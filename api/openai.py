@@ -31,7 +31,8 @@ from api.metrics import Metrics
 from engine.sampling import MAX_TOP_LOGPROBS
 
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
-                404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
+                403: "permission_error", 404: "not_found_error", 405: "invalid_request_error",
+                413: "invalid_request_error", 415: "invalid_request_error",
                 429: "rate_limit_exceeded", 503: "service_unavailable"}
 _COMMON = ("model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "n",
            "stop", "seed", "logprobs", "user", "presence_penalty", "frequency_penalty",

@@ -48,6 +48,13 @@ async def test_wrong_or_missing_keys_are_refused_everywhere(nursery, draft_model
         for headers in ({"Authorization": f"Bearer {KEY}"}, {"x-api-key": KEY}):
             ok = await raw.get(server.url + "/v1/models", headers=headers)
             assert ok.status_code == 200
+            # a browser page on another origin: refused; on a listed one: served
+            evil = await raw.post(server.url + "/v1/completions", json={"prompt": "a"},
+                                  headers={**headers, "Origin": "http://evil.example"})
+            assert evil.status_code == 403 and "origin" in evil.json()["error"]["message"]
+            listed = await raw.get(server.url + "/v1/models",
+                                   headers={**headers, "Origin": GOOD_ORIGIN})
+            assert listed.status_code == 200
     with pytest.raises(openai.AuthenticationError):
         await openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="wrong",
                                  max_retries=0).models.list()

@@ -8,6 +8,7 @@ import pytest
 from tests.api.wsclient import wait_stats
 
 USER = [{"role": "user", "content": "x = 1"}]
+JSON = {"Content-Type": "application/json"}
 CASES = [
     ("/v1/completions", {}, "prompt"),
     ("/v1/completions", {"prompt": {"a": 1}}, "prompt"),
@@ -68,11 +69,19 @@ async def test_bad_bodies_are_400s_naming_the_field(server):
             message = error_message(path, response.json())
             assert field in message and "{{" not in message, (body, message)
         for data in (b"", b"[1, 2]", b"\xff\xfe{", b'{"prompt": "\\ud800"}', b"nul\x00"):
-            response = await raw.post(server.url + "/v1/completions", content=data)
+            response = await raw.post(server.url + "/v1/completions", content=data,
+                                      headers=JSON)
             assert response.status_code == 400, (data, response.text)
             assert response.json()["error"]["message"]
-        big = await raw.post(server.url + "/v1/messages",
+        big = await raw.post(server.url + "/v1/messages", headers=JSON,
                              content=b'{"x": "' + b"a" * (2 << 20) + b'"}')
+        for path in ("/v1/completions", "/v1/messages"):  # a form or text/plain: no JSON
+            for headers in ({}, {"Content-Type": "text/plain"},
+                            {"Content-Type": "application/x-www-form-urlencoded"}):
+                response = await raw.post(server.url + path, headers=headers,
+                                          content=b'{"prompt": "a", "max_tokens": 4}')
+                assert response.status_code == 415, (path, headers)
+                assert "application/json" in response.text
         assert big.status_code == 413 and big.json()["type"] == "error"
         await wait_stats(raw, server.url, rows_active=0, rows_queued=0, streams_open=0)
 

@@ -121,7 +121,8 @@ async def test_bad_requests_name_the_field(server):
     with pytest.raises(openai.BadRequestError, match="messages"):
         await api.chat.completions.create(model="m", messages=[{"role": "x", "content": "y"}])
     async with httpx.AsyncClient() as raw:
-        bad = await raw.post(server.url + "/v1/completions", content=b"{nope")
+        bad = await raw.post(server.url + "/v1/completions", content=b"{nope",
+                             headers={"Content-Type": "application/json"})
         assert bad.status_code == 400 and "JSON" in bad.json()["error"]["message"]
         for method, path, status in (("GET", "/v1/nothing", 404),
                                      ("GET", "/v1/chat/completions", 405)):
