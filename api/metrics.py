@@ -123,6 +123,9 @@ class Metrics:
                                       registry=self.registry).labels(self.model)
         self.prefix_hits = Counter("vllm:prefix_cache_hits", "Prompt tokens reused from the "
                                    "prefix cache.", labels, registry=self.registry).labels(self.model)
+        self.success = Counter("vllm:request_success", "Finished requests, by finish reason "
+                               "(stop, length, cancelled).", ["model_name", "finished_reason"],
+                               registry=self.registry)
         self.registry.register(_EngineCollector(engine))
         self._queued_at: dict[str, float] = {}
         engine.add_dequeue_listener(self._dequeued)
@@ -174,6 +177,7 @@ class Metrics:
                 self.prompt_tokens.inc(end.prompt_tokens)
                 self.prefix_queries.inc(end.prompt_tokens)
                 self.prefix_hits.inc(end.cached_tokens)
+                self.success.labels(self.model, end.finish_reason).inc()
             self._log(request_id, route, end, tokens, first, start, wall)
 
     def _log(self, request_id: str, route: str, end: Done | Error | None, tokens: int,

@@ -23,7 +23,7 @@ ROUTES = [("GET", "/v1/models"), ("POST", "/v1/completions"), ("POST", "/v1/chat
 async def ws_generate(url: str, headers: list[tuple[bytes, bytes]]) -> str:
     async with open_websocket_url(url, extra_headers=headers) as ws:
         session = Session(ws)
-        await session.generate("a", prompt="x = 1", max_tokens=2)
+        await session.generate("a", prompt="x = 1", max_tokens=2, temperature=0)
         (result,) = await session.wait("a")
         return result.finish_reason
 
@@ -67,7 +67,8 @@ async def test_wrong_or_missing_keys_are_refused_everywhere(nursery, draft_model
                                                                     "content": "a"}])
     message = await anthropic.AsyncAnthropic(base_url=server.url, api_key=KEY, max_retries=0
                                              ).messages.create(
-        model="m", max_tokens=2, messages=[{"role": "user", "content": "a"}])
+        model="m", max_tokens=2, messages=[{"role": "user", "content": "a"}],
+        extra_body={"temperature": 0})
     assert message.usage.output_tokens == 2
     bearer = (b"Authorization", f"Bearer {KEY}".encode())
     for headers, status in (([], 401), ([(b"Authorization", b"Bearer nope")], 401),
@@ -89,7 +90,8 @@ async def test_access_log_has_one_line_per_request_and_no_prompt_text(server, ca
         bad = await raw.post(server.url + "/v1/chat/completions", json={
             "messages": [{"role": "user", "content": secret}], "max_tokens": 0})
         await raw.post(server.url + "/v1/messages", json={
-            "max_tokens": 2, "stream": True, "messages": [{"role": "user", "content": secret}]})
+            "max_tokens": 2, "stream": True, "temperature": 0,
+            "messages": [{"role": "user", "content": secret}]})
         await raw.get(server.url + "/v1/models")
     await ws_generate(server.ws_url, [])
     lines = [r.getMessage() for r in caplog.records if r.name == "tqserve.access"]

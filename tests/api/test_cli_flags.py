@@ -51,7 +51,7 @@ def test_serve_takes_the_key_from_the_environment_and_prints_the_access_log():
         assert "serving" in line, (line, proc.stderr.read() if proc.poll() is not None else "")
         url = line.split(" on ")[1].split()[0]
         with httpx.Client(timeout=60) as client:
-            body = {"prompt": "secret_marker_text = 1", "max_tokens": 2}
+            body = {"prompt": "secret_marker_text = 1", "max_tokens": 2, "temperature": 0}
             assert client.post(url + "/v1/completions", json=body).status_code == 401
             ok = client.post(url + "/v1/completions", json=body,
                              headers={"Authorization": "Bearer env-key"})

@@ -44,8 +44,10 @@ async def test_metrics_agree_with_stats_after_a_known_workload(nursery, draft_mo
             usage = body["usage"]
             usages.append(dict(usage, cached_tokens=usage["prompt_tokens_details"]["cached_tokens"]))
         anth = (await raw.post(server.url + "/v1/messages", json={
-            "max_tokens": 4, "messages": [{"role": "user", "content": "x = 1"}]})).json()
-        ws = await run_alone(server.ws_url, "w", prompt="import sys", max_tokens=3)
+            "max_tokens": 4, "temperature": 0,
+            "messages": [{"role": "user", "content": "x = 1"}]})).json()
+        ws = await run_alone(server.ws_url, "w", prompt="import sys", max_tokens=3,
+                             temperature=0)
         async with open_websocket_url(server.ws_url) as sock:
             session = Session(sock)
             await session.generate("r1", prompt=LONG_PROMPT, max_tokens=300, temperature=0)
@@ -94,6 +96,9 @@ async def test_metrics_agree_with_stats_after_a_known_workload(nursery, draft_mo
     assert after["vllm:request_queue_time_seconds_count"][()] >= started
     assert after["vllm:inter_token_latency_seconds_count"][()] == generated - started
     assert after["vllm:num_requests_running"][()] == 0
+    finished = after["vllm:request_success_total"]
+    assert finished == {(("finished_reason", "length"),): 5,
+                        (("finished_reason", "cancelled"),): 2}, finished
     assert after["vllm:time_to_first_token_seconds_bucket"][(("le", "+Inf"),)] == started
 
 
@@ -101,7 +106,8 @@ async def test_two_servers_in_one_process_keep_their_own_metrics(nursery, draft_
     one = await start_server(nursery, draft_model)
     two = await start_server(nursery, draft_model)
     async with httpx.AsyncClient(timeout=60) as raw:
-        await raw.post(one.url + "/v1/completions", json={"prompt": "a = 1", "max_tokens": 3})
+        await raw.post(one.url + "/v1/completions", json={"prompt": "a = 1", "max_tokens": 3,
+                                                          "temperature": 0})
         first, second = await scrape(raw, one.url), await scrape(raw, two.url)
     assert first["vllm:generation_tokens_total"][()] == 3
     assert second["vllm:generation_tokens_total"][()] == 0
