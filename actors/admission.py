@@ -10,6 +10,8 @@ admitted is affected.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import attrs
 import trio
 
@@ -34,6 +36,8 @@ class AdmissionControl:
     queued: dict[str, int] = attrs.Factory(dict)
     requests_total: int = 0
     requests_rejected: int = 0
+    # called with the request id when a request leaves the queue (metrics: queue time)
+    dequeue_listeners: list[Callable[[str], None]] = attrs.Factory(list)
 
     def try_admit(self, request_id: str, num_tokens: int) -> str | None:
         """Admit and return None, or return the reason for rejecting."""
@@ -52,7 +56,9 @@ class AdmissionControl:
         return None
 
     def dequeued(self, request_id: str) -> None:
-        self.queued.pop(request_id, None)
+        if self.queued.pop(request_id, None) is not None:
+            for listener in self.dequeue_listeners:
+                listener(request_id)
 
     def statistics(self) -> AdmissionStatistics:
         return AdmissionStatistics(

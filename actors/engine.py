@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import uuid
 from contextlib import asynccontextmanager
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 import attrs
 import trio
@@ -147,6 +147,11 @@ class Engine:
             if not finished:
                 with trio.CancelScope(shield=True):
                     await self.cancel(rid)
+
+    def add_dequeue_listener(self, listener: Callable[[str], None]) -> None:
+        """Call `listener(request_id)` (on the engine's trio thread) whenever a request
+        leaves the queue for a row; the api's metrics time queue waits with it."""
+        self._control.dequeue_listeners.append(listener)
 
     async def cancel(self, request_id: str) -> None:
         """Cancel a request by id; unknown ids are ignored."""

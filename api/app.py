@@ -1,4 +1,5 @@
-"""quart-trio app: WebSocket /v1/stream, GET /health, GET /v1/stats.
+"""quart-trio app: WebSocket /v1/stream, GET /health, GET /v1/stats; the HTTP APIs,
+/metrics and auth come from api.routes.
 
 One connection multiplexes many requests by client-chosen id. Each request runs
 as a task in the connection's nursery; all frames leave through one writer task
@@ -22,8 +23,10 @@ from quart_trio import QuartTrio
 from actors.engine import Engine
 from actors.messages import Error
 from api.playground import add_playground
+from api.metrics import Metrics
 from api.protocol import (CancelCommand, GenerateCommand, ProtocolError, decode_frame,
                           encode_frame, parse_command)
+from api.routes import register_http_apis
 
 log = logging.getLogger("tqserve.api")
 OUTGOING_FRAMES = 64  # frames waiting for the socket writer; a full queue backs up requests
@@ -34,8 +37,9 @@ class _Connection:
     """One WebSocket connection: its requests and its writer."""
 
     def __init__(self, engine: Engine, nursery: trio.Nursery,
-                 out: trio.MemorySendChannel[str | bytes]) -> None:
+                 out: trio.MemorySendChannel[str | bytes], metrics: Metrics) -> None:
         self._engine = engine
+        self._metrics = metrics
         self._nursery = nursery
         self._out = out
         self._conn_id = next(_CONNECTION_IDS)
@@ -80,7 +84,8 @@ class _Connection:
     async def _run(self, command: GenerateCommand, engine_id: str, binary: bool) -> None:
         rid = command.request_id
         try:
-            async for event in self._engine.generate(command.request, engine_id):
+            events = self._engine.generate(command.request, engine_id)
+            async for event in self._metrics.track(events, rid, "WS /v1/stream", engine_id):
                 wire = event.to_wire()
                 wire["id"] = rid
                 await self.send_event(wire, binary)
@@ -91,6 +96,7 @@ class _Connection:
 def create_app(engine: Engine) -> QuartTrio:
     """The ASGI app bound to a running engine."""
     app = QuartTrio("tqserve")
+    metrics = register_http_apis(app, engine)
 
     @app.get("/health")
     async def health() -> Any:
@@ -113,7 +119,7 @@ def create_app(engine: Engine) -> QuartTrio:
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(writer)
-            conn = _Connection(engine, nursery, send)
+            conn = _Connection(engine, nursery, send, metrics)
             try:
                 while True:
                     await conn.handle(await websocket.receive())

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 from typing import TYPE_CHECKING, NoReturn, Sequence
 
@@ -27,6 +28,7 @@ _INT_FLAGS = ("max_batch", "prefill_chunk", "max_queued_requests", "max_queued_t
               "max_tokens_cap", "default_max_tokens", "stream_buffer", "port",
               "max_message_bytes", "max_streams_per_connection", "ram_cache_bytes",
               "ssd_cache_bytes")
+_LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -70,6 +72,13 @@ def _config_flags(p: argparse.ArgumentParser, *, server: bool) -> None:
                         "queue, a full queue drops the spill")
     if server:
         p.add_argument("--host", default=defaults.host)
+        p.add_argument("--api-key", default=os.environ.get("TQSERVE_API_KEY") or None,
+                       help="require this key as 'Authorization: Bearer KEY' on every route "
+                            "but /health and on the WebSocket upgrade (default: "
+                            "$TQSERVE_API_KEY; unset = no auth)")
+        p.add_argument("--allowed-origins", default="", metavar="ORIGIN,...",
+                       help="browser origins allowed to open the WebSocket, comma-separated "
+                            "(e.g. https://app.example.com); unset = not checked")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -130,11 +139,16 @@ async def _serve(config: Config) -> int:
 
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
     logging.getLogger("tqserve.prefix").setLevel(logging.INFO)
+    logging.getLogger("tqserve.access").setLevel(logging.INFO)
     listening = listen(config)  # a taken port fails here, before the model loads
     async with trio.open_nursery() as nursery:
         url = await nursery.start(lambda task_status: serve(config, listening=listening,
                                                             task_status=task_status))
-        print(f"tqserve: serving {config.model} on {url} (WebSocket /v1/stream)", flush=True)
+        print(f"tqserve: serving {config.model} on {url} (WebSocket /v1/stream; HTTP "
+              "/v1/completions, /v1/chat/completions, /v1/messages, /metrics)", flush=True)
+        if config.api_key is None and config.host not in _LOOPBACK:
+            print(f"tqserve: warning: listening on {config.host} without --api-key: anyone "
+                  "who can reach this port can generate", file=sys.stderr, flush=True)
     return 0
 
 
@@ -150,7 +164,12 @@ _TOOLS = {"bench": "tools.bench", "bench-kv": "tools.bench_kv", "eval-kv": "tool
 
 
 def _load_blas(choice: str) -> None:
-    """Before anything imports MLX (build_parser does): load the optimized BLAS, or hint."""
+    """Before anything imports MLX (build_parser does): load the optimized BLAS, or hint.
+    Called in a process that already runs MLX (main() from Python), `auto` does nothing."""
+    if "mlx.core" in sys.modules:
+        if choice not in ("auto", "none"):
+            raise ValueError("--blas PATH needs a process that has not imported MLX yet")
+        return
     path = blas.resolve(choice)
     if path is not None:
         blas.load(path)

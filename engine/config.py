@@ -46,6 +46,18 @@ def _ssd_flush(inst: object, attr: attrs.Attribute, value: str) -> None:
         raise ValueError(f"ssd-flush must be sync or async, got {value!r}")
 
 
+def _api_key(inst: object, attr: attrs.Attribute, value: str | None) -> None:
+    if value is not None and (not isinstance(value, str) or not value.strip()
+                              or not value.isprintable()):
+        raise ValueError("api-key must be a non-empty printable string (or unset)")
+
+
+def _origins(value: object) -> tuple[str, ...]:
+    if isinstance(value, str):
+        value = [o for o in value.split(",") if o.strip()]
+    return tuple(str(o).strip().rstrip("/") for o in value)  # type: ignore[union-attr]
+
+
 @attrs.frozen(kw_only=True)
 class Config:
     """Engine and server settings (defaults suit a laptop and the bundled model)."""
@@ -73,6 +85,9 @@ class Config:
     cache_dir: str | None = None
     ssd_cache_bytes: int = attrs.field(default=16 << 30, validator=_positive)
     ssd_flush: str = attrs.field(default="sync", validator=_ssd_flush)
+    # HTTP and WebSocket exposure (api.auth): a bearer key, browser origins for WebSockets.
+    api_key: str | None = attrs.field(default=None, validator=_api_key, repr=False)
+    allowed_origins: tuple[str, ...] = attrs.field(default=(), converter=_origins)
 
     def __attrs_post_init__(self) -> None:
         if self.default_max_tokens > self.max_tokens_cap:

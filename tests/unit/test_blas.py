@@ -28,8 +28,17 @@ def test_too_late_once_mlx_is_imported():
         blas.load("/any/path")
 
 
+def test_in_a_process_already_running_mlx_auto_does_nothing(capsys):
+    cli._load_blas("auto")
+    cli._load_blas("none")
+    assert capsys.readouterr().err == ""
+    with pytest.raises(ValueError, match="--blas PATH needs a process"):
+        cli._load_blas("/some/libblas.so.3")
+
+
 def test_no_blas_found_prints_the_hint(monkeypatch, capsys):
     monkeypatch.setattr(blas, "KNOWN_PATHS", ())
+    monkeypatch.delitem(sys.modules, "mlx.core")  # as in a fresh `tqserve` process
     cli._load_blas("auto")
     err = capsys.readouterr().err
     if sys.platform.startswith("linux"):

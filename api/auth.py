@@ -1,0 +1,86 @@
+"""API key, WebSocket Origin allow-list, request ids and the access line of plain routes.
+
+With `--api-key` (or TQSERVE_API_KEY) every HTTP route but `GET /health` and the
+WebSocket upgrade need the key, as `Authorization: Bearer <key>` or as `x-api-key: <key>`
+(what Anthropic's clients send); keys are compared in constant time. /health stays open
+so that load balancers and probes, which carry no key, can check liveness; it tells
+nothing but "ok" and the model's name. A refused upgrade is an HTTP 401 (no WebSocket).
+
+With `--allowed-origins`, a WebSocket upgrade or HTTP request carrying an `Origin`
+header (a browser) is refused with 403 unless that origin is listed; clients that send
+no Origin (not browsers) are unaffected. Without the flag, origins are not checked.
+POST bodies must be `Content-Type: application/json` (415 otherwise): a page on another
+origin cannot send that without a CORS preflight, which this server never grants, so a
+web page cannot make a local server generate behind its user's back.
+"""
+
+from __future__ import annotations
+
+import hmac
+import time
+from typing import Any, Callable
+
+from quart import Response, g, request, websocket
+from quart_trio import QuartTrio
+
+from api.httpcommon import new_id
+from api.metrics import Metrics
+
+OPEN_PATHS = frozenset({"/health"})
+
+
+def presented_key(headers: Any) -> str | None:
+    """The key a request carries, from Authorization: Bearer or x-api-key."""
+    auth = headers.get("Authorization", "")
+    if auth[:7].lower() == "bearer ":
+        return auth[7:].strip()
+    return headers.get("x-api-key")
+
+
+def key_ok(expected: str, headers: Any) -> bool:
+    given = presented_key(headers)
+    return given is not None and hmac.compare_digest(given.encode("utf-8"),
+                                                     expected.encode("utf-8"))
+
+
+def install(app: QuartTrio, api_key: str | None, allowed_origins: tuple[str, ...],
+            metrics: Metrics, refusal: Callable[[str, int, str], Response]) -> None:
+    """Register the hooks. `refusal(path, status, message)` builds the API-shaped error."""
+
+    @app.before_request
+    async def check_key() -> Response | None:
+        g.request_id = new_id("req-")
+        g.started = time.perf_counter()
+        g.tracked = False
+        if not (api_key is None or request.path in OPEN_PATHS
+                or key_ok(api_key, request.headers)):
+            return refusal(request.path, 401, "missing or invalid API key (send it as "
+                                              "'Authorization: Bearer <key>')")
+        origin = request.headers.get("Origin")
+        if allowed_origins and origin is not None and origin not in allowed_origins:
+            return refusal(request.path, 403, f"origin {origin!r} is not allowed")
+        if (request.method == "POST" and request.url_rule is not None
+                and request.mimetype != "application/json"):
+            return refusal(request.path, 415, "send the body as JSON with "
+                                              "'Content-Type: application/json'")
+        return None
+
+    @app.after_request
+    async def log_plain(response: Response) -> Response:
+        request_id = g.get("request_id") or new_id("req-")
+        response.headers["X-Request-Id"] = request_id
+        if not g.get("tracked", False):
+            metrics.log_plain(request_id, f"{request.method} {request.path}",
+                              response.status_code, g.get("started", time.perf_counter()))
+        return response
+
+    @app.before_websocket
+    async def check_upgrade() -> Response | None:
+        if api_key is not None and not key_ok(api_key, websocket.headers):
+            return Response('{"error": "missing or invalid API key"}', 401,
+                            content_type="application/json")
+        origin = websocket.headers.get("Origin")
+        if allowed_origins and origin is not None and origin not in allowed_origins:
+            return Response('{"error": "origin not allowed"}', 403,
+                            content_type="application/json")
+        return None

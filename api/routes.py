@@ -1,0 +1,58 @@
+"""Wires the HTTP APIs into the app: OpenAI, Anthropic, /metrics, auth, their errors.
+
+An `ApiError` raised by a route, and a 404/405 under the HTTP APIs' paths, answer in
+the shape of the API the path belongs to: Anthropic's for /v1/messages, OpenAI's for
+the other /v1/ paths, `{"error": {...}}` elsewhere.
+"""
+
+from __future__ import annotations
+
+from quart import Response, request
+from quart_trio import QuartTrio
+from werkzeug.exceptions import MethodNotAllowed, NotFound
+
+from actors.engine import Engine
+from api import anthropic, auth, openai
+from api.httpcommon import ApiError
+from api.metrics import Metrics
+
+PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+def api_error(path: str, status: int, message: str, param: str | None = None,
+              code: str | None = None) -> Response:
+    """An error in the shape of the API that `path` belongs to."""
+    if path == "/v1/messages" or path.startswith("/v1/messages/"):
+        return anthropic.error_response(status, message)
+    return openai.error_response(status, message, param, code)
+
+
+def register_http_apis(app: QuartTrio, engine: Engine) -> Metrics:
+    """Add the HTTP APIs, /metrics and auth to `app`; returns its Metrics (for the WS)."""
+    metrics = Metrics(engine)
+    config = engine.config
+    auth.install(app, config.api_key, config.allowed_origins, metrics,
+                 lambda path, status, message: api_error(path, status, message))
+    openai.register(app, engine, metrics)
+    anthropic.register(app, engine, metrics)
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.exposition(), content_type=PROMETHEUS_CONTENT_TYPE)
+
+    @app.errorhandler(ApiError)
+    async def refused(exc: ApiError) -> Response:
+        return api_error(request.path, exc.status, exc.message, exc.param, exc.code)
+
+    @app.errorhandler(NotFound)
+    async def not_found(exc: NotFound) -> Response:
+        return api_error(request.path, 404, f"no route {request.path}")
+
+    @app.errorhandler(MethodNotAllowed)
+    async def not_allowed(exc: MethodNotAllowed) -> Response:
+        response = api_error(request.path, 405,
+                             f"method {request.method} not allowed on {request.path}")
+        response.headers["Allow"] = ", ".join(sorted(exc.valid_methods or ()))
+        return response
+
+    return metrics

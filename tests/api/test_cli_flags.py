@@ -1,0 +1,65 @@
+"""serve's exposure flags map onto Config: --api-key (or TQSERVE_API_KEY), --allowed-origins."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+from api.cli import _config, build_parser, main
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def serve_config(argv: list[str]):
+    return _config(build_parser().parse_args(["serve", *argv]))
+
+
+def test_api_key_and_origins_flags(monkeypatch):
+    monkeypatch.delenv("TQSERVE_API_KEY", raising=False)
+    plain = serve_config([])
+    assert plain.api_key is None and plain.allowed_origins == ()
+    assert plain.host == "127.0.0.1"  # the default bind stays loopback
+    config = serve_config(["--api-key", "k1", "--allowed-origins",
+                           "https://a.example, http://b.example:8080/"])
+    assert config.api_key == "k1"
+    assert config.allowed_origins == ("https://a.example", "http://b.example:8080")
+    assert "k1" not in repr(config)  # the key never reaches a log through repr
+    monkeypatch.setenv("TQSERVE_API_KEY", "from-env")
+    assert serve_config([]).api_key == "from-env"
+    assert serve_config(["--api-key", "flag-wins"]).api_key == "flag-wins"
+
+
+@pytest.mark.parametrize("key", [" ", "bad\nkey"])
+def test_a_blank_or_unprintable_key_is_a_one_line_error(key, capsys, monkeypatch):
+    monkeypatch.delenv("TQSERVE_API_KEY", raising=False)
+    assert main(["serve", "--api-key", key]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "api-key" in err[0]
+
+
+def test_serve_takes_the_key_from_the_environment_and_prints_the_access_log():
+    env = dict(os.environ, PYTHONPATH=str(REPO), TQSERVE_API_KEY="env-key")
+    proc = subprocess.Popen([sys.executable, "-m", "api.cli", "serve", "--port", "0"], cwd=REPO,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()  # printed once the server listens
+        assert "serving" in line, (line, proc.stderr.read() if proc.poll() is not None else "")
+        url = line.split(" on ")[1].split()[0]
+        with httpx.Client(timeout=60) as client:
+            body = {"prompt": "secret_marker_text = 1", "max_tokens": 2, "temperature": 0}
+            assert client.post(url + "/v1/completions", json=body).status_code == 401
+            ok = client.post(url + "/v1/completions", json=body,
+                             headers={"Authorization": "Bearer env-key"})
+            assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
+    finally:
+        proc.terminate()
+        _, err = proc.communicate(timeout=60)
+    access = [x for x in err.splitlines() if x.startswith("tqserve.access: ")]
+    assert len(access) == 2, err
+    assert "status=401" in access[0] and "status=200" in access[1]
+    assert "completion_tokens=2" in access[1] and "secret_marker" not in err
