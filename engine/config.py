@@ -46,6 +46,11 @@ def _ssd_flush(inst: object, attr: attrs.Attribute, value: str) -> None:
         raise ValueError(f"ssd-flush must be sync or async, got {value!r}")
 
 
+def _ssd_write(inst: object, attr: attrs.Attribute, value: str) -> None:
+    if value not in ("through", "back"):
+        raise ValueError(f"ssd-write must be through or back, got {value!r}")
+
+
 @attrs.frozen(kw_only=True)
 class Config:
     """Engine and server settings (defaults suit a laptop and the bundled model)."""
@@ -72,7 +77,8 @@ class Config:
     ram_cache_bytes: int = attrs.field(default=1 << 30, validator=_non_negative)
     cache_dir: str | None = None
     ssd_cache_bytes: int = attrs.field(default=16 << 30, validator=_positive)
-    ssd_flush: str = attrs.field(default="sync", validator=_ssd_flush)
+    ssd_flush: str = attrs.field(default="async", validator=_ssd_flush)
+    ssd_write: str = attrs.field(default="through", validator=_ssd_write)
 
     def __attrs_post_init__(self) -> None:
         if self.default_max_tokens > self.max_tokens_cap:

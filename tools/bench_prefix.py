@@ -8,8 +8,8 @@ TTFT = seconds from submit to the first token of one greedy request (embedded en
 open_engine), for R distinct prompts of --prompt-tokens ids (windows of mlx-lm's generate.py):
   cold  engine A (prefix cache on, large RAM budget): each prompt the first time (a miss)
   ram   engine A again: the same prompt, reusing all but its last token from the RAM tier
-  ssd   engine B (--ram-cache-bytes 1, sync flush) runs each prompt once, which spills its
-        snapshot to a fresh --cache-dir; engine C, a restart on that directory, then runs
+  ssd   engine B (--ram-cache-bytes 1, sync flush) runs each prompt once, which writes its
+        snapshots to a fresh --cache-dir; engine C, a restart on that directory, then runs
         each prompt again: reused from the SSD tier (read, verified, decompressed, rebuilt)
 Every engine gets one short warm-up request first. Medians over R; speedup = cold / hit.
 Each hit's Done reports the tier and the reused tokens, and the hit's tokens equal cold's.
