@@ -72,10 +72,12 @@ async def test_immediate_repeat_reuses_ram_while_the_write_is_pending(draft_mode
     config = Config(cache_dir=str(tmp_path))
     with trio.fail_after(GUARD_S):
         async with open_engine(config, loaded=draft_model) as engine:
-            first, done1 = await run(engine, p)
-            again, done2 = await run(engine, p)
-            written = engine.statistics().prefix_cache.spills
-            gate.set()
+            try:
+                first, done1 = await run(engine, p)
+                again, done2 = await run(engine, p)
+                written = engine.statistics().prefix_cache.spills
+            finally:
+                gate.set()
         async with open_engine(config, loaded=draft_model) as engine:
             restarted, done3 = await run(engine, p)
     assert written == 0  # nothing was on disk yet during the repeat
@@ -186,7 +188,10 @@ async def test_slow_ssd_read_never_stalls_the_decoding_rows(draft_model, tmp_pat
                             SlowTier.release.set()
 
                 async def run_other():
-                    results["other"] = await run(engine, other, 40, on_token=on_token)
+                    try:
+                        results["other"] = await run(engine, other, 40, on_token=on_token)
+                    finally:
+                        SlowTier.release.set()  # never leave the read blocked
 
                 async def run_hit():
                     results["hit"] = await run(engine, p)
@@ -201,14 +206,15 @@ async def test_slow_ssd_read_never_stalls_the_decoding_rows(draft_model, tmp_pat
 
 async def test_failed_step_gives_internal_error_and_leaves_nothing_behind(draft_model,
                                                                           tmp_path):
-    """An exception on one runner step (through Runner.step_hook): the requests in that
+    """An exception on one runner step (through Runner.step_hook, on the first step where
+    both rows decode): the requests in that
     step get internal_error; afterwards the engine serves correctly, holds 0 rows and 0 KV
     bytes, and every snapshot the runner holds is indexed (no orphans, nothing stuck)."""
-    steps = {"n": 0}
+    failed = []
 
-    def fail_on_third(plan):
-        steps["n"] += 1
-        if steps["n"] == 3:
+    def fail_once_both_decode(plan):
+        if len(plan.decode) == 2 and not failed:
+            failed.append(plan)
             raise RuntimeError("injected fault")
 
     a, b = prompt(8, 60), prompt(9, 70)
@@ -216,8 +222,7 @@ async def test_failed_step_gives_internal_error_and_leaves_nothing_behind(draft_
     with trio.fail_after(GUARD_S):
         async with open_engine(config, loaded=draft_model) as engine:
             await run(engine, prompt(10, 50))  # a snapshot already indexed
-            engine.runner.step_hook = fail_on_third
-            steps["n"] = 0
+            engine.runner.step_hook = fail_once_both_decode
             results = {}
             async with trio.open_nursery() as nursery:
                 async def one(name, tokens):
@@ -264,10 +269,12 @@ async def test_a_full_write_queue_drops_writes_and_counts_them(draft_model, tmp_
     config = Config(cache_dir=str(tmp_path), ssd_flush="async")
     with trio.fail_after(GUARD_S):
         async with open_engine(config, loaded=draft_model) as engine:
-            results = [await run(engine, p, 2) for p in prompts]
-            repeat = await run(engine, prompts[0], 2)
-            stats = engine.statistics().prefix_cache
-            gate.set()
+            try:
+                results = [await run(engine, p, 2) for p in prompts]
+                repeat = await run(engine, prompts[0], 2)
+                stats = engine.statistics().prefix_cache
+            finally:
+                gate.set()
     assert stats.spills_dropped > 0, stats
     assert repeat[1].cached_tokens_by_tier["ram"] == len(prompts[0]) - 1
     for p, (tokens, _) in zip(prompts, results):
@@ -321,7 +328,7 @@ async def test_closing_during_a_step_that_queues_writes(draft_model, tmp_path):
                 engine.runner.step_hook = hold_the_persisting_step
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(run, engine, prompt(41, 50))
-                    await trio.to_thread.run_sync(in_step.wait)
+                    await trio.to_thread.run_sync(in_step.wait, abandon_on_cancel=True)
                     nursery.cancel_scope.cancel()
                 outer.start_soon(release_once_everything_waits)
             stats = engine.statistics().prefix_cache
