@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import threading
 
+import attrs
 import pytest
 import trio
 import trio.testing
@@ -334,3 +335,27 @@ async def test_closing_during_a_step_that_queues_writes(draft_model, tmp_path):
             stats = engine.statistics().prefix_cache
     assert release.is_set()
     assert stats.writes_pending == 0 and stats.spills_dropped == 0 and stats.spills >= 1
+
+
+@pytest.mark.parametrize("flush", ["sync", "async"])
+async def test_write_back_writes_only_what_ram_evicts(draft_model, tmp_path, flush):
+    """--ssd-write back: a snapshot reaches the disk only when the RAM budget evicts it;
+    after a restart those prompts are SSD hits with the same greedy tokens."""
+    prompts = [prompt(50 + i, 60) for i in range(4)]
+    config = Config(cache_dir=str(tmp_path), ssd_write="back", ssd_flush=flush,
+                    ram_cache_bytes=1)
+    roomy = attrs.evolve(config, cache_dir=str(tmp_path / "roomy"), ram_cache_bytes=1 << 30)
+    with trio.fail_after(GUARD_S):
+        async with open_engine(roomy, loaded=draft_model) as engine:
+            for p in prompts:
+                await run(engine, p)
+            kept = engine.statistics().prefix_cache
+        async with open_engine(config, loaded=draft_model) as engine:
+            first = [await run(engine, p) for p in prompts]
+            await run(engine, prompt(99, 5))  # the steps after the last release spill it
+        async with open_engine(config, loaded=draft_model) as engine:
+            second = [await run(engine, p) for p in prompts]
+    assert kept.spills == 0 and kept.ssd_entries == 0 and kept.ram_entries > 0
+    for p, (tokens, _), (again, done) in zip(prompts, first, second):
+        assert done.cached_tokens_by_tier["ssd"] == len(p) - 1
+        assert again == tokens == await cold(draft_model, p)
