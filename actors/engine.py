@@ -9,10 +9,13 @@ The graph (every edge a bounded msgpack mailbox):
     generate() -> admission -> scheduler -> hub -> generate()
                       ^            |  \\
                       +-Dequeued---+   -> cache_owner
-                                   \\-> spill task (--ssd-flush async; SPILL_QUEUE)
+                                   \\-> writer task (--ssd-flush async; WRITE_QUEUE)
 
 The prefix cache (actors.prefix_cache) runs in the scheduler's task; with --cache-dir its
-SSD tier is recovered (verified, quarantined, indexed) before the first request.
+SSD tier is recovered (verified, quarantined, indexed) before the first request. The
+writer task lives outside the actors' nursery: leaving `open_engine` stops the actors
+first, then closes the write queue and waits until every queued snapshot is written
+(drained), so a restart finds every snapshot that was queued.
 
 Cancelling the caller's scope (or leaving the `async for` early) sends a Cancel;
 the row is freed at the start of the next engine step.
@@ -33,7 +36,7 @@ from actors.cache_owner import RowBooks, run_cache_owner
 from actors.hub import Hub, run_hub
 from actors.mailbox import Outbox, Recorder, open_mailbox
 from actors.messages import Cancel, Done, Error, Event, Submit
-from actors.prefix_cache import PrefixCache, PrefixCacheStatistics, run_spiller
+from actors.prefix_cache import PrefixCache, PrefixCacheStatistics, run_writer
 from actors.runner_thread import RunnerThread
 from actors.scheduler import run_scheduler
 from engine.config import Config
@@ -76,8 +79,9 @@ class Engine:
 
     def __init__(self, config: Config, loaded: LoadedModel, admission: Outbox, hub: Hub,
                  control: AdmissionControl, books: RowBooks, core: SchedulerCore,
-                 prefix: PrefixCache | None = None) -> None:
+                 prefix: PrefixCache | None = None, runner: Runner | None = None) -> None:
         self.config = config
+        self.runner = runner  # its statistics and `step_hook` (fault injection in tests)
         self.model = loaded
         self._admission = admission
         self._hub = hub
@@ -216,20 +220,27 @@ async def open_engine(config: Config, *, loaded: LoadedModel | None = None,
                             "by prefix (sliding-window layers)")
         if prefix is not None:
             await prefix.recover()  # before the nursery: a bad cache-dir is a plain ValueError
-        async with trio.open_nursery() as nursery:
-            if prefix is not None:
-                if config.ssd_flush == "async" and prefix.tier is not None:
-                    await nursery.start(run_spiller, prefix)
-            await nursery.start(run_hub, hub, hub_in)
-            await nursery.start(run_cache_owner, books, owner_in)
-            await nursery.start(run_scheduler, core, runner, thread, scheduler_in, replies_out,
-                                owner_out, hub_out.clone(), prefix)
-            await nursery.start(run_admission, control, admission_in, replies_in,
-                                scheduler_out, hub_out)
+        async with trio.open_nursery() as writer:
+            if prefix is not None and config.ssd_flush == "async" and prefix.tier is not None:
+                await writer.start(run_writer, prefix)
             try:
-                yield Engine(config, loaded, admission_out, hub, control, books, core, prefix)
+                async with trio.open_nursery() as nursery:
+                    await nursery.start(run_hub, hub, hub_in)
+                    await nursery.start(run_cache_owner, books, owner_in)
+                    await nursery.start(run_scheduler, core, runner, thread, scheduler_in,
+                                        replies_out, owner_out, hub_out.clone(), prefix)
+                    await nursery.start(run_admission, control, admission_in, replies_in,
+                                        scheduler_out, hub_out)
+                    try:
+                        yield Engine(config, loaded, admission_out, hub, control, books, core,
+                                     prefix, runner)
+                    finally:
+                        nursery.cancel_scope.cancel()
             finally:
-                nursery.cancel_scope.cancel()
+                # The actors are gone (no more writes can be queued): drain the queue.
+                if prefix is not None:
+                    with trio.CancelScope(shield=True):
+                        await prefix.close_writes()
     finally:
         await thread.aclose()
 
@@ -261,4 +272,4 @@ def _prefix_cache(config: Config, loaded: LoadedModel, runner: Runner,
     return PrefixCache(
         namespace=cache_namespace(loaded.fingerprint, kv_scheme(config, loaded.dtype)),
         fingerprint=loaded.fingerprint, ram_budget=config.ram_cache_bytes, tier=tier,
-        flush=config.ssd_flush, runner_call=restore)
+        flush=config.ssd_flush, write=config.ssd_write, runner_call=restore)

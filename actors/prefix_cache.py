@@ -1,21 +1,36 @@
-"""Prefix cache: the RAM and SSD tiers around the sans-io PrefixIndex, and the spill task.
+"""Prefix cache: the RAM and SSD tiers around the sans-io PrefixIndex, and the writer task.
 
-Owns: the PrefixIndex (books of both tiers), the SsdTier (files), the spill queue.
+Owns: the PrefixIndex (books of both tiers), the SsdTier (files), the write queue.
 The snapshots' arrays live in the Runner (runner thread), keyed by the RAM keys here;
 only keys, token ids and numbers cross into this module, plus plane bytes on their way
 to disk (produced on the runner thread, never tensors).
 
 Used by the scheduler actor, in its task (no mailbox of its own):
-  * `lookup` on Submit: a RAM hit pins the donor; an SSD hit reads the file on a worker
-    thread (`get_async`) and has the runner rebuild it under a temporary key.
-  * `finished` on each Finished event, `decorate(plan)` before each step (snapshot,
-    spill and drop orders), `absorb(plan, result)` after it (index new snapshots, write
-    spills: sync flush awaits the write here; async flush hands it to `run_spiller`).
+  * `lookup` when a request is about to take a row (not at arrival, so a request queued
+    behind its donor reuses it): a RAM hit pins the donor; an SSD hit starts `load` in the
+    scheduler's nursery (file read and checks on a worker thread, rebuild on the runner
+    thread) and the request waits, holding no row, while the others keep decoding; the
+    loaded snapshot is promoted to the RAM tier and handed over by `take_ready`.
+  * `finished` on each Finished event; `decorate(plan)` before each step adds snapshot
+    orders (a finished row's KV at its release; a row's prompt KV when its prefill
+    completes), spill and drop orders; `absorb(plan, result)` after it indexes the new
+    snapshots and writes them.
+  * `reconcile(held)` after a failed step: the index and the runner agree again.
 
-Edges: scheduler -> spill task, a trio channel of SPILL_QUEUE items (bulk bytes, so not
-a msgpack mailbox); `send_nowait`, and a full queue drops the spill (counted), so decoding
-never waits for the disk. The spill task updates the index directly (same trio thread,
-sync calls, no await in between), so there is no edge back and the graph stays a DAG.
+Write modes (`--ssd-write`): "through" (default with a cache dir): every published
+snapshot is also written to the SSD tier; RAM pressure then only drops RAM copies.
+"back": a snapshot reaches the disk only when RAM pressure evicts it (a spill).
+Flush (`--ssd-flush`): "async" (default): writes go through a bounded queue to the writer
+task; `send_nowait`, and a full queue drops the write (counted in `spills_dropped`), so a
+step never waits for the disk; the RAM copy stays matchable during the write. "sync": the
+step's absorb awaits the write (on a worker thread) and publishes only after the file is
+durable.
+
+Edges: scheduler -> writer task, a trio channel of WRITE_QUEUE items (bulk bytes, so not
+a msgpack mailbox). The writer updates the index directly (same trio thread, sync calls,
+no await in between), so there is no edge back and the graph stays a DAG. Shutdown: the
+scheduler stops first; then `close_writes` closes the queue's send end and the writer
+drains what was queued before returning (open_engine's exit path).
 
 Acknowledgement: a snapshot is acknowledged when SsdTier.put returned (temp file, fsync,
 rename, directory fsync); then "snapshot acknowledged <key>" is logged on tqserve.prefix.
@@ -30,7 +45,7 @@ import functools
 import itertools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import attrs
@@ -41,7 +56,7 @@ from engine.scheduler import Finished, SpillPayload, StepPlan, StepResult
 from storage import SnapshotError, SsdTier, snapshot_key
 
 log = logging.getLogger("tqserve.prefix")
-SPILL_QUEUE = 8  # snapshots waiting for the disk in async mode; beyond it spills drop
+WRITE_QUEUE = 8  # snapshots waiting for the disk in async mode; beyond it writes drop
 
 
 @attrs.frozen(kw_only=True)
@@ -57,6 +72,8 @@ class PrefixCacheStatistics:
     spills_dropped: int
     quarantined: int
     ssd_write_errors: int
+    writes_pending: int
+    loads_pending: int
 
 
 @attrs.frozen(kw_only=True)
@@ -68,32 +85,57 @@ class Reuse:
     tier: str
 
 
+LOADING = "loading"  # `lookup`'s answer for an SSD hit: the request waits for `load`
+
+
+@attrs.frozen(kw_only=True)
+class _Write:
+    """A snapshot on its way to disk: its bytes and what the SSD entry will say."""
+
+    ram_key: str
+    tokens: tuple[int, ...]
+    minimum_reusable_offset: int
+    payload: SpillPayload
+
+
 class PrefixCache:
     """The tiers' policy, run by the scheduler actor (see the module doc)."""
 
     def __init__(self, *, namespace: str, fingerprint: str, ram_budget: int,
                  tier: SsdTier | None, flush: str,
-                 runner_call: Callable[..., Any]) -> None:
+                 runner_call: Callable[..., Any], write: str = "through") -> None:
         self.namespace = namespace
         self.fingerprint = fingerprint
         self.index = PrefixIndex(ram_budget)
         self.tier = tier
         self.flush = flush
+        self.write_mode = write
         self._runner_call = runner_call  # awaitable: run a function on the runner thread
         self._ids = itertools.count()
         self._tick = 0
         self._pinned: dict[str, str] = {}          # request id -> pinned RAM key
-        self._temporary: dict[str, str] = {}       # request id -> SSD restore key
+        self._prompts: dict[str, tuple[int, ...]] = {}  # looked-up request id -> prompt
         self._finished: dict[str, tuple[str, tuple[int, ...]]] = {}  # rid -> (key, tokens)
         self._tokens: dict[str, tuple[int, ...]] = {}  # RAM key -> covered tokens
+        self._on_disk: set[str] = set()            # RAM keys with an SSD copy
+        self._loading: dict[str, list[tuple[str, int]]] = {}  # SSD key -> (rid, length)
+        self._started: set[str] = set()            # SSD keys whose load task runs
+        self._restoring: set[str] = set()          # runner keys of loads in flight
+        self._ready: list[tuple[str, Reuse | None]] = []
         self._spill: list[str] = []
         self._drop: list[str] = []
         self._counts = {"spills": 0, "spills_dropped": 0, "quarantined": 0}
-        self._queue: trio.MemorySendChannel[SpillPayload] | None = None
+        self._queue: trio.MemorySendChannel[_Write] | None = None
+        self._writer_done = trio.Event()
+        self.changed = trio.Event()  # set when a load finishes (the scheduler wakes up)
 
     def _next_tick(self) -> int:
         self._tick += 1
         return self._tick
+
+    @property
+    def through(self) -> bool:
+        return self.tier is not None and self.write_mode == "through"
 
     async def recover(self) -> None:
         """Index the SSD tier's verified files of this namespace (after SsdTier.recover)."""
@@ -115,22 +157,54 @@ class PrefixCache:
                 num_bytes=entry.num_bytes), Tier.SSD, self._next_tick())
             await self._remove_files(superseded)
 
-    async def lookup(self, request_id: str, prompt: tuple[int, ...]) -> Reuse | None:
-        """The reuse for a new request, ready in the runner; None on a miss."""
+    def lookup(self, request_id: str, prompt: tuple[int, ...]) -> Reuse | str | None:
+        """A request is about to take a row: its RAM reuse, LOADING (an SSD hit: call
+        `load(key)` unless `loading` says it runs already), or None on a miss."""
+        self._prompts[request_id] = prompt
         match = self.index.lookup(self.namespace, prompt, self._next_tick())
         if match is None:
             return None
+        if match.length == len(prompt) - 1:
+            self._prompts.pop(request_id)  # its prompt's KV is the donor's: no new snapshot
         if match.tier is Tier.RAM:
             self.index.pin(match.key)
             self._pinned[request_id] = match.key
             return Reuse(key=match.key, cached=match.length, tier="ram")
-        restored = await self._restore(match.key)
-        if restored is None:
-            return None
-        self._temporary[request_id] = restored
-        return Reuse(key=restored, cached=match.length, tier="ssd")
+        self._loading.setdefault(match.key, []).append((request_id, match.length))
+        return LOADING
 
-    async def _restore(self, key: str) -> str | None:
+    def loads_to_start(self) -> list[str]:
+        """SSD keys with waiting requests and no load task yet (each returned once)."""
+        keys = [k for k, waiters in self._loading.items() if waiters and k not in self._started]
+        self._started.update(keys)
+        return keys
+
+    async def load(self, key: str) -> None:
+        """Read SSD entry `key`, rebuild it on the runner and promote it to the RAM tier;
+        the waiting requests' reuses then come out of `take_ready`."""
+        entry = self.index.entry(key) if key in self.index else None
+        restored = await self._restore(key) if entry is not None else None
+        waiters = self._loading.pop(key, [])
+        self._started.discard(key)
+        if restored is None or entry is None:
+            self._ready += [(rid, None) for rid, _ in waiters]
+        else:
+            ram_key, num_bytes = restored
+            for rid, length in waiters:  # pinned first: the budget cannot evict it at once
+                self.index.pin(ram_key)
+                self._pinned[rid] = ram_key
+                self._ready.append((rid, Reuse(key=ram_key, cached=length, tier="ssd")))
+            self._on_disk.add(ram_key)
+            self._publish_ram(attrs.evolve(entry, key=ram_key, num_bytes=num_bytes))
+        self.changed.set()
+
+    def take_ready(self) -> list[tuple[str, Reuse | None]]:
+        """Finished loads: (request id, its reuse, or None: look it up again)."""
+        ready, self._ready = self._ready, []
+        self.changed = trio.Event()
+        return ready
+
+    async def _restore(self, key: str) -> tuple[str, int] | None:
         if self.tier is None:
             return None
         try:
@@ -149,26 +223,27 @@ class PrefixCache:
         temporary = f"s{next(self._ids)}"
         kinds = str(header.extra.get("layer_kinds", ""))
         arrays = {name: (p.data, p.shape, p.dtype) for name, p in planes.items()}
+        self._restoring.add(temporary)
         try:
-            await self._runner_call(temporary, kinds, header.offset,
-                                    header.minimum_reusable_offset, arrays)
+            num_bytes = await self._runner_call(temporary, kinds, header.offset,
+                                                header.minimum_reusable_offset, arrays)
         except ValueError as exc:
             log.warning("snapshot %s does not fit this engine: %s", key, exc)
             self.index.forget(key)
             return None
-        return temporary
+        finally:
+            self._restoring.discard(temporary)
+        return temporary, int(num_bytes)
 
     def release_reuse(self, request_id: str) -> None:
-        """The request's row is built (or it will never be): unpin, drop temporaries."""
+        """The request's row is built (or it will never be): unpin its donor."""
         key = self._pinned.pop(request_id, None)
         if key is not None:
-            self._spill += self.index.unpin(key)
-        temporary = self._temporary.pop(request_id, None)
-        if temporary is not None:
-            self._drop.append(temporary)
+            self._evict(self.index.unpin(key))
 
     def finished(self, event: Finished) -> None:
         """Note a finished row's tokens so that its release snapshots it."""
+        self._prompts.pop(event.request_id, None)
         if event.was_queued or event.row_id is None:
             self.release_reuse(event.request_id)
             return
@@ -180,89 +255,132 @@ class PrefixCache:
         return bool(self._spill or self._drop)
 
     def decorate(self, plan: StepPlan) -> StepPlan:
-        """Add this step's snapshot, spill and drop orders to the core's plan."""
+        """Add this step's snapshot, persist, spill and drop orders to the core's plan."""
         orders = []
         for rid in plan.release:
             found = self._finished.pop(rid, None)
             if found is not None:
                 orders.append((rid, found[0]))
                 self._tokens[found[0]] = found[1]
-        plan = attrs.evolve(plan, snapshot=tuple(orders), spill=tuple(self._spill),
-                            drop=tuple(self._drop))
+        prompts = []
+        for rid in plan.join:
+            tokens = self._prompts.pop(rid, ())[:-1]
+            if tokens and not self.index.has_tokens(self.namespace, tokens, Tier.RAM):
+                key = f"p{next(self._ids)}"
+                prompts.append((rid, key))
+                self._tokens[key] = tokens
+        plan = attrs.evolve(plan, snapshot=tuple(orders), prompt_snapshot=tuple(prompts),
+                            persist=self.through and bool(orders or prompts),
+                            spill=tuple(self._spill), drop=tuple(self._drop))
         self._spill, self._drop = [], []
         return plan
 
     async def absorb(self, plan: StepPlan, result: StepResult) -> None:
-        """Index the step's snapshots, write its spills, release built rows' reuses."""
+        """Index the step's snapshots, write them (or queue them), release built rows'
+        reuses, and hand spills (write-back) to the disk."""
         for new in plan.new_rows:
             self.release_reuse(new.request_id)
+        writes = {payload.key: payload for payload in result.writes}
         for made in result.snapshots:
             tokens = self._tokens.pop(made.key, ())[:made.offset]
-            if len(tokens) != made.offset or self.index.has_tokens(self.namespace, tokens):
+            if (len(tokens) != made.offset
+                    or self.index.has_tokens(self.namespace, tokens, Tier.RAM)):
                 self._drop.append(made.key)
                 continue
-            superseded, spill = self.index.publish(PrefixEntry(
-                key=made.key, namespace=self.namespace, tokens=tokens,
-                minimum_reusable_offset=made.minimum_reusable_offset, trimmable=True,
-                num_bytes=made.num_bytes), Tier.RAM, self._next_tick())
+            entry = PrefixEntry(key=made.key, namespace=self.namespace, tokens=tokens,
+                                minimum_reusable_offset=made.minimum_reusable_offset,
+                                trimmable=True, num_bytes=made.num_bytes)
+            payload = writes.get(made.key)
+            on_disk = self.index.has_tokens(self.namespace, tokens, Tier.SSD)
+            job = _Write(ram_key=made.key, tokens=tokens, payload=payload,
+                         minimum_reusable_offset=made.minimum_reusable_offset) \
+                if payload is not None and not on_disk else None
+            if job is not None and self.flush == "sync":
+                on_disk = await self.write(job)
+                job = None
             self._tokens[made.key] = tokens
-            for key in superseded:
-                self._tokens.pop(key, None)
-            self._drop += superseded
-            self._spill += spill
-        for _, key in plan.snapshot:
+            if on_disk:
+                self._on_disk.add(made.key)
+            self._publish_ram(entry)
+            if job is not None:
+                self._enqueue(job)
+        for _, key in plan.snapshot + plan.prompt_snapshot:
             if key not in self.index:
                 self._tokens.pop(key, None)
         for payload in result.spills:
             await self._send_spill(payload)
 
-    async def _send_spill(self, payload: SpillPayload) -> None:
-        if self.tier is None:
-            self._forget_ram(payload.key)
-            return
-        if self.flush == "sync" or self._queue is None:
-            await self.write(payload)
-            return
+    def _publish_ram(self, entry: PrefixEntry) -> None:
+        superseded, over = self.index.publish(entry, Tier.RAM, self._next_tick())
+        for key in superseded:
+            self._tokens.pop(key, None)
+            self._on_disk.discard(key)
+        self._drop += superseded
+        self._evict(over)
+
+    def _evict(self, keys: Iterable[str]) -> None:
+        """RAM entries over the budget (marked SPILLING): with write-through, or when their
+        file exists already, drop the RAM copy; with write-back, spill them."""
+        for key in keys:
+            if self.through or key in self._on_disk or self.tier is None:
+                self.index.forget(key)
+                self._tokens.pop(key, None)
+                self._on_disk.discard(key)
+                self._drop.append(key)
+            else:
+                self._spill.append(key)
+
+    def _enqueue(self, job: _Write) -> None:
         try:
-            self._queue.send_nowait(payload)
+            if self._queue is None:
+                raise trio.WouldBlock
+            self._queue.send_nowait(job)
         except trio.WouldBlock:
             self._counts["spills_dropped"] += 1
-            self._forget_ram(payload.key)
 
-    def _forget_ram(self, key: str) -> None:
-        self.index.spilled(key, None)
-        self._tokens.pop(key, None)
+    async def _send_spill(self, payload: SpillPayload) -> None:
+        """A write-back spill: the RAM copy is gone; write it or drop it."""
+        tokens = self._tokens.pop(payload.key, None)
+        if self.tier is None or tokens is None or payload.key not in self.index:
+            self.index.forget(payload.key)
+            return
+        entry = self.index.entry(payload.key)
+        self.index.forget(payload.key)  # SPILLING: it matched nothing since the eviction
+        job = _Write(ram_key=payload.key, tokens=tokens, payload=payload,
+                     minimum_reusable_offset=entry.minimum_reusable_offset)
+        if self.flush == "sync":
+            await self.write(job)
+        else:
+            self._enqueue(job)
 
-    async def write(self, payload: SpillPayload) -> None:
-        """Write one spilled snapshot to the SSD tier and re-index it there."""
+    async def write(self, job: _Write) -> bool:
+        """Write one snapshot to the SSD tier and index it there; False if it failed."""
         if self.tier is None:
             raise RuntimeError("write without an SSD tier")
-        entry = self.index.entry(payload.key) if payload.key in self.index else None
-        tokens = self._tokens.pop(payload.key, None)
-        if entry is None or tokens is None:
-            return
-        key = snapshot_key(self.namespace, tokens)
-        fields = {**payload.header, "model_fingerprint": self.fingerprint,
-                  "namespace": self.namespace, "token_ids": tokens,
+        key = snapshot_key(self.namespace, job.tokens)
+        fields = {**job.payload.header, "model_fingerprint": self.fingerprint,
+                  "namespace": self.namespace, "token_ids": job.tokens,
                   "created_ns": time.time_ns()}
         try:
-            stored = await self.tier.put_async(key, fields, payload.planes)
+            stored = await self.tier.put_async(key, fields, job.payload.planes)
         except (OSError, ValueError) as exc:
             log.warning("snapshot %s abandoned: %s", key, exc)
-            self.index.spilled(payload.key, None)
-            return
+            return False
         log.info("snapshot acknowledged %s", key)
         self._counts["spills"] += 1
-        self.index.spilled(payload.key, None)
-        if key in self.index:
-            return
-        superseded, _ = self.index.publish(attrs.evolve(
-            entry, key=key, num_bytes=stored.num_bytes), Tier.SSD, self._next_tick())
-        await self._remove_files(superseded)
-        live = {e.key for e in self.tier.entries()}
-        for gone in [k for k in self.index.keys(Tier.SSD) if k not in live]:
-            self.index.forget(gone)
-            log.info("snapshot removed %s", gone)
+        if job.ram_key in self.index:
+            self._on_disk.add(job.ram_key)
+        if key not in self.index:
+            superseded, _ = self.index.publish(PrefixEntry(
+                key=key, namespace=self.namespace, tokens=job.tokens,
+                minimum_reusable_offset=job.minimum_reusable_offset, trimmable=True,
+                num_bytes=stored.num_bytes), Tier.SSD, self._next_tick())
+            await self._remove_files(superseded)
+        if self.tier.statistics().num_entries < self.index.statistics().ssd_entries:
+            live = {e.key for e in self.tier.entries()}  # the tier evicted some files
+            for gone in [k for k in self.index.keys(Tier.SSD) if k not in live]:
+                self.index.forget(gone)
+        return True
 
     async def _remove_files(self, keys: list[str]) -> None:
         for key in keys:
@@ -272,24 +390,58 @@ class PrefixCache:
                 log.info("snapshot removed %s", key)
                 await trio.to_thread.run_sync(functools.partial(self.tier.remove, key))
 
+    def reconcile(self, held: set[str]) -> set[str]:
+        """After a failed step: `held` are the snapshots the runner still holds. Entries
+        whose snapshot is gone are forgotten; a SPILLING entry whose spill never ran is
+        back in RAM. Returns the keys the runner should keep (every other is an orphan)."""
+        for key in self.index.keys(Tier.SPILLING):
+            if key in held:
+                self.index.unspill(key)
+            else:
+                self.index.forget(key)
+        for key in self.index.keys(Tier.RAM):
+            if key not in held:
+                self.index.forget(key)
+        self._spill = []
+        self._drop = [k for k in self._drop if k in held]
+        keep = set(self.index.keys(Tier.RAM)) | set(self._drop) | self._restoring
+        self._tokens = {k: v for k, v in self._tokens.items() if k in keep}
+        self._on_disk &= keep
+        return keep
+
     def statistics(self) -> PrefixCacheStatistics:
         index = self.index.statistics()
         tier = self.tier.statistics() if self.tier is not None else None
+        queued = self._queue.statistics().current_buffer_used if self._queue else 0
         return PrefixCacheStatistics(
             ram_bytes=index.ram_bytes, ram_entries=index.ram_entries,
             ssd_bytes=index.ssd_bytes, ssd_entries=index.ssd_entries,
             hits_ram=index.hits_ram, hits_ssd=index.hits_ssd, misses=index.misses,
             spills=self._counts["spills"], spills_dropped=self._counts["spills_dropped"],
             quarantined=self._counts["quarantined"],
-            ssd_write_errors=tier.num_write_errors if tier is not None else 0)
+            ssd_write_errors=tier.num_write_errors if tier is not None else 0,
+            writes_pending=queued, loads_pending=len(self._loading))
+
+    async def close_writes(self) -> None:
+        """No more writes: close the queue and wait until the writer wrote what it holds."""
+        if self._queue is not None:
+            self._queue.close()
+            await self._writer_done.wait()
 
 
-async def run_spiller(prefix: PrefixCache,
-                      task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-    """The async-flush spill task: writes queued snapshots one at a time."""
-    send, receive = trio.open_memory_channel[SpillPayload](SPILL_QUEUE)
+async def run_writer(prefix: PrefixCache,
+                     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+    """The async-flush writer task: writes queued snapshots one at a time, until the
+    queue's send end is closed (`close_writes`) and everything queued is written."""
+    send, receive = trio.open_memory_channel[_Write](WRITE_QUEUE)
     prefix._queue = send
     task_status.started()
-    async with receive:
-        async for payload in receive:
-            await prefix.write(payload)
+    try:
+        # Shielded: a caller cancelling open_engine's scope still gets the queue drained
+        # (at most WRITE_QUEUE writes); the loop ends when close_writes closes the queue.
+        with trio.CancelScope(shield=True):
+            async with receive:
+                async for job in receive:
+                    await prefix.write(job)
+    finally:
+        prefix._writer_done.set()

@@ -7,11 +7,14 @@ Sends: Token/Done/Error to the hub; Lease/Release/KvUsage to the cache owner;
        one message per queued request, so it cannot fill).
 Between steps it drains its mailbox without waiting, so a cancel frees its row
 at the start of the next step. When idle it waits for a message.
-With a prefix cache (actors.prefix_cache), a Submit first looks up a donor (an SSD hit
-reads the file on a worker thread meanwhile), each plan carries the cache's snapshot,
+With a prefix cache (actors.prefix_cache), a request looks up its donor when it is about
+to take a row; an SSD hit loads in a task of this actor's nursery (worker thread, then the
+runner thread between steps) while the request waits without a row and the other rows keep
+decoding; it joins when its KV is ready. Each plan carries the cache's snapshot, persist,
 spill and drop orders, and each result is absorbed by it (a sync flush writes here).
 A runner failure is our bug: it is logged, every request in flight gets an
-`internal_error` event, the runner is reset, and serving goes on.
+`internal_error` event, the runner is reset, the snapshots nobody indexed are dropped and
+the prefix index forgets what the runner lost, and serving goes on.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import logging
 import trio
 
 from actors.mailbox import Inbox, Outbox
-from actors.prefix_cache import PrefixCache
+from actors.prefix_cache import LOADING, PrefixCache
 from actors.messages import (Cancel, Dequeued, Done, Error, KvUsage, Lease, Release,
                              Submit, Token)
 from actors.runner_thread import RunnerThread
@@ -79,20 +82,10 @@ async def run_scheduler(
     async def handle(msg: Submit | Cancel) -> None:
         match msg:
             case Submit():
-                reuse = None
-                if prefix is not None:
-                    reuse = await prefix.lookup(msg.request_id, msg.prompt_tokens)
                 try:
-                    if reuse is None:
-                        core.add(msg.request_id, msg.prompt_tokens, msg.params,
-                                 response_format=msg.response_format)
-                    else:
-                        core.add(msg.request_id, msg.prompt_tokens, msg.params,
-                                 reuse=reuse.key, cached=reuse.cached, cached_tier=reuse.tier,
-                                 response_format=msg.response_format)
+                    core.add(msg.request_id, msg.prompt_tokens, msg.params,
+                             response_format=msg.response_format)
                 except ValueError as exc:
-                    if prefix is not None:
-                        prefix.release_reuse(msg.request_id)
                     admission_replies.send_nowait(Dequeued(
                         request_id=msg.request_id, num_prompt_tokens=len(msg.prompt_tokens)))
                     await hub.send(Error(request_id=msg.request_id, code="invalid_request",
@@ -112,8 +105,57 @@ async def run_scheduler(
             last_usage = usage
             await cache_owner.send(usage)
 
+    def look_up(loads: trio.Nursery) -> None:
+        """Donors for the requests about to take a row; SSD hits start loading."""
+        if prefix is None:
+            return
+        for rid, reuse in prefix.take_ready():
+            if not core.is_held(rid):
+                prefix.release_reuse(rid)  # cancelled while its KV loaded
+            elif reuse is None:
+                core.unhold(rid)  # the load failed: look it up again
+            else:
+                core.set_reuse(rid, reuse=reuse.key, cached=reuse.cached,
+                               cached_tier=reuse.tier)
+        while batch := core.next_to_start():
+            for rid, prompt in batch:
+                found = prefix.lookup(rid, prompt)
+                if found == LOADING:
+                    core.hold(rid)
+                elif found is None:
+                    core.set_reuse(rid)
+                else:
+                    core.set_reuse(rid, reuse=found.key, cached=found.cached,
+                                   cached_tier=found.tier)
+        for key in prefix.loads_to_start():
+            loads.start_soon(prefix.load, key)
+
+    async def wait_for_work() -> bool:
+        """Idle: wait for a message (handled here) or a finished load. False at the end."""
+        received: list[Submit | Cancel] = []
+        ended = False
+        async with trio.open_nursery() as race:
+            async def receive() -> None:
+                nonlocal ended
+                try:
+                    received.append(await inbox.receive())
+                except trio.EndOfChannel:
+                    ended = True
+                race.cancel_scope.cancel()
+
+            async def loaded() -> None:
+                await prefix.changed.wait()
+                race.cancel_scope.cancel()
+
+            race.start_soon(receive)
+            if prefix is not None:
+                race.start_soon(loaded)
+        for msg in received:
+            await handle(msg)
+        return not ended
+
     task_status.started()
-    async with admission_replies, cache_owner, hub:
+    async with admission_replies, cache_owner, hub, trio.open_nursery() as loads:
         closed = False
         while True:
             while not closed:
@@ -123,12 +165,14 @@ async def run_scheduler(
                     break
                 except trio.EndOfChannel:
                     closed = True
+            look_up(loads)
             if not core.has_work() and not (prefix is not None and prefix.has_orders()):
-                if closed:
+                if closed and (prefix is None or not prefix.statistics().loads_pending):
+                    loads.cancel_scope.cancel()
                     return
-                try:
-                    await handle(await inbox.receive())
-                except trio.EndOfChannel:
+                if closed:
+                    await prefix.changed.wait()
+                elif not await wait_for_work():
                     closed = True
                 continue
             plan, started = core.schedule()
@@ -144,6 +188,8 @@ async def run_scheduler(
                 if prefix is not None:
                     for new in plan.new_rows:
                         prefix.release_reuse(new.request_id)
+                    held = await thread.call(runner.snapshot_keys)
+                    await thread.call(runner.retain, prefix.reconcile(held))
                 for event in core.fail_all():
                     await emit(event, error=f"engine step failed: {type(exc).__name__}: {exc}")
                 await report_usage(KvUsage(kv_bytes=0, num_rows=0))

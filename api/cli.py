@@ -68,8 +68,11 @@ def _config_flags(p: argparse.ArgumentParser, *, server: bool) -> None:
     p.add_argument("--cache-dir", default=None,
                    help="directory of the SSD prefix-cache tier (restored at start)")
     p.add_argument("--ssd-flush", choices=("sync", "async"), default=defaults.ssd_flush,
-                   help="sync: spills are written before the step goes on; async: a bounded "
-                        "queue, a full queue drops the spill")
+                   help="async: writes go through a bounded queue, a full queue drops the "
+                        "write; sync: a snapshot is published once its file is durable")
+    p.add_argument("--ssd-write", choices=("through", "back"), default=defaults.ssd_write,
+                   help="through: every published snapshot is written to --cache-dir; "
+                        "back: only snapshots evicted from the RAM tier")
     if server:
         p.add_argument("--host", default=defaults.host)
         p.add_argument("--api-key", default=os.environ.get("TQSERVE_API_KEY") or None,

@@ -58,6 +58,11 @@ def _origins(value: object) -> tuple[str, ...]:
     return tuple(str(o).strip().rstrip("/") for o in value)  # type: ignore[union-attr]
 
 
+def _ssd_write(inst: object, attr: attrs.Attribute, value: str) -> None:
+    if value not in ("through", "back"):
+        raise ValueError(f"ssd-write must be through or back, got {value!r}")
+
+
 @attrs.frozen(kw_only=True)
 class Config:
     """Engine and server settings (defaults suit a laptop and the bundled model)."""
@@ -84,7 +89,8 @@ class Config:
     ram_cache_bytes: int = attrs.field(default=1 << 30, validator=_non_negative)
     cache_dir: str | None = None
     ssd_cache_bytes: int = attrs.field(default=16 << 30, validator=_positive)
-    ssd_flush: str = attrs.field(default="sync", validator=_ssd_flush)
+    ssd_flush: str = attrs.field(default="async", validator=_ssd_flush)
+    ssd_write: str = attrs.field(default="through", validator=_ssd_write)
     # HTTP and WebSocket exposure (api.auth): a bearer key, browser origins for WebSockets.
     api_key: str | None = attrs.field(default=None, validator=_api_key, repr=False)
     allowed_origins: tuple[str, ...] = attrs.field(default=(), converter=_origins)

@@ -3,39 +3,51 @@
 Sans-io: no clock (callers pass a `tick`), no files, no MLX; entries are token ids plus
 numbers, keyed by opaque strings the caller chooses.
 
-Structure: a token trie (an uncompressed radix tree: one node per token). Each node lists
-the entries whose token ids pass through it, so walking a new prompt down the trie finds,
-at each depth d, every donor sharing at least d tokens with it; the deepest depth with a
-usable donor wins. Chosen over hashed blocks because reuse is exact to the token (a block
-hash rounds every hit down to the block size, which on short prompts and multi-turn
-continuations loses most of the reuse), and a lookup costs O(prompt length), no hashing.
-Memory is one dict per distinct (namespace, token prefix), shared by all donors of it.
+Structure: a radix tree per namespace (a token trie with path compression: one node per
+branch point or entry end, each holding the run of tokens from its parent). Every node
+lists, per tier, the matchable entries whose tokens pass through it, most recently used
+last; so walking a new prompt down the tree finds, at each node on the path, every donor
+sharing at least that node's depth with it, and the best one is the first usable one in
+recency order. Chosen over hashed blocks because reuse is exact to the token (a block hash
+rounds every hit down to the block size, which on short prompts and multi-turn
+continuations loses most of the reuse).
+
+Cost (asserted by tests through `statistics().entries_visited`, never by time):
+  * lookup: O(prompt length) token comparisons, plus the entries it examines: the winner
+    and the ones skipped on the way (a precision boundary above the shared length, or an
+    untrimmable donor cut short);
+  * publish: O(prompt length + nodes on the path) plus the entries ending on its path
+    (its candidate ancestors); a new branch inside a run of tokens copies the lists of the
+    one node it splits; the RAM budget walks the coldest entries only;
+  * remove, pin, a hit's recency update: O(nodes on the path).
+So 10,000 donors under one system prompt cost a lookup or a publish about as much as one.
 
 Reusable length of a donor for a prompt P sharing d tokens with it:
     n = min(d, len(P) - 1, covered)   (the last prompt token must run to give logits)
     usable iff n >= minimum_reusable_offset (a converted TurboQuant row is never cut
     below its precision boundary) and (n == covered or the donor is trimmable).
-Ties prefer RAM over SSD, then the most recently used.
+The longest usable n wins; ties prefer RAM over SSD, then the most recently used (or
+published).
 
 Namespaces: `cache_namespace(fingerprint, kv_scheme, speculation)` hashes the model
 fingerprint, the KV scheme and the speculation method; entries of different namespaces
-live in different tries and never match.
+live in different trees and never match.
 
 Supersession: adding entry E drops an entry A of the same tier and namespace whose tokens
 are a prefix of E's, only when E can serve every length A could: E's
 minimum_reusable_offset <= A's, and E is trimmable (or covers exactly A's tokens). So an
 earlier plain donor survives a converted descendant, whose boundary is higher.
 
-RAM budget: `ram_budget` bytes; `publish` returns the coldest unpinned RAM entries to
-spill so that the RAM tier fits. A spilled entry is "in flight" (matches nothing) until
-the caller reports `spilled(key, ssd_key)` or `forget(key)`.
+RAM budget: `ram_budget` bytes; `publish` returns the coldest unpinned RAM entries over
+the budget, marked SPILLING (matching nothing) until the caller reports
+`spilled(key, ssd_entry)` or `forget(key)`.
 """
 
 from __future__ import annotations
 
 import enum
 import hashlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterator, Sequence
 
 import attrs
 
@@ -91,16 +103,36 @@ class PrefixStatistics:
     hits_ssd: int
     misses: int
     superseded: int
+    entries_visited: int  # entries examined by lookups and publishes (the cost model above)
 
 
-@attrs.define
+@attrs.define(eq=False)
 class _Node:
-    children: dict[int, _Node] = attrs.Factory(dict)
-    keys: set[str] = attrs.Factory(set)
+    edge: tuple[int, ...]  # the tokens from the parent to this node
+    depth: int             # tokens from the root to the end of `edge`
+    children: dict[int, _Node] = attrs.Factory(dict)  # first token of the child's edge
+    ram: dict[str, None] = attrs.Factory(dict)  # RAM entries through here, coldest first
+    ssd: dict[str, None] = attrs.Factory(dict)
+    ends: set[str] = attrs.Factory(set)         # entries (any tier) ending exactly here
+
+    def members(self, tier: Tier) -> dict[str, None] | None:
+        return self.ram if tier is Tier.RAM else self.ssd if tier is Tier.SSD else None
+
+
+def _common(edge: tuple[int, ...], tokens: Sequence[int], start: int) -> int:
+    """How many leading tokens of `edge` equal tokens[start:]."""
+    if tuple(tokens[start:start + len(edge)]) == edge:
+        return len(edge)
+    n = 0
+    for a, b in zip(edge, tokens[start:]):
+        if a != b:
+            break
+        n += 1
+    return n
 
 
 class PrefixIndex:
-    """Entries across tiers, their trie per namespace, the RAM budget and use order."""
+    """Entries across tiers, their radix tree per namespace, the RAM budget and use order."""
 
     def __init__(self, ram_budget: int) -> None:
         if ram_budget < 0:
@@ -111,7 +143,10 @@ class PrefixIndex:
         self._used: dict[str, int] = {}
         self._pins: dict[str, int] = {}
         self._roots: dict[str, _Node] = {}
-        self._counts = {"hits_ram": 0, "hits_ssd": 0, "misses": 0, "superseded": 0}
+        self._ram_order: dict[str, None] = {}  # RAM entries, coldest first (eviction order)
+        self._totals = {tier: [0, 0] for tier in Tier}  # entries, bytes
+        self._counts = {"hits_ram": 0, "hits_ssd": 0, "misses": 0, "superseded": 0,
+                        "entries_visited": 0}
 
     def __contains__(self, key: str) -> bool:
         return key in self._entries
@@ -123,65 +158,60 @@ class PrefixIndex:
     def entry(self, key: str) -> PrefixEntry:
         return self._entries[key]
 
-    def has_tokens(self, namespace: str, tokens: Sequence[int]) -> bool:
-        """Whether a matchable entry covers exactly `tokens` in `namespace`."""
-        node = self._walk(namespace, tokens)
+    def has_tokens(self, namespace: str, tokens: Sequence[int],
+                   tier: Tier | None = None) -> bool:
+        """Whether a matchable entry (of `tier`, if given) covers exactly `tokens`."""
+        node = self._exact(namespace, tokens)
         return node is not None and any(
-            self._entries[k].covered == len(tokens) and self._tier[k] is not Tier.SPILLING
-            for k in node.keys)
+            self._tier[k] is not Tier.SPILLING and (tier is None or self._tier[k] is tier)
+            for k in node.ends)
 
     def lookup(self, namespace: str, prompt: Sequence[int], tick: int) -> PrefixMatch | None:
         """The longest usable donor for `prompt` (see the module doc); counts hit or miss."""
-        limit = len(prompt) - 1
-        node = self._roots.get(namespace)
-        path: list[_Node] = []
-        for token in prompt[:limit]:
-            node = node.children.get(token) if node is not None else None
-            if node is None:
-                break
-            path.append(node)
-        for depth in range(len(path), 0, -1):
-            best = None
-            for key in path[depth - 1].keys:
-                entry, tier = self._entries[key], self._tier[key]
-                if tier is Tier.SPILLING or depth < entry.minimum_reusable_offset:
-                    continue
-                if depth < entry.covered and not entry.trimmable:
-                    continue
-                rank = (tier is Tier.RAM, self._used.get(key, 0))
-                if best is None or rank > best[0]:
-                    best = (rank, key)
-            if best is not None:
-                key = best[1]
-                self._used[key] = tick
-                tier = self._tier[key]
-                self._counts["hits_ram" if tier is Tier.RAM else "hits_ssd"] += 1
-                return PrefixMatch(key=key, tier=tier, length=depth, entry=self._entries[key])
+        for node, depth in self._candidates(namespace, prompt[:len(prompt) - 1]):
+            for tier in (Tier.RAM, Tier.SSD):
+                for key in reversed(node.members(tier) or ()):
+                    self._counts["entries_visited"] += 1
+                    entry = self._entries[key]
+                    if depth < entry.minimum_reusable_offset:
+                        continue
+                    if depth < entry.covered and not entry.trimmable:
+                        continue
+                    self._touch(key, tick)
+                    self._counts["hits_ram" if tier is Tier.RAM else "hits_ssd"] += 1
+                    return PrefixMatch(key=key, tier=tier, length=depth, entry=entry)
         self._counts["misses"] += 1
         return None
 
     def publish(self, entry: PrefixEntry, tier: Tier, tick: int) -> tuple[list[str], list[str]]:
-        """Index `entry` in `tier`. Returns (superseded keys, RAM keys to spill now).
+        """Index `entry` in `tier`. Returns (superseded keys, RAM keys over the budget).
 
-        Superseded keys are gone from the index; keys to spill are marked SPILLING.
+        Superseded keys are gone from the index; keys over the budget are marked SPILLING.
         """
         if entry.key in self._entries:
             raise ValueError(f"entry {entry.key} is already indexed")
         if entry.minimum_reusable_offset > entry.covered:
             raise ValueError("minimum_reusable_offset exceeds the covered length")
-        superseded = [key for key in self._ancestors(entry)
-                      if self._tier[key] is tier and self._pins.get(key, 0) == 0
-                      and self._supersedes(entry, self._entries[key])]
+        if not entry.tokens:
+            raise ValueError("an entry covers at least one token")
+        if tier is Tier.SPILLING:
+            raise ValueError("an entry is published in RAM or SSD, not SPILLING")
+        path = self._insert_path(entry.namespace, entry.tokens)
+        superseded = []
+        for node in path:
+            for key in node.ends:
+                self._counts["entries_visited"] += 1
+                if (self._tier[key] is tier and self._pins.get(key, 0) == 0
+                        and self._supersedes(entry, self._entries[key])):
+                    superseded.append(key)
         for key in superseded:
             self._remove(key)
         self._counts["superseded"] += len(superseded)
         self._entries[entry.key] = entry
         self._tier[entry.key] = tier
         self._used[entry.key] = tick
-        node = self._roots.setdefault(entry.namespace, _Node())
-        for token in entry.tokens:
-            node = node.children.setdefault(token, _Node())
-            node.keys.add(entry.key)
+        path[-1].ends.add(entry.key)
+        self._place(entry.key, tier, path)
         return superseded, self._over_budget()
 
     @staticmethod
@@ -190,29 +220,123 @@ class PrefixIndex:
             return False
         return new.trimmable or new.covered == old.covered
 
-    def _ancestors(self, entry: PrefixEntry) -> Iterable[str]:
-        node = self._roots.get(entry.namespace)
-        found = []
-        for token in entry.tokens:
-            node = node.children.get(token) if node is not None else None
-            if node is None:
+    def _candidates(self, namespace: str, tokens: Sequence[int]) -> Iterator[tuple[_Node, int]]:
+        """(node, shared depth) along `tokens`' path, deepest first; depth 0 excluded."""
+        node = self._roots.get(namespace)
+        found: list[tuple[_Node, int]] = []
+        depth = 0
+        while node is not None and depth < len(tokens):
+            child = node.children.get(tokens[depth])
+            if child is None:
                 break
-            found += [k for k in node.keys if self._entries[k].covered <= entry.covered
-                      and self._entries[k].tokens == entry.tokens[:self._entries[k].covered]]
-        return set(found)
+            n = _common(child.edge, tokens, depth)
+            depth += n
+            found.append((child, depth))
+            if n < len(child.edge):
+                break
+            node = child
+        return reversed(found)
+
+    def _insert_path(self, namespace: str, tokens: tuple[int, ...]) -> list[_Node]:
+        """The nodes from the root to `tokens`' end, splitting or adding as needed."""
+        node = self._roots.setdefault(namespace, _Node(edge=(), depth=0))
+        path, depth = [], 0
+        while depth < len(tokens):
+            child = node.children.get(tokens[depth])
+            if child is None:
+                child = _Node(edge=tokens[depth:], depth=len(tokens))
+                node.children[tokens[depth]] = child
+            else:
+                n = _common(child.edge, tokens, depth)
+                if n < len(child.edge):
+                    child = self._split(node, child, n)
+            path.append(child)
+            depth = child.depth
+            node = child
+        return path
+
+    @staticmethod
+    def _split(parent: _Node, child: _Node, n: int) -> _Node:
+        """Cut `child`'s edge after `n` tokens; the new middle node keeps its members."""
+        middle = _Node(edge=child.edge[:n], depth=child.depth - len(child.edge) + n,
+                       ram=dict(child.ram), ssd=dict(child.ssd))
+        child.edge = child.edge[n:]
+        middle.children[child.edge[0]] = child
+        parent.children[middle.edge[0]] = middle
+        return middle
+
+    def _path(self, entry: PrefixEntry) -> list[_Node]:
+        """The nodes an indexed entry passes through (it ends on a node boundary)."""
+        node, path, depth = self._roots[entry.namespace], [], 0
+        while depth < entry.covered:
+            node = node.children[entry.tokens[depth]]
+            path.append(node)
+            depth = node.depth
+        return path
+
+    def _exact(self, namespace: str, tokens: Sequence[int]) -> _Node | None:
+        node, depth = self._roots.get(namespace), 0
+        while node is not None and depth < len(tokens):
+            child = node.children.get(tokens[depth])
+            if child is None or _common(child.edge, tokens, depth) < len(child.edge):
+                return None
+            node, depth = child, child.depth
+        return node if node is not None and depth == len(tokens) else None
+
+    def _place(self, key: str, tier: Tier, path: list[_Node]) -> None:
+        """Record `key` as in `tier` (members, totals, eviction order)."""
+        self._tier[key] = tier
+        for node in path:
+            members = node.members(tier)
+            if members is not None:
+                members[key] = None
+        totals = self._totals[tier]
+        totals[0] += 1
+        totals[1] += self._entries[key].num_bytes
+        if tier is Tier.RAM:
+            self._ram_order[key] = None
+
+    def _unplace(self, key: str, path: list[_Node]) -> None:
+        tier = self._tier[key]
+        for node in path:
+            members = node.members(tier)
+            if members is not None:
+                members.pop(key, None)
+        totals = self._totals[tier]
+        totals[0] -= 1
+        totals[1] -= self._entries[key].num_bytes
+        self._ram_order.pop(key, None)
+
+    def _retier(self, key: str, tier: Tier) -> None:
+        path = self._path(self._entries[key])
+        self._unplace(key, path)
+        self._place(key, tier, path)
+
+    def _touch(self, key: str, tick: int) -> None:
+        """Mark `key` most recently used (last in every list it is in)."""
+        self._used[key] = tick
+        tier = self._tier[key]
+        for node in self._path(self._entries[key]):
+            members = node.members(tier)
+            if members is not None:
+                members.pop(key, None)
+                members[key] = None
+        if tier is Tier.RAM:
+            self._ram_order.pop(key, None)
+            self._ram_order[key] = None
 
     def _over_budget(self) -> list[str]:
-        ram = sorted((self._used[k], k) for k, t in self._tier.items() if t is Tier.RAM)
-        total = sum(self._entries[k].num_bytes for _, k in ram)
+        total = self._totals[Tier.RAM][1]
         spill = []
-        for _, key in ram:
+        for key in self._ram_order:
             if total <= self.ram_budget:
                 break
             if self._pins.get(key, 0):
                 continue
             total -= self._entries[key].num_bytes
-            self._tier[key] = Tier.SPILLING
             spill.append(key)
+        for key in spill:
+            self._retier(key, Tier.SPILLING)
         return spill
 
     def spilled(self, key: str, ssd_entry: PrefixEntry | None) -> None:
@@ -221,6 +345,11 @@ class PrefixIndex:
             self._remove(key)
         if ssd_entry is not None and ssd_entry.key not in self._entries:
             self.publish(ssd_entry, Tier.SSD, self._used.get(key, 0))
+
+    def unspill(self, key: str) -> None:
+        """A SPILLING entry whose spill never happened is back in RAM (a failed step)."""
+        if self._tier.get(key) is Tier.SPILLING:
+            self._retier(key, Tier.RAM)
 
     def pin(self, key: str) -> None:
         """Keep the entry from eviction until `unpin` (a row is being built from it)."""
@@ -240,38 +369,24 @@ class PrefixIndex:
         if key in self._entries:
             self._remove(key)
 
-    def _walk(self, namespace: str, tokens: Sequence[int]) -> _Node | None:
-        node = self._roots.get(namespace)
-        for token in tokens:
-            if node is None:
-                return None
-            node = node.children.get(token)
-        return node
-
     def _remove(self, key: str) -> None:
-        entry = self._entries.pop(key)
-        del self._tier[key]
+        entry = self._entries[key]
+        path = self._path(entry)
+        self._unplace(key, path)
+        del self._entries[key], self._tier[key]
         self._used.pop(key, None)
-        root = self._roots[entry.namespace]
-        node, trail = root, []
-        for token in entry.tokens:
-            child = node.children[token]
-            child.keys.discard(key)
-            trail.append((node, token, child))
-            node = child
-        for parent, token, child in reversed(trail):
-            if child.keys or child.children:
+        path[-1].ends.discard(key)
+        parents = [self._roots[entry.namespace], *path[:-1]]
+        for parent, node in reversed(list(zip(parents, path))):
+            if node.ends or node.children:
                 break
-            del parent.children[token]
+            del parent.children[node.edge[0]]
 
     def keys(self, tier: Tier) -> list[str]:
         """Keys of the entries in `tier`."""
         return [k for k, t in self._tier.items() if t is tier]
 
     def statistics(self) -> PrefixStatistics:
-        def total(tier: Tier) -> tuple[int, int]:
-            keys = self.keys(tier)
-            return len(keys), sum(self._entries[k].num_bytes for k in keys)
-        (ram_n, ram_b), (ssd_n, ssd_b) = total(Tier.RAM), total(Tier.SSD)
+        (ram_n, ram_b), (ssd_n, ssd_b) = self._totals[Tier.RAM], self._totals[Tier.SSD]
         return PrefixStatistics(ram_entries=ram_n, ram_bytes=ram_b, ssd_entries=ssd_n,
                                 ssd_bytes=ssd_b, **self._counts)

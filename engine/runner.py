@@ -20,7 +20,14 @@ released row named in `plan.snapshot` is extracted from the batch cache before `
 (its offset may include the extra position of its last sampled token; the scheduler
 actor maps the offset back to tokens). `plan.spill` snapshots are serialized to bytes
 (here, on this thread) and dropped; a new row with `reuse` starts from new cache objects
-sliced from the snapshot (no copy) and prefills only the rest of its prompt.
+sliced from the snapshot (no copy) and prefills only the rest of its prompt. A row named
+in `plan.prompt_snapshot` is snapshotted from its own caches once its prefill is complete,
+before it joins (its prompt's KV, published while it decodes); with `plan.persist` every
+snapshot made in the step is also serialized (write-through) and kept.
+
+Failure: `step_hook(plan)`, when set, runs in the middle of each step (after the prefill,
+before the joins): the place where a fault test raises. After a failed step `reset()`
+drops every row; `retain(keys)` drops the snapshots nobody indexed.
 
 Structured output (engine.structured): a row with a `response_format` gets a matcher
 whose next-token mask is computed on the grammar worker thread (its first during the
@@ -32,7 +39,7 @@ unchanged). When a token completes the grammar the row's output says so
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import attrs
 import mlx.core as mx
@@ -43,7 +50,7 @@ from engine.sampling import LazySample, RowSampler, build_sample, finalize_sampl
 from engine.scheduler import RowOutput, SnapshotMade, SpillPayload, StepPlan, StepResult
 from engine.snapshot import (Snapshot, describe, extract_snapshot, from_planes,
                              layer_kinds_text, row_from_snapshot, snapshot_kinds,
-                             to_planes)
+                             snapshot_of_row, to_planes)
 from engine.structured import GrammarMasks, RowGrammar
 
 CacheFactory = Callable[[Any], list[Any]]
@@ -100,6 +107,7 @@ class Runner:
         self._pending: tuple[mx.array, list[str]] | None = None  # in-flight logits, their rows
         self._num_forward_tokens = 0
         self._snapshots: dict[str, Snapshot] = {}
+        self.step_hook: Callable[[StepPlan], None] | None = None
 
     def execute(self, plan: StepPlan) -> StepResult:
         """Run one step: snapshot, release, spill, admit, prefill, join, decode."""
@@ -128,6 +136,11 @@ class Runner:
             self._model(tokens, cache=row.cache)
             mx.eval([c.state for c in row.cache])
             self._num_forward_tokens += chunk.end - chunk.start
+        snapshots += self._snapshot_prompts(plan.prompt_snapshot)
+        writes = tuple(self._payload(s.key, self._snapshots[s.key])
+                       for s in snapshots) if plan.persist else ()
+        if self.step_hook is not None:
+            self.step_hook(plan)
         ready = self._sample_pending()
         for rid in plan.join:
             self._join(rid)
@@ -138,7 +151,7 @@ class Runner:
             self._launch(ready)
         outputs = self._finalize(ready) if ready is not None else ()
         return StepResult(outputs=outputs, kv_bytes=self.kv_bytes(), snapshots=snapshots,
-                          spills=spills)
+                          spills=spills, writes=writes)
 
     def _open_grammar(self, fmt: Any) -> RowGrammar | None:
         if fmt is None:
@@ -173,8 +186,26 @@ class Runner:
                                      num_bytes=snap.nbytes))
         return tuple(made)
 
+    def _snapshot_prompts(self, orders: tuple[tuple[str, str], ...]) -> tuple[SnapshotMade, ...]:
+        made = []
+        for rid, key in orders:
+            row = self._rows.get(rid)
+            if row is None or row.cache is None:
+                continue
+            snap = snapshot_of_row(row.cache)
+            if snap is None or snap.offset == 0:
+                continue
+            self._snapshots[key] = snap
+            made.append(SnapshotMade(key=key, request_id=rid, offset=snap.offset,
+                                     minimum_reusable_offset=snap.minimum_reusable_offset,
+                                     num_bytes=snap.nbytes))
+        return tuple(made)
+
     def _spill(self, key: str) -> SpillPayload:
-        snap = self._snapshots.pop(key)
+        return self._payload(key, self._snapshots.pop(key))
+
+    @staticmethod
+    def _payload(key: str, snap: Snapshot) -> SpillPayload:
         header = {**describe(snap), "offset": snap.offset,
                   "minimum_reusable_offset": snap.minimum_reusable_offset,
                   "extra": {"layer_kinds": layer_kinds_text(snap)}}
@@ -196,6 +227,17 @@ class Runner:
     def drop_snapshot(self, key: str) -> None:
         """Forget a held snapshot (unknown keys are ignored)."""
         self._snapshots.pop(key, None)
+
+    def snapshot_keys(self) -> set[str]:
+        """Keys of the snapshots held now."""
+        return set(self._snapshots)
+
+    def retain(self, keys: Iterable[str]) -> set[str]:
+        """Drop every held snapshot not in `keys`; returns the keys still held."""
+        keep = set(keys)
+        for key in [k for k in self._snapshots if k not in keep]:
+            del self._snapshots[key]
+        return set(self._snapshots)
 
     def _release(self, request_ids: tuple[str, ...]) -> None:
         gone = set(request_ids)

@@ -82,14 +82,19 @@ class StepPlan:
     # Prefix cache orders (set by the scheduler actor, not the core): snapshot these
     # released rows under the given keys before they leave the batch; serialize then drop
     # `spill` snapshots; drop `drop` snapshots after the new rows are built.
+    # `prompt_snapshot` rows (rid, key) are snapshotted from their own caches when their
+    # prefill is complete, before they join; with `persist`, every snapshot made this step
+    # is also serialized for the SSD tier (write-through) and kept.
     snapshot: tuple[tuple[str, str], ...] = ()
+    prompt_snapshot: tuple[tuple[str, str], ...] = ()
+    persist: bool = False
     spill: tuple[str, ...] = ()
     drop: tuple[str, ...] = ()
 
     @property
     def empty(self) -> bool:
         return not (self.release or self.new_rows or self.prefill or self.join or self.decode
-                    or self.snapshot or self.spill or self.drop)
+                    or self.snapshot or self.prompt_snapshot or self.spill or self.drop)
 
 
 @attrs.frozen(kw_only=True)
@@ -128,6 +133,7 @@ class StepResult:
     kv_bytes: int
     snapshots: tuple[SnapshotMade, ...] = ()
     spills: tuple[SpillPayload, ...] = ()
+    writes: tuple[SpillPayload, ...] = ()  # the persisted snapshots' bytes (still held)
 
 
 @attrs.frozen(kw_only=True)
@@ -181,6 +187,8 @@ class _Row:
     cached_tier: str | None = None
     generated: list[int] = attrs.Factory(list)
     response_format: ResponseFormat | None = None
+    looked_up: bool = False  # the prefix cache was asked for a donor
+    held: bool = False       # queued, not schedulable: its donor's KV is loading
 
     def move(self, new: RowState) -> None:
         if new not in _TRANSITIONS[self.state]:
@@ -241,6 +249,52 @@ class SchedulerCore:
                                       cached_tier=cached_tier, response_format=response_format)
         self._queue.append(request_id)
 
+    def next_to_start(self) -> list[tuple[str, tuple[int, ...]]]:
+        """Queued requests that would take a row at the next `schedule` and were not yet
+        looked up: (request id, prompt). The prefix cache answers each with `set_reuse`
+        (a donor or none) or `hold` (its donor's KV is loading)."""
+        free = self._max_batch - len(self._prefilling) - len(self._decoding)
+        out = []
+        for rid in self._queue:
+            if free <= 0:
+                break
+            row = self._rows[rid]
+            if row.held:
+                continue
+            free -= 1
+            if not row.looked_up:
+                out.append((rid, row.prompt))
+        return out
+
+    def set_reuse(self, request_id: str, *, reuse: str | None = None, cached: int = 0,
+                  cached_tier: str | None = None) -> None:
+        """A queued request's donor (or none); it is schedulable again.
+
+        ValueError for an unknown or started request, or a bad cached length."""
+        row = self._rows.get(request_id)
+        if row is None or row.state is not RowState.QUEUED:
+            raise ValueError(f"{request_id!r} is not queued")
+        if not 0 <= cached <= len(row.prompt) - 1 or (cached > 0) != (reuse is not None):
+            raise ValueError(f"cannot reuse {cached} tokens of a {len(row.prompt)}-token prompt")
+        row.reuse, row.cached, row.num_prefilled = reuse, cached, cached
+        row.cached_tier = cached_tier
+        row.looked_up, row.held = True, False
+
+    def hold(self, request_id: str) -> None:
+        """Keep a queued request out of `schedule` until `set_reuse` or `unhold`."""
+        self._rows[request_id].held = True
+        self._rows[request_id].looked_up = True
+
+    def unhold(self, request_id: str) -> None:
+        """A held request's load failed: schedulable again, to be looked up anew."""
+        row = self._rows.get(request_id)
+        if row is not None and row.held:
+            row.held, row.looked_up = False, False
+
+    def is_held(self, request_id: str) -> bool:
+        row = self._rows.get(request_id)
+        return row is not None and row.held
+
     def cancel(self, request_id: str) -> list[Event]:
         """Cancel a request wherever it is; unknown or finished ids are a no-op."""
         row = self._rows.get(request_id)
@@ -259,14 +313,21 @@ class SchedulerCore:
         return events
 
     def has_work(self) -> bool:
-        return bool(self._queue or self._prefilling or self._decoding or self._to_release)
+        """Whether `schedule` would do something (held requests wait for their load)."""
+        return bool(self._prefilling or self._decoding or self._to_release
+                    or any(not self._rows[r].held for r in self._queue))
 
     def schedule(self) -> tuple[StepPlan, list[Event]]:
         """Decide the next step. Rows released here were finished in earlier calls."""
         events: list[Event] = []
         new_rows = []
-        while self._queue and len(self._prefilling) + len(self._decoding) < self._max_batch:
-            row = self._rows[self._queue.popleft()]
+        for rid in list(self._queue):
+            if len(self._prefilling) + len(self._decoding) >= self._max_batch:
+                break
+            row = self._rows[rid]
+            if row.held:
+                continue
+            self._queue.remove(rid)
             row.move(RowState.PREFILLING)
             row.row_id = self._free_row_ids.pop()
             self._prefilling.append(row.request_id)

@@ -105,6 +105,24 @@ def extract_snapshot(batch_layers: Sequence[Any], index: int) -> Snapshot | None
                     minimum_reusable_offset=boundary)
 
 
+def snapshot_of_row(row_layers: Sequence[Any]) -> Snapshot | None:
+    """A prefilling row's own caches as a Snapshot, by reference (new cache objects over
+    slices of its valid positions: the row's later appends write past them or reallocate,
+    so the snapshot never changes); None if a layer cannot be snapshotted."""
+    kinds = tuple(layer_kind(c) for c in row_layers)
+    if None in kinds:
+        return None
+    offset = min(int(c.offset) for c in row_layers)
+    boundary = max((c.minimum_reusable_offset for c in row_layers
+                    if isinstance(c, DelayedTurboQuantKVCache)), default=0)
+    layers = tuple(_layer_from(c, kind, _cut(_planes(c), offset),
+                               getattr(c, "minimum_reusable_offset", 0))
+                   for c, kind in zip(row_layers, kinds))
+    mx.eval([list(_planes(c).values()) for c in layers])
+    return Snapshot(layers=layers, kinds=kinds, offset=offset,  # type: ignore[arg-type]
+                    minimum_reusable_offset=boundary)
+
+
 def _cut(planes: Mapping[str, mx.array], length: int) -> dict[str, mx.array]:
     return {name: a[:, :, :length] for name, a in planes.items()}
 

@@ -2,8 +2,9 @@
 
 `SsdTier` is plain sync code; `put_async` / `get_async` / `recover_async` run it on a worker
 thread through `trio.to_thread.run_sync`, so zstd, file I/O and fsync never block the event
-loop. A lock guards the index, so calls from several worker threads are safe: encoding and
-reads run in parallel, writes (with their evictions) one at a time.
+loop. A lock guards the index and counters and is never held across file I/O (so
+`statistics()` and `entries()` never wait for a write's fsync); a second lock makes writes
+(with their evictions) run one at a time; encoding and reads run in parallel.
 
 Lifecycle: construct, `recover()` once (it builds the index from disk), then `put` / `get` /
 `remove`. Files that fail any check are moved to `quarantine/` with a logged reason, never
@@ -87,8 +88,8 @@ class SsdTier:
         expected_namespaces: Collection[str] | None = None,
         on_evict: Callable[[str], None] | None = None,
     ) -> None:
-        """`on_evict(key)` runs before each evicted file is unlinked (under the tier's lock:
-        it must not call back into the tier)."""
+        """`on_evict(key)` runs before each evicted file is unlinked (during recover under
+        the tier's lock, during put outside it; it must not call back into the tier)."""
         if max_bytes <= 0:
             raise ValueError(f"max_bytes must be positive, got {max_bytes}")
         self.directory = Path(directory)
@@ -97,7 +98,8 @@ class SsdTier:
         self._expected_fingerprints = _optional_set(expected_fingerprints)
         self._expected_namespaces = _optional_set(expected_namespaces)
         self._on_evict = on_evict
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the index and counters; never held across file I/O
+        self._write_lock = threading.Lock()  # serializes put()
         self._index: dict[str, TierEntry] | None = None
         self._num_bytes = 0
         self._next_sequence = 0
@@ -164,27 +166,52 @@ class SsdTier:
             self._check_identity(key, header)
         except SnapshotError as exc:
             raise ValueError(f"cannot store under this tier: {exc.reason}") from None
-        with self._lock:
-            index = self._require_recovered()
-            replaced = index.get(key)
-            replaced_bytes = 0 if replaced is None else replaced.num_bytes
+        with self._write_lock:  # one write at a time; `_lock` only for the books
+            with self._lock:
+                index = self._require_recovered()
+                replaced = index.get(key)
+                replaced_bytes = 0 if replaced is None else replaced.num_bytes
+                victims = self._evict_books(self.max_bytes - len(data) + replaced_bytes,
+                                            keep=key)
             try:
-                self._evict_until(self.max_bytes - len(data) + replaced_bytes, keep=key)
-                path = write_snapshot_file(self.directory, key, data)
+                for victim in victims:  # files, outside the lock statistics() takes
+                    if self._on_evict is not None:
+                        self._on_evict(victim.key)
+                    victim.path.unlink(missing_ok=True)
+                path = self._write_file(key, data)
             except OSError:
                 # The write may have failed after the rename: leave no file of unknown content.
-                self._counts["write_errors"] += 1
-                if replaced is not None:
-                    self._drop_locked(replaced)
+                with self._lock:
+                    self._counts["write_errors"] += 1
+                    if replaced is not None:
+                        self._drop_locked(replaced)
                 with contextlib.suppress(OSError):
                     snapshot_path(self.directory, key).unlink(missing_ok=True)
                 raise
             entry = TierEntry(key=key, header=header, path=path, num_bytes=len(data),
                               sequence=sequence)
-            index[key] = entry
-            self._num_bytes += entry.num_bytes - replaced_bytes
-            self._counts["writes"] += 1
+            with self._lock:
+                current = index.get(key)
+                self._num_bytes += entry.num_bytes - (current.num_bytes if current else 0)
+                index[key] = entry
+                self._counts["writes"] += 1
             return entry
+
+    def _write_file(self, key: str, data: bytes) -> Path:
+        """Durably write one snapshot file (temp, fsync, rename, directory fsync)."""
+        return write_snapshot_file(self.directory, key, data)
+
+    def _evict_books(self, budget: int, keep: str) -> list[TierEntry]:
+        """Under `_lock`: take the oldest entries out of the index until `budget` holds;
+        the caller unlinks their files after releasing the lock."""
+        victims = []
+        for entry in sorted(self._require_recovered().values(), key=_by_sequence):
+            if self._num_bytes <= budget:
+                break
+            if entry.key != keep and self._drop_locked(entry):
+                victims.append(entry)
+        self._counts["evicted"] += len(victims)
+        return victims
 
     def get(self, key: str) -> tuple[SnapshotHeader, dict[str, Plane]] | None:
         """Read and re-verify the snapshot under `key`; None on a miss.

@@ -2,13 +2,14 @@
 
     python -m tools.bench_prefix [--model PATH] [--dtype float32] [--blas PATH]
                                  [--prompt-tokens 2048] [--repeats 3] [--quick] [--out FILE]
+    python -m tools.bench_prefix --index [--entries 10000] [--prompt-tokens 2048] [--out FILE]
 
 TTFT = seconds from submit to the first token of one greedy request (embedded engine,
 open_engine), for R distinct prompts of --prompt-tokens ids (windows of mlx-lm's generate.py):
   cold  engine A (prefix cache on, large RAM budget): each prompt the first time (a miss)
   ram   engine A again: the same prompt, reusing all but its last token from the RAM tier
-  ssd   engine B (--ram-cache-bytes 1, sync flush) runs each prompt once, which spills its
-        snapshot to a fresh --cache-dir; engine C, a restart on that directory, then runs
+  ssd   engine B (--ram-cache-bytes 1, sync flush) runs each prompt once, which writes its
+        snapshots to a fresh --cache-dir; engine C, a restart on that directory, then runs
         each prompt again: reused from the SSD tier (read, verified, decompressed, rebuilt)
 Every engine gets one short warm-up request first. Medians over R; speedup = cold / hit.
 Each hit's Done reports the tier and the reused tokens, and the hit's tokens equal cold's.
@@ -16,12 +17,19 @@ Each hit's Done reports the tier and the reused tokens, and the hit's tokens equ
 Snapshot bytes: the snapshot file of one prompt for the plain cache and for TurboQuant
 k4v4: RAM bytes (the planes' raw bytes, what the RAM tier holds) vs file bytes on disk
 (zstd planes plus header); ratio = RAM / disk. mlx is imported lazily, after --blas.
+
+--index (no model): the PrefixIndex alone. E entries (--entries) under one system prompt
+of --prompt-tokens ids, each followed by its own 64-token suffix; then E more publishes
+(new suffixes) and E lookups (prompts that share the system prompt and half a suffix),
+each timed alone with perf_counter_ns; p50/p99/max in microseconds.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import platform
 import statistics
 import sys
 import tempfile
@@ -33,6 +41,7 @@ from tools.bench import REPO_ROOT, add_blas_flag, load_blas, machine, make_promp
 
 DEFAULT_MODEL = "../shared/models/pycoder-29m"
 WARMUP_TOKENS = 16
+DEFAULT_OUT = Path("bench-out/bench_prefix.json")
 SETTLE_S = 0.1  # idle time before each request (not timed)
 
 
@@ -131,6 +140,66 @@ async def _measure(loaded: Any, prompt_tokens: int, repeats: int, workdir: Path)
     return {"ttft": ttft, "snapshot_bytes": sizes}
 
 
+INDEX_SUFFIX = 64
+
+
+def run_index_bench(entries: int, prompt_tokens: int) -> dict[str, Any]:
+    """Publish and lookup latency of the sans-io PrefixIndex with `entries` donors."""
+    from engine.prefix import PrefixEntry, PrefixIndex, Tier, cache_namespace
+
+    namespace = cache_namespace("bench", "plain:float32")
+    system = tuple(range(100_000, 100_000 + prompt_tokens))
+    index = PrefixIndex(1 << 62)
+
+    def donor(i: int) -> PrefixEntry:
+        suffix = tuple(range(i * INDEX_SUFFIX, (i + 1) * INDEX_SUFFIX))
+        return PrefixEntry(key=f"e{i}", namespace=namespace, tokens=system + suffix,
+                           minimum_reusable_offset=0, trimmable=True, num_bytes=1)
+
+    for i in range(entries):
+        index.publish(donor(i), Tier.RAM, i)
+    publish, lookup = [], []
+    for i in range(entries, 2 * entries):
+        entry = donor(i)
+        start = time.perf_counter_ns()
+        index.publish(entry, Tier.RAM, i)
+        publish.append(time.perf_counter_ns() - start)
+    for i in range(entries):
+        prompt = donor((i * 7919) % (2 * entries)).tokens[:prompt_tokens + INDEX_SUFFIX // 2]
+        start = time.perf_counter_ns()
+        match = index.lookup(namespace, prompt + (1,), 3 * entries + i)
+        lookup.append(time.perf_counter_ns() - start)
+        if match is None or match.length != len(prompt):
+            raise RuntimeError(f"lookup {i} found {match}")
+
+    def summary(values: list[int]) -> dict[str, float]:
+        ordered = sorted(values)
+        return {"p50_us": ordered[len(ordered) // 2] / 1000,
+                "p99_us": ordered[min(len(ordered) - 1, len(ordered) * 99 // 100)] / 1000,
+                "max_us": ordered[-1] / 1000}
+
+    return {
+        "machine": {"platform": platform.platform(), "python": platform.python_version(),
+                    "cpu_count": os.cpu_count()},
+        "settings": {"entries": entries, "system_prompt_tokens": prompt_tokens,
+                     "suffix_tokens": INDEX_SUFFIX, "operations": entries},
+        "index": {"publish": summary(publish), "lookup": summary(lookup),
+                  "entries_at_end": index.statistics().ram_entries},
+    }
+
+
+def format_index_table(report: dict[str, Any]) -> str:
+    s = report["settings"]
+    lines = [f"PrefixIndex: {s['entries']} entries under one {s['system_prompt_tokens']}-token "
+             f"system prompt, {s['operations']} operations each",
+             f"{'':<10}{'p50 us':>10}{'p99 us':>10}{'max us':>10}"]
+    for name in ("publish", "lookup"):
+        fig = report["index"][name]
+        lines.append(f"{name:<10}{fig['p50_us']:>10.1f}{fig['p99_us']:>10.1f}"
+                     f"{fig['max_us']:>10.1f}")
+    return "\n".join(lines)
+
+
 def run_bench(model: str, dtype: str, blas: str, prompt_tokens: int, repeats: int) -> dict:
     import trio
 
@@ -176,8 +245,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-tokens", type=int, default=2048)
     p.add_argument("--repeats", type=int, default=3)
     add_blas_flag(p)
-    p.add_argument("--out", type=Path, default=Path("bench-out/bench_prefix.json"))
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT)
     p.add_argument("--quick", action="store_true", help="64-token prompts, 1 repeat (smoke)")
+    p.add_argument("--index", action="store_true",
+                   help="benchmark the PrefixIndex alone (no model): publish/lookup p50/p99")
+    p.add_argument("--entries", type=int, default=10_000, help="entries for --index")
     return p
 
 
@@ -186,6 +258,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.prompt_tokens < 2 or args.repeats < 1:
         parser.error("--prompt-tokens must be >= 2 and --repeats >= 1")
+    if args.entries < 1:
+        parser.error("--entries must be >= 1")
+    if args.index:
+        report = run_index_bench(args.entries, args.prompt_tokens)
+        out = args.out if args.out != DEFAULT_OUT else DEFAULT_OUT.with_name("bench_index.json")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(report, indent=2) + "\n")
+        print(format_index_table(report))
+        print(f"wrote {out}")
+        return 0
     if args.quick:
         args.prompt_tokens, args.repeats = 64, 1
     blas = load_blas(args.blas)

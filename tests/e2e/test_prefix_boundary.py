@@ -1,5 +1,6 @@
 """A converted delayed-TurboQuant donor is never reused below its minimum_reusable_offset,
-from RAM or SSD; the earlier plain donor of the same prefix still is (cached_tokens)."""
+from RAM or SSD; the earlier plain donors of the same prefix still are (cached_tokens):
+A's, and B's prompt snapshot (published when B's prefill completed, before B converted)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from engine.sampling import SamplingParams
 A = tuple(range(100, 110))                       # 10 tokens: stays plain (start 16)
 B = A + tuple(range(200, 220))                   # 30 tokens: converts at 29
 C = B[:20] + tuple(range(300, 305))              # shares 20 with B, 10 with A
+
 D = B[:29] + (400, 401)                          # shares 29 with B: at its boundary
 
 
@@ -34,5 +36,9 @@ async def test_boundary_respected_plain_donor_used(draft_model, tmp_path, tier):
         if tier == "ram":
             await run_all(engine, [(A, params(3)), (B, params(3))], 1)
         (c, d) = await run_all(engine, [(C, params(2)), (D, params(2))], 1)
-    assert c[2].cached_tokens == 10 and c[2].cached_tokens_by_tier[tier] == 10
+        stats = engine.statistics().prefix_cache
+    # C: B's plain prompt snapshot (29 tokens, boundary 0) serves 20; B's converted
+    # snapshot (boundary 29) could not.
+    assert c[2].cached_tokens == 20 and c[2].cached_tokens_by_tier[tier] == 20
     assert d[2].cached_tokens == 29 and d[2].cached_tokens_by_tier[tier] == 29
+    assert stats.misses == 0, stats

@@ -29,3 +29,17 @@ def test_quick_bench_prefix_hits_each_tier(tmp_path, capsys):
         assert size["tokens"] >= prompt and size["ram_bytes"] > 0 and size["disk_bytes"] > 0
     assert sizes["turboquant_k4v4"]["ram_bytes"] < sizes["plain"]["ram_bytes"]
     assert "SSD hit after restart" in capsys.readouterr().out
+
+
+def test_index_bench_reports_publish_and_lookup_percentiles(tmp_path, capsys):
+    out = tmp_path / "bench_index.json"
+    assert main(["--index", "--entries", "200", "--prompt-tokens", "256",
+                 "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert set(report) == {"machine", "settings", "index"}
+    assert report["settings"]["entries"] == 200
+    for name in ("publish", "lookup"):
+        figure = report["index"][name]
+        assert 0 < figure["p50_us"] <= figure["p99_us"] <= figure["max_us"], name
+    assert report["index"]["entries_at_end"] == 400
+    assert "lookup" in capsys.readouterr().out

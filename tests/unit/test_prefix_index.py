@@ -58,3 +58,70 @@ def test_budget_spills_coldest_unpinned_and_tiers_rank():
     assert index.lookup(NS, (4, 5, 6, 7), 5).tier is Tier.SSD
     stats = index.statistics()
     assert (stats.ram_entries, stats.ssd_entries, stats.hits_ssd, stats.misses) == (2, 1, 1, 1)
+
+
+SYSTEM = tuple(range(1000, 1000 + 512))
+
+
+def test_publish_and_lookup_visit_only_related_entries():
+    """1,000 donors under one system prompt: a publish examines only the entries ending on
+    its own path, a lookup only its winner; neither walks the other donors."""
+    index = PrefixIndex(1 << 40)
+    for i in range(1000):
+        index.publish(entry(f"e{i}", SYSTEM + (i, i + 1, i + 2)), Tier.RAM, i)
+    before = index.statistics().entries_visited
+    superseded, spill = index.publish(entry("new", SYSTEM + (5000, 1)), Tier.RAM, 2000)
+    assert (superseded, spill) == ([], [])
+    assert index.statistics().entries_visited == before  # no entry ends on its path
+    index.publish(entry("sys", SYSTEM), Tier.SSD, 2001)
+    before = index.statistics().entries_visited
+    match = index.lookup(NS, SYSTEM + (7, 8, 9, 10), 2002)
+    assert (match.key, match.length, match.tier) == ("e7", 515, Tier.RAM)
+    assert index.statistics().entries_visited - before == 1
+    before = index.statistics().entries_visited
+    match = index.lookup(NS, SYSTEM + (4242,), 2003)  # shares only the system prompt
+    assert (match.key, match.length, match.tier) == ("e7", 512, Tier.RAM)  # most recent
+    assert index.statistics().entries_visited - before == 1
+    before = index.statistics().entries_visited
+    superseded, _ = index.publish(entry("longer", SYSTEM + (7, 8, 9, 10, 11)), Tier.RAM, 2004)
+    assert superseded == ["e7"]
+    assert index.statistics().entries_visited - before == 2  # "sys" (SSD) and "e7"
+
+
+def test_ties_prefer_ram_then_recent_and_ssd_serves_when_ram_cannot():
+    index = PrefixIndex(1000)
+    index.publish(entry("old", (1, 2, 3, 4)), Tier.RAM, 1)
+    index.publish(entry("new", (1, 2, 3, 5)), Tier.RAM, 2)
+    index.publish(entry("disk", (1, 2, 3, 6)), Tier.SSD, 3)
+    assert index.lookup(NS, (1, 2, 3, 9, 9), 4).key == "new"
+    assert index.lookup(NS, (1, 2, 3, 4, 9), 5).key == "old"  # longer wins
+    assert index.lookup(NS, (1, 2, 3, 9, 9), 6).key == "old"  # now the most recent
+    assert index.lookup(NS, (1, 2, 3, 6, 9), 7).key == "disk"  # SSD when longer
+
+
+def test_boundaries_untrimmable_and_splits():
+    index = PrefixIndex(1000)
+    index.publish(entry("tq", range(20), boundary=16), Tier.RAM, 1)
+    assert index.lookup(NS, tuple(range(10)) + (99,), 2) is None  # 10 < boundary 16
+    exact = PrefixEntry(key="exact", namespace=NS, tokens=tuple(range(6)),
+                        minimum_reusable_offset=0, trimmable=False, num_bytes=1)
+    index.publish(exact, Tier.RAM, 3)  # splits "tq"'s run of tokens at 6
+    assert index.lookup(NS, tuple(range(5)) + (99,), 4) is None  # cannot be cut to 5
+    match = index.lookup(NS, tuple(range(6)) + (99,), 5)
+    assert (match.key, match.length) == ("exact", 6)
+    match = index.lookup(NS, tuple(range(17)) + (99,), 6)
+    assert (match.key, match.length) == ("tq", 17)
+    assert index.has_tokens(NS, tuple(range(6))) and not index.has_tokens(NS, range(5))
+    index.forget("exact")
+    index.forget("tq")
+    assert index.lookup(NS, tuple(range(20)), 7) is None
+    assert index.statistics().ram_entries == 0 and index.statistics().ram_bytes == 0
+
+
+def test_unspill_returns_an_entry_to_ram():
+    index = PrefixIndex(10)
+    index.publish(entry("a", (1, 2, 3)), Tier.RAM, 1)
+    _, spill = index.publish(entry("b", (4, 5, 6)), Tier.RAM, 2)
+    assert spill == ["a"] and index.lookup(NS, (1, 2, 3, 4), 3) is None
+    index.unspill("a")
+    assert index.tier("a") is Tier.RAM and index.lookup(NS, (1, 2, 3, 4), 4).key == "a"
