@@ -30,7 +30,7 @@ from storage.writer import snapshot_key
 from tests.e2e.test_prefix_cache import assert_same, build_prompts, cold, run_all
 from tests.e2e.test_readme_and_cli import run
 
-NUM = 6
+NUM = 8
 
 
 async def wait_for(predicate, what: str) -> None:
@@ -126,9 +126,11 @@ async def test_restart_over_hostile_files_starts_and_serves_cold_answers(draft_m
 
     config = Config(max_batch=8, ram_cache_bytes=1, cache_dir=str(directory))
     async with open_engine(config, loaded=draft_model) as engine:
+        at_start = engine.statistics().prefix_cache
         got = await run_all(engine, requests, 1)
         stats = engine.statistics().prefix_cache
     assert_same(got, want)
+    assert at_start.quarantined == 8 and at_start.ssd_entries == NUM - 5, at_start
     assert stats.quarantined == 8, stats
     quarantined = {p.name for p in (directory / QUARANTINE_DIR).iterdir()}
     assert quarantined == {*(f.name for f in files[:5]), sparse.name, fifo.name,
@@ -144,10 +146,10 @@ async def test_forged_file_at_load_runs_cold_and_spares_its_batch_mate(draft_mod
     requests = build_prompts(draft_model.tokenizer)[:NUM]
     want = await cold(draft_model, requests)
     directory = tmp_path / "cache"
-    files = await written(draft_model, directory, requests[:4])
+    files = await written(draft_model, directory, requests[:4] + requests[6:])
     config = Config(max_batch=8, cache_dir=str(directory))  # new snapshots stay in RAM
     async with open_engine(config, loaded=draft_model) as engine:
-        assert engine.statistics().prefix_cache.ssd_entries == 4
+        assert engine.statistics().prefix_cache.ssd_entries == 6
         prompts = [prompt for prompt, _ in requests]
         rewrite(files[prompts[0]], reshaped_keys)
         rewrite(files[prompts[1]], as_int32)
@@ -159,8 +161,9 @@ async def test_forged_file_at_load_runs_cold_and_spares_its_batch_mate(draft_mod
         got = await run_all(engine, pairs, 2)
         stats = engine.statistics().prefix_cache
         assert stats.quarantined == 3, stats
-        assert stats.ssd_entries == 1 and engine.prefix.tier.statistics().num_entries == 1
-        # The cache dir deleted while serving: the hit runs cold, and no entry stays.
+        assert stats.ssd_entries == 3 and engine.prefix.tier.statistics().num_entries == 3
+        # The cache dir deleted while serving: the hit runs cold, and no entry stays (not
+        # only the one looked up).
         shutil.rmtree(directory)
         again = await run_all(engine, [requests[3]], 1)
         stats = engine.statistics().prefix_cache
@@ -235,3 +238,32 @@ def test_cli_starts_over_a_huge_plane_and_a_sparse_30_gib_file(tmp_path):
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("def f(x):")
     assert len(list((directory / QUARANTINE_DIR).iterdir())) == 2
+
+
+async def test_a_file_that_fails_to_restore_is_quarantined(draft_model, tmp_path):
+    """A load failure of any kind quarantines the file and the request runs cold: here a
+    tier without the header validator, so the runner's own restore (a TurboQuant runner,
+    for a plain-cache file) is what refuses it. Real files, real Runner, real PrefixCache."""
+    from actors.prefix_cache import PrefixCache
+    from engine.kv.factory import cache_factory_for
+    from engine.runner import Runner
+    from storage import SsdTier
+
+    requests = build_prompts(draft_model.tokenizer)[:1]
+    directory = tmp_path / "cache"
+    (path,) = (await written(draft_model, directory, requests)).values()
+    header = decode_header(path.read_bytes())
+    runner = Runner(draft_model.model, cache_factory_for(draft_model.model, "k4v4"))
+
+    async def restore(*args):
+        return runner.restore(*args)
+
+    prefix = PrefixCache(namespace=header.namespace, fingerprint=header.model_fingerprint,
+                         ram_budget=1 << 30, tier=SsdTier(directory, 1 << 30), flush="sync",
+                         runner_call=restore)
+    await prefix.recover()
+    assert prefix.statistics().ssd_entries == 1
+    assert await prefix.lookup("r1", requests[0][0]) is None  # runs cold
+    stats = prefix.statistics()
+    assert (stats.quarantined, stats.ssd_entries) == (1, 0), stats
+    assert (directory / QUARANTINE_DIR / path.name).is_file() and not path.exists()

@@ -79,7 +79,7 @@ class _Probe:
     def __init__(self, directory: Path, fingerprint: str) -> None:
         self.directory = directory
         self.fingerprint = fingerprint
-        directory.mkdir()
+        directory.mkdir(mode=0o700)  # private, whatever the umask
 
     def recover(self, name: str, blob: bytes) -> tuple[int, int, tuple]:
         (self.directory / name).write_bytes(blob)

@@ -84,6 +84,11 @@ def test_declared_sizes_are_checked_before_anything_is_allocated(tmp_path):
     data = forged(past, {"name": "0.keys", "shape": [4096], "dtype": "uint8", "raw_len": 4096},
                   blob)
     (directory / f"{snapshot_key('ns-test', past)}.tqsnap").write_bytes(data[:-5])
+    # Under the cap, but more than zstd's format can decode from so few bytes.
+    ratio = (2, 6)
+    (directory / f"{snapshot_key('ns-test', ratio)}.tqsnap").write_bytes(forged(
+        ratio, {"name": "0.keys", "shape": [1 << 29], "dtype": "float32", "raw_len": 1 << 31},
+        blob))
     # Sparse 30 GiB files: all zeros, and a real snapshot extended to 30 GiB.
     zeros = directory / f"{snapshot_key('ns-test', (2, 4))}.tqsnap"
     subprocess.run(["truncate", "-s", "30G", str(zeros)], check=True)
@@ -96,13 +101,14 @@ def test_declared_sizes_are_checked_before_anything_is_allocated(tmp_path):
     report = restarted.recover()
 
     reasons = dict(report.quarantined)
-    assert len(reasons) == 4 and report.num_loaded == 1, reasons
+    assert len(reasons) == 5 and report.num_loaded == 1, reasons
     assert [entry.key for entry in restarted.entries()] == [good]
     assert any("over the cap" in why for why in reasons.values()), reasons
+    assert any("ratio over 32768" in why for why in reasons.values()), reasons
     assert sum("header declares" in why for why in reasons.values()) == 2, reasons
     assert any("bad magic" in why for why in reasons.values()), reasons
     assert restarted.statistics().num_bytes_read < 64 << 10
-    assert len(os.listdir(directory / QUARANTINE_DIR)) == 4
+    assert len(os.listdir(directory / QUARANTINE_DIR)) == 5
 
 
 def test_cache_dir_is_created_private_and_a_shared_one_is_refused(tmp_path):
