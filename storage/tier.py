@@ -13,8 +13,9 @@ size, and the caller's `validate_header` (the engine checks planes against its m
 start-up costs the same whatever the planes hold; plane checksums are verified by `get`,
 when a file is loaded for a hit, and a failure there quarantines the file too. Links and
 non-regular entries are never opened through. `reconcile` drops entries whose files have
-vanished (a deleted cache dir). Eviction is oldest-written first, by a sequence number stored in each header's
-`extra` so the order survives restarts; indexed files never total more than `max_bytes`.
+vanished (a deleted cache dir). Eviction is oldest-written first, by a sequence number
+stored in each header's `extra` so the order survives restarts; indexed files never total
+more than `max_bytes`.
 """
 
 import contextlib
