@@ -16,6 +16,7 @@ Anyone who can write into the cache directory can plant files the server will re
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import stat
@@ -64,7 +65,7 @@ def open_regular(path: Path) -> tuple[BinaryIO, int]:
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as exc:
-        if exc.errno == getattr(os, "ELOOP", 40) or os.path.islink(path):
+        if exc.errno == errno.ELOOP or os.path.islink(path):
             raise SnapshotError("a symbolic link, not a regular file") from None
         raise
     try:
