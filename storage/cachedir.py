@@ -67,6 +67,12 @@ def open_regular(path: Path) -> tuple[BinaryIO, int]:
     except OSError as exc:
         if exc.errno == errno.ELOOP or os.path.islink(path):
             raise SnapshotError("a symbolic link, not a regular file") from None
+        try:
+            mode = os.lstat(path).st_mode
+        except OSError:
+            raise exc from None
+        if not stat.S_ISREG(mode):  # e.g. a socket (ENXIO)
+            raise SnapshotError(f"not a regular file ({_kind(mode)})") from None
         raise
     try:
         info = os.fstat(fd)

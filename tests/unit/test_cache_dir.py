@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import socket
 import stat
 import subprocess
 import struct
@@ -127,7 +128,7 @@ def test_cache_dir_is_created_private_and_a_shared_one_is_refused(tmp_path):
         SsdTier(not_a_dir, max_bytes=1 << 20).recover()
 
 
-def test_links_and_non_regular_entries_are_never_loaded(tmp_path):
+def test_links_and_non_regular_entries_are_never_loaded(tmp_path, monkeypatch):
     directory = tmp_path / "ssd"
     outside = tmp_path / "outside"
     outside.mkdir()
@@ -141,6 +142,11 @@ def test_links_and_non_regular_entries_are_never_loaded(tmp_path):
     os.mkfifo(fifo)
     (directory / f"{snapshot_key('ns-test', (5, 3))}.tqsnap").mkdir()
     os.mkdir(directory / ".tmp-leftover-dir")
+    sock = directory / f"{snapshot_key('ns-test', (5, 5))}.tqsnap"
+    server = socket.socket(socket.AF_UNIX)
+    with monkeypatch.context() as patch:  # a relative path: AF_UNIX paths are short
+        patch.chdir(directory)
+        server.bind(sock.name)  # open() of a socket fails with ENXIO
 
     restarted = SsdTier(directory, max_bytes=1 << 30)
     report = restarted.recover()  # a FIFO opened without O_NONBLOCK would block here
@@ -150,6 +156,8 @@ def test_links_and_non_regular_entries_are_never_loaded(tmp_path):
     assert reasons[f"{linked}.tqsnap"] == "a symbolic link, not a regular file"
     assert reasons[fifo.name] == "not a regular file (a FIFO)"
     assert "a directory" in reasons[f"{snapshot_key('ns-test', (5, 3))}.tqsnap"]
+    assert reasons[sock.name] == "not a regular file (a socket)"
+    server.close()
     quarantined = directory / QUARANTINE_DIR
     assert (quarantined / f"{linked}.tqsnap").is_symlink()  # the link moved, not its target
     assert target.is_file() and decode_header(target.read_bytes()).token_ids == (5, 1)
