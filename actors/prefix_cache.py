@@ -144,6 +144,8 @@ class PrefixCache:
             found = None
         except OSError as exc:
             log.warning("snapshot %s unreadable: %s", key, exc)
+            if await trio.to_thread.run_sync(self.tier.quarantine, key, f"unreadable: {exc}"):
+                self._counts["quarantined"] += 1
             found = None
         if found is None:
             self.index.forget(key)

@@ -141,9 +141,13 @@ class SsdTier:
                 elif name.endswith(SNAPSHOT_SUFFIX):
                     try:
                         entry = self._verified_entry(name[: -len(SNAPSHOT_SUFFIX)], path)
-                    except SnapshotError as exc:
-                        self._quarantine(path, exc.reason)
-                        quarantined.append((name, exc.reason))
+                    except FileNotFoundError:
+                        continue  # gone since the listing
+                    except (SnapshotError, OSError) as exc:  # one file never stops start-up
+                        reason = (exc.reason if isinstance(exc, SnapshotError)
+                                  else f"unreadable: {exc.strerror or exc}")
+                        self._quarantine(path, reason)
+                        quarantined.append((name, reason))
                         continue
                     index[entry.key] = entry
             self._index = index
