@@ -36,7 +36,8 @@ from actors.cache_owner import RowBooks, run_cache_owner
 from actors.hub import Hub, run_hub
 from actors.mailbox import Outbox, Recorder, open_mailbox
 from actors.messages import Cancel, Done, Error, Event, Submit
-from actors.prefix_cache import PrefixCache, PrefixCacheStatistics, run_writer
+from actors.prefix_cache import (PrefixCache, PrefixCacheStatistics, header_validator,
+                                 run_writer)
 from actors.runner_thread import RunnerThread
 from actors.scheduler import run_scheduler
 from engine.config import Config
@@ -48,6 +49,7 @@ from engine.prefix import cache_namespace
 from engine.request import GenerateRequest
 from engine.runner import Runner
 from engine.scheduler import SchedulerCore
+from engine.snapshot import PlaneLayout
 from engine.structured import GrammarMasks
 from storage import SsdTier
 
@@ -214,7 +216,8 @@ async def open_engine(config: Config, *, loaded: LoadedModel | None = None,
         prefix = None
         if config.prefix_cache:
             if await thread.call(runner.can_snapshot):
-                prefix = _prefix_cache(config, loaded, runner, thread)
+                layout = await thread.call(runner.plane_layout)
+                prefix = _prefix_cache(config, loaded, runner, thread, layout)
             else:
                 log.warning("prefix cache off: this model has caches that cannot be reused "
                             "by prefix (sliding-window layers)")
@@ -260,16 +263,18 @@ def _log_eviction(key: str) -> None:
 
 
 def _prefix_cache(config: Config, loaded: LoadedModel, runner: Runner,
-                  thread: RunnerThread) -> PrefixCache:
+                  thread: RunnerThread, layout: PlaneLayout | None) -> PrefixCache:
+    namespace = cache_namespace(loaded.fingerprint, kv_scheme(config, loaded.dtype))
     tier = None
     if config.cache_dir is not None:
         tier = SsdTier(config.cache_dir, config.ssd_cache_bytes,
-                       expected_fingerprints=[loaded.fingerprint], on_evict=_log_eviction)
+                       expected_fingerprints=[loaded.fingerprint], on_evict=_log_eviction,
+                       validate_header=header_validator(namespace, layout))
 
     async def restore(*args: object) -> int:
         return await thread.call(runner.restore, *args)
 
     return PrefixCache(
-        namespace=cache_namespace(loaded.fingerprint, kv_scheme(config, loaded.dtype)),
+        namespace=namespace,
         fingerprint=loaded.fingerprint, ram_budget=config.ram_cache_bytes, tier=tier,
         flush=config.ssd_flush, write=config.ssd_write, runner_call=restore)

@@ -53,7 +53,8 @@ import trio
 
 from engine.prefix import PrefixEntry, PrefixIndex, Tier
 from engine.scheduler import Finished, SpillPayload, StepPlan, StepResult
-from storage import SnapshotError, SsdTier, snapshot_key
+from engine.snapshot import PlaneLayout
+from storage import SnapshotError, SnapshotHeader, SsdTier, snapshot_key
 
 log = logging.getLogger("tqserve.prefix")
 WRITE_QUEUE = 8  # snapshots waiting for the disk in async mode; beyond it writes drop
@@ -205,6 +206,8 @@ class PrefixCache:
         return ready
 
     async def _restore(self, key: str) -> tuple[str, int] | None:
+        """The SSD entry `key` rebuilt in the runner; None (the request runs cold) if its file
+        is gone or fails any check: such a file is quarantined (files are untrusted)."""
         if self.tier is None:
             return None
         try:
@@ -215,9 +218,12 @@ class PrefixCache:
             found = None
         except OSError as exc:
             log.warning("snapshot %s unreadable: %s", key, exc)
+            if await trio.to_thread.run_sync(self.tier.quarantine, key, f"unreadable: {exc}"):
+                self._counts["quarantined"] += 1
             found = None
         if found is None:
             self.index.forget(key)
+            await self._reconcile()
             return None
         header, planes = found
         temporary = f"s{next(self._ids)}"
@@ -227,13 +233,25 @@ class PrefixCache:
         try:
             num_bytes = await self._runner_call(temporary, kinds, header.offset,
                                                 header.minimum_reusable_offset, arrays)
-        except ValueError as exc:
-            log.warning("snapshot %s does not fit this engine: %s", key, exc)
+        except Exception as exc:  # a file that cannot be restored, whatever the reason
+            log.warning("snapshot %s does not fit this engine: %s", key, exc,
+                        exc_info=not isinstance(exc, ValueError))
+            if await trio.to_thread.run_sync(self.tier.quarantine, key,
+                                             f"cannot be restored: {exc}"):
+                self._counts["quarantined"] += 1
             self.index.forget(key)
             return None
         finally:
             self._restoring.discard(temporary)
         return temporary, int(num_bytes)
+
+    async def _reconcile(self) -> None:
+        """A file was missing: drop every index entry whose file vanished (deleted dir)."""
+        if self.tier is None:
+            return
+        for gone in await trio.to_thread.run_sync(self.tier.reconcile):
+            if gone in self.index:
+                self.index.forget(gone)
 
     def release_reuse(self, request_id: str) -> None:
         """The request's row is built (or it will never be): unpin its donor."""
@@ -445,3 +463,22 @@ async def run_writer(prefix: PrefixCache,
                     await prefix.write(job)
     finally:
         prefix._writer_done.set()
+
+
+def header_validator(namespace: str,
+                     layout: PlaneLayout | None) -> Callable[[SnapshotHeader], None]:
+    """The SSD tier's `validate_header`: a header of this engine's namespace must describe
+    planes this model restores (engine.snapshot.PlaneLayout); other namespaces are never
+    served by this engine, so they are left alone."""
+
+    def validate(header: SnapshotHeader) -> None:
+        if header.namespace != namespace:
+            return
+        if layout is None:
+            raise SnapshotError("this model's caches cannot be restored from snapshots")
+        try:
+            layout.check_header(header)
+        except ValueError as exc:
+            raise SnapshotError(f"does not fit this model: {exc}") from None
+
+    return validate

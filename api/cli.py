@@ -106,6 +106,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _check_cache_dir(path: str) -> None:
+    """Refuse an unusable or shared --cache-dir before the model loads (storage.cachedir)."""
+    from pathlib import Path
+
+    from storage.cachedir import prepare_directory
+
+    try:
+        prepare_directory(Path(path))
+    except OSError as exc:
+        raise ValueError(f"cache-dir {path!r} cannot be used: {exc.strerror or exc}") from None
+
+
 def _config(args: argparse.Namespace) -> Config:
     import attrs
 
@@ -195,6 +207,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         config = _config(args)
+        if config.cache_dir is not None and config.prefix_cache:
+            _check_cache_dir(config.cache_dir)
         if args.command == "generate":
             return trio.run(_generate, config, args)
         return trio.run(_serve, config)

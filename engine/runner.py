@@ -48,8 +48,8 @@ from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 
 from engine.sampling import LazySample, RowSampler, build_sample, finalize_sample
 from engine.scheduler import RowOutput, SnapshotMade, SpillPayload, StepPlan, StepResult
-from engine.snapshot import (Snapshot, describe, extract_snapshot, from_planes,
-                             layer_kinds_text, row_from_snapshot, snapshot_kinds,
+from engine.snapshot import (PlaneLayout, Snapshot, describe, extract_snapshot, from_planes,
+                             layer_kinds_text, plane_layout, row_from_snapshot, snapshot_kinds,
                              snapshot_of_row, to_planes)
 from engine.structured import GrammarMasks, RowGrammar
 
@@ -108,6 +108,7 @@ class Runner:
         self._num_forward_tokens = 0
         self._snapshots: dict[str, Snapshot] = {}
         self.step_hook: Callable[[StepPlan], None] | None = None
+        self._layout: PlaneLayout | None = None
 
     def execute(self, plan: StepPlan) -> StepResult:
         """Run one step: snapshot, release, spill, admit, prefill, join, decode."""
@@ -216,9 +217,17 @@ class Runner:
         """Hold a snapshot read from the SSD tier under `key`; returns its bytes.
 
         ValueError if it does not fit this engine's caches."""
-        snap = from_planes(self._make_cache(self._model), kinds, offset, boundary, planes)
+        snap = from_planes(self._make_cache(self._model), kinds, offset, boundary, planes,
+                           self.plane_layout())
         self._snapshots[key] = snap
         return snap.nbytes
+
+    def plane_layout(self) -> PlaneLayout | None:
+        """What a restorable snapshot of this model holds (probed once; None if the caches
+        cannot be snapshotted)."""
+        if self._layout is None:
+            self._layout = plane_layout(self._model, self._make_cache(self._model))
+        return self._layout
 
     def can_snapshot(self) -> bool:
         """Whether every layer of this model's caches can be snapshotted."""

@@ -11,6 +11,10 @@ trusting it. Checksums are `hashlib.blake2b(digest_size=16)`: it is in the stand
 (no new dependency), faster than SHA-256 in CPython, and 128 bits is ample to catch
 corruption. Any bad byte surfaces as `SnapshotError` and nothing else.
 
+Declared sizes are untrusted: `check_sizes` compares them with the real file size, a
+per-plane cap and a compression-ratio bound, so a header can never make a reader allocate
+more than a bounded multiple of the file's own size (readers call it before loading planes).
+
 Format versions: 2 is written. 1 lacks `minimum_reusable_offset`; a version-1 header reads
 back with its stored `offset` as that bound.
 """
@@ -39,6 +43,13 @@ DTYPE_ITEMSIZE = {
     "int32": 4, "uint32": 4, "float32": 4, "int64": 8, "uint64": 8, "float64": 8,
 }
 MAX_TOKEN_ID = 2**32 - 1
+# One plane's raw bytes: 4 GiB is ~ a 1M-token context of a 8-KV-head, 128-dim fp32 layer.
+MAX_PLANE_BYTES = 1 << 32
+# zstd's format bound: a block decodes to at most 128 KiB and costs at least 4 bytes (3-byte
+# block header + 1 RLE byte), so no real plane exceeds this ratio; one that claims more is a
+# forged size. (Real KV planes gain a few x at most.)
+MAX_COMPRESSION_RATIO = 32768
+RATIO_SLACK_BYTES = 1 << 17
 _PREFIX = struct.Struct("<8sI")
 _HEADER_FIELDS_V1 = (
     "format_version", "cache_kind", "k_bits", "v_bits", "head_dim", "rotation_id",
@@ -162,6 +173,41 @@ def decode_header(source: bytes | memoryview | BinaryIO) -> SnapshotHeader:
     return _split_header(memoryview(prefix + source.read(header_len + CHECKSUM_BYTES)))[0]
 
 
+def read_header(file: BinaryIO, file_size: int) -> tuple[SnapshotHeader, int]:
+    """Read and verify only the header of an open snapshot file of `file_size` bytes.
+
+    Returns the header and the bytes read (where the first plane starts). Reads nothing
+    beyond the header, and never more than the file holds.
+    """
+    prefix = file.read(_PREFIX.size)
+    header_len = _header_length(memoryview(prefix))
+    rest = _PREFIX.size + header_len + CHECKSUM_BYTES
+    if rest > file_size:
+        raise SnapshotError(f"header of {header_len} bytes does not fit a {file_size}-byte file")
+    data = prefix + file.read(rest - _PREFIX.size)
+    header, end = _split_header(memoryview(data))
+    return header, end
+
+
+def check_sizes(header: SnapshotHeader, header_end: int, file_size: int) -> None:
+    """SnapshotError unless the planes' declared sizes fit the real file (see module doc)."""
+    declared = header_end + sum(spec.compressed_len for spec in header.planes)
+    if declared != file_size:
+        raise SnapshotError(f"file is {file_size} bytes, its header declares {declared}")
+    _check_plane_caps(header)
+
+
+def _check_plane_caps(header: SnapshotHeader) -> None:
+    for spec in header.planes:
+        if spec.raw_len > MAX_PLANE_BYTES:
+            raise SnapshotError(f"plane {spec.name} declares {spec.raw_len} bytes, over the "
+                                f"cap of {MAX_PLANE_BYTES}")
+        if spec.raw_len > spec.compressed_len * MAX_COMPRESSION_RATIO + RATIO_SLACK_BYTES:
+            raise SnapshotError(f"plane {spec.name} declares {spec.raw_len} bytes from "
+                                f"{spec.compressed_len} compressed (ratio over "
+                                f"{MAX_COMPRESSION_RATIO})")
+
+
 def decode_snapshot(buf: bytes | memoryview) -> tuple[SnapshotHeader, dict[str, Plane]]:
     """Verify every byte of a whole snapshot and return its header and decoded planes."""
     view = memoryview(buf)
@@ -169,6 +215,7 @@ def decode_snapshot(buf: bytes | memoryview) -> tuple[SnapshotHeader, dict[str, 
     expected_end = position + sum(spec.compressed_len for spec in header.planes)
     if len(view) > expected_end:
         raise SnapshotError(f"{len(view) - expected_end} trailing bytes after the last plane")
+    _check_plane_caps(header)
     decompressor = zstandard.ZstdDecompressor()
     planes: dict[str, Plane] = {}
     for spec in header.planes:

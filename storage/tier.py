@@ -8,8 +8,15 @@ loop. A lock guards the index and counters and is never held across file I/O (so
 
 Lifecycle: construct, `recover()` once (it builds the index from disk), then `put` / `get` /
 `remove`. Files that fail any check are moved to `quarantine/` with a logged reason, never
-served. Eviction is oldest-written first, by a sequence number stored in each header's
-`extra` so the order survives restarts; indexed files never total more than `max_bytes`.
+served. Every file is untrusted input (storage.cachedir): recovery reads headers only —
+magic, version, fields, header checksum, identity, declared sizes against the real file
+size, and the caller's `validate_header` (the engine checks planes against its model) — so
+start-up costs the same whatever the planes hold; plane checksums are verified by `get`,
+when a file is loaded for a hit, and a failure there quarantines the file too. Links and
+non-regular entries are never opened through. `reconcile` drops entries whose files have
+vanished (a deleted cache dir). Eviction is oldest-written first, by a sequence number
+stored in each header's `extra` so the order survives restarts; indexed files never total
+more than `max_bytes`.
 """
 
 import contextlib
@@ -24,14 +31,15 @@ from typing import Any
 import attrs
 import trio
 
-from storage.snapshot import (Plane, SnapshotError, SnapshotHeader, decode_header, encode_snapshot,
-                              read_snapshot)
+from storage.cachedir import (QUARANTINE_DIR, entry_is_regular, open_regular, prepare_directory,
+                              quarantine_entry)
+from storage.snapshot import (Plane, SnapshotError, SnapshotHeader, check_sizes, decode_header,
+                              decode_snapshot, encode_snapshot, read_header)
 from storage.writer import (SNAPSHOT_SUFFIX, fsync_directory, is_temporary_name, snapshot_key,
                             snapshot_path, validate_key, write_snapshot_file)
 
 logger = logging.getLogger(__name__)
 
-QUARANTINE_DIR = "quarantine"
 SEQUENCE_FIELD = "tier_sequence"
 
 
@@ -74,6 +82,7 @@ class TierStatistics:
     num_quarantined: int
     num_evicted: int
     num_write_errors: int
+    num_bytes_read: int
 
 
 class SsdTier:
@@ -87,9 +96,12 @@ class SsdTier:
         expected_fingerprints: Collection[str] | None = None,
         expected_namespaces: Collection[str] | None = None,
         on_evict: Callable[[str], None] | None = None,
+        validate_header: Callable[[SnapshotHeader], None] | None = None,
     ) -> None:
         """`on_evict(key)` runs before each evicted file is unlinked (during recover under
-        the tier's lock, during put outside it; it must not call back into the tier)."""
+        the tier's lock, during put outside it; it must not call back into the tier).
+        `validate_header(header)` raises SnapshotError for a header this tier must not index
+        or serve (checked at recovery and every load; pure: no I/O, any thread)."""
         if max_bytes <= 0:
             raise ValueError(f"max_bytes must be positive, got {max_bytes}")
         self.directory = Path(directory)
@@ -98,34 +110,46 @@ class SsdTier:
         self._expected_fingerprints = _optional_set(expected_fingerprints)
         self._expected_namespaces = _optional_set(expected_namespaces)
         self._on_evict = on_evict
+        self._validate_header = validate_header
         self._lock = threading.Lock()  # the index and counters; never held across file I/O
         self._write_lock = threading.Lock()  # serializes put()
         self._index: dict[str, TierEntry] | None = None
         self._num_bytes = 0
         self._next_sequence = 0
         self._counts = dict.fromkeys(("hits", "misses", "writes", "quarantined", "evicted",
-                                      "write_errors"), 0)
+                                      "write_errors", "bytes_read"), 0)
 
     def recover(self) -> RecoveryReport:
-        """Rebuild the index from disk: delete temporaries; verify, then index or quarantine.
+        """Rebuild the index from disk: delete temporaries; check headers, then index or
+        quarantine (plane checksums wait for `get`).
 
         Then evict oldest-first down to `max_bytes` (the budget may have shrunk since).
+        ValueError if the directory is not private (storage.cachedir); OSError if unusable.
         """
-        self.directory.mkdir(parents=True, exist_ok=True)
+        prepare_directory(self.directory)
         num_temporaries = 0
         quarantined: list[tuple[str, str]] = []
         index: dict[str, TierEntry] = {}
         with self._lock:
-            for path in sorted(self.directory.iterdir()):
-                if is_temporary_name(path.name):
-                    path.unlink(missing_ok=True)
-                    num_temporaries += 1
-                elif path.name.endswith(SNAPSHOT_SUFFIX) and path.is_file():
+            for name in sorted(os.listdir(self.directory)):
+                path = self.directory / name
+                if is_temporary_name(name):
+                    if entry_is_regular(path):
+                        path.unlink(missing_ok=True)
+                        num_temporaries += 1
+                    else:
+                        logger.warning("ignored %s: a leftover name that is not a regular file",
+                                       name)
+                elif name.endswith(SNAPSHOT_SUFFIX):
                     try:
-                        entry = self._verified_entry(path.name[: -len(SNAPSHOT_SUFFIX)], path)
-                    except SnapshotError as exc:
-                        self._quarantine(path, exc.reason)
-                        quarantined.append((path.name, exc.reason))
+                        entry = self._verified_entry(name[: -len(SNAPSHOT_SUFFIX)], path)
+                    except FileNotFoundError:
+                        continue  # gone since the listing
+                    except (SnapshotError, OSError) as exc:  # one file never stops start-up
+                        reason = (exc.reason if isinstance(exc, SnapshotError)
+                                  else f"unreadable: {exc.strerror or exc}")
+                        self._quarantine(path, reason)
+                        quarantined.append((name, reason))
                         continue
                     index[entry.key] = entry
             self._index = index
@@ -214,9 +238,11 @@ class SsdTier:
         return victims
 
     def get(self, key: str) -> tuple[SnapshotHeader, dict[str, Plane]] | None:
-        """Read and re-verify the snapshot under `key`; None on a miss.
+        """Read and fully verify the snapshot under `key`; None on a miss.
 
-        A file that fails verification is quarantined and SnapshotError is raised.
+        A file that fails any check (checksums, sizes, identity, `validate_header`, a link or
+        a non-regular file in its place) is quarantined and SnapshotError is raised; a
+        vanished file leaves the index and is a miss.
         """
         validate_key(key)
         with self._lock:
@@ -225,8 +251,7 @@ class SsdTier:
                 self._counts["misses"] += 1
                 return None
         try:
-            header, planes = read_snapshot(entry.path)
-            self._check_identity(key, header)
+            header, planes = self._read_verified(key, entry)
         except FileNotFoundError:
             with self._lock:
                 self._drop_locked(entry)
@@ -241,6 +266,30 @@ class SsdTier:
         with self._lock:
             self._counts["hits"] += 1
         return header, planes
+
+    def quarantine(self, key: str, reason: str) -> bool:
+        """Move the file under `key` to quarantine (it failed a check of the caller's, e.g.
+        restoring it into the model); False if it was not indexed."""
+        validate_key(key)
+        with self._lock:
+            entry = self._require_recovered().get(key)
+            if entry is None or not self._drop_locked(entry):
+                return False
+            self._quarantine(entry.path, reason)
+            return True
+
+    def reconcile(self) -> tuple[str, ...]:
+        """Drop indexed entries whose files are gone (or are no longer regular files), e.g.
+        after the directory was deleted; returns their keys. One lstat per entry."""
+        with self._lock:
+            gone = [entry for entry in self._require_recovered().values()
+                    if not entry_is_regular(entry.path)]
+            for entry in gone:
+                self._drop_locked(entry)
+        if gone:
+            logger.warning("%d indexed snapshot files vanished from %s; dropped from the index",
+                           len(gone), self.directory)
+        return tuple(entry.key for entry in gone)
 
     def remove(self, key: str) -> bool:
         """Delete the snapshot under `key`; False if there was none."""
@@ -303,23 +352,45 @@ class SsdTier:
             raise SnapshotError("file name does not match the key of its header")
 
     def _verified_entry(self, key: str, path: Path) -> TierEntry:
+        """Headers only: the entry of a file whose header, sizes and identity check out."""
         try:
             validate_key(key)
         except ValueError:
             raise SnapshotError("file name is not a snapshot key") from None
-        header, _ = read_snapshot(path)
-        self._check_identity(key, header)
+        file, size = open_regular(path)
+        with file:
+            header, header_end = read_header(file, size)
+        self._counts["bytes_read"] += header_end
+        check_sizes(header, header_end, size)
+        self._check_header(key, header)
         sequence = header.extra.get(SEQUENCE_FIELD, 0)
-        return TierEntry(key=key, header=header, path=path, num_bytes=path.stat().st_size,
+        return TierEntry(key=key, header=header, path=path, num_bytes=size,
                          sequence=sequence if type(sequence) is int else 0)
 
+    def _read_verified(self, key: str, entry: TierEntry) -> tuple[SnapshotHeader,
+                                                                  dict[str, Plane]]:
+        file, size = open_regular(entry.path)
+        with file:
+            if size > self.max_bytes:
+                raise SnapshotError(f"file of {size} bytes exceeds the tier budget")
+            header, header_end = read_header(file, size)
+            check_sizes(header, header_end, size)
+            self._check_header(key, header)
+            file.seek(0)
+            data = file.read(size + 1)
+        with self._lock:
+            self._counts["bytes_read"] += header_end + len(data)
+        header, planes = decode_snapshot(data)
+        return header, planes
+
+    def _check_header(self, key: str, header: SnapshotHeader) -> None:
+        self._check_identity(key, header)
+        if self._validate_header is not None:
+            self._validate_header(header)
+
     def _quarantine(self, path: Path, reason: str) -> None:
-        destination = self.directory / QUARANTINE_DIR
-        destination.mkdir(exist_ok=True)
-        with contextlib.suppress(FileNotFoundError):
-            os.replace(path, destination / path.name)
+        quarantine_entry(self.directory, path.name, reason)
         self._counts["quarantined"] += 1
-        logger.warning("quarantined snapshot %s: %s", path.name, reason)
 
     def _evict_until(self, budget: int, keep: str | None = None) -> int:
         num_evicted = 0

@@ -20,7 +20,7 @@ import trio
 from actors.engine import open_engine
 from engine.config import Config
 from engine.model import DEFAULT_MODEL, load_model
-from storage import SsdTier
+from storage import SnapshotError, SsdTier
 from storage.snapshot import CHECKSUM_BYTES, MAGIC
 from tests.e2e.test_prefix_cache import assert_same, build_prompts, cold, run_all
 
@@ -72,21 +72,29 @@ async def _written(loaded, directory: Path, count: int) -> list[Path]:
 
 
 class _Probe:
-    """One directory; `recover(name, blob)` stores one file there and recovers a fresh tier."""
+    """One directory; `recover(name, blob)` stores one file there, recovers a fresh tier
+    (headers only) and loads what it indexed (plane checksums): what either refuses is
+    quarantined."""
 
     def __init__(self, directory: Path, fingerprint: str) -> None:
         self.directory = directory
         self.fingerprint = fingerprint
-        directory.mkdir()
+        directory.mkdir(mode=0o700)  # private, whatever the umask
 
     def recover(self, name: str, blob: bytes) -> tuple[int, int, tuple]:
         (self.directory / name).write_bytes(blob)
         tier = SsdTier(self.directory, 1 << 30, expected_fingerprints=[self.fingerprint])
         report = tier.recover()
+        reasons = list(report.quarantined)
+        for entry in tier.entries():
+            try:
+                tier.get(entry.key)
+            except SnapshotError as exc:
+                reasons.append((entry.path.name, exc.reason))
         for path in self.directory.rglob("*"):
             if path.is_file():
                 path.unlink()
-        return report.num_loaded, report.num_quarantined, report.quarantined
+        return len(tier.entries()), len(reasons), tuple(reasons)
 
 
 async def test_every_corruption_is_quarantined_by_recovery(draft_model, tmp_path):

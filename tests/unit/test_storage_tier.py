@@ -138,24 +138,26 @@ def corrupted_variants(good: bytes) -> list[bytes]:
 
 
 def test_recover_quarantines_every_corrupted_file_and_keeps_serving_good_ones(tier, caplog):
+    """Under names that are not their keys, every variant fails recovery's header checks
+    (payload flips under their own names wait for the load: tests/unit/test_cache_dir.py)."""
     good_keys = [store(tier, (4, n)) for n in range(3)]
     variants = corrupted_variants(read_snapshot_bytes(tier, good_keys[0]))
-    expected_reasons = {}
+    names = []
     for data in variants:
         name = f"{secrets.token_hex(16)}.tqsnap"
         (tier.directory / name).write_bytes(data)
-        with pytest.raises(SnapshotError) as error:
+        with pytest.raises(SnapshotError):
             read_snapshot(tier.directory / name)
-        expected_reasons[name] = error.value.reason
+        names.append(name)
 
     restarted = SsdTier(tier.directory, max_bytes=1 << 30)
     report = restarted.recover()
 
-    assert dict(report.quarantined) == expected_reasons
+    assert sorted(name for name, _ in report.quarantined) == sorted(names)
     assert report.num_loaded == 3
     assert sorted(entry.key for entry in restarted.entries()) == sorted(good_keys)
     assert all(restarted.get(key) is not None for key in good_keys)
-    assert sorted(os.listdir(tier.directory / QUARANTINE_DIR)) == sorted(expected_reasons)
+    assert sorted(os.listdir(tier.directory / QUARANTINE_DIR)) == sorted(names)
     assert index_matches_directory(restarted)
     assert restarted.statistics().num_quarantined == len(variants)
     assert "header checksum mismatch" in caplog.text
