@@ -36,6 +36,7 @@ from trio_websocket import (ConnectionClosed, HandshakeError, WebSocketConnectio
                             connect_websocket_url)
 
 STREAM_EVENTS = 4096  # events one request may buffer before its consumer counts as stuck
+CLOSE_TIMEOUT = 5.0   # seconds the close handshake may take when the client exits
 
 
 class ClientError(Exception):
@@ -137,10 +138,15 @@ class ClientStatistics:
 
 
 class Client:
-    """One WebSocket session (reopened on demand); see the module docstring."""
+    """One WebSocket session (reopened on demand); see the module docstring.
 
-    def __init__(self, nursery: trio.Nursery, url: str, *, binary: bool, api_key: str | None,
-                 reconnect: bool, reconnect_attempts: int, reconnect_backoff: float) -> None:
+    Use `Client.connect(url)`; or, to keep clients in a nursery you own (opening them
+    from any task), `Client(nursery, url, ...)`, `await client.open()`, `await
+    client.aclose()`."""
+
+    def __init__(self, nursery: trio.Nursery, url: str, *, binary: bool = True,
+                 api_key: str | None = None, reconnect: bool = True,
+                 reconnect_attempts: int = 5, reconnect_backoff: float = 0.1) -> None:
         self.url = url
         self._nursery = nursery
         self._binary = binary
@@ -162,19 +168,44 @@ class Client:
     async def connect(cls, url: str, *, binary: bool = True, api_key: str | None = None,
                       reconnect: bool = True, reconnect_attempts: int = 5,
                       reconnect_backoff: float = 0.1) -> AsyncIterator["Client"]:
-        """Open a session on `url` (ws://host:port/v1/stream); closes it on exit."""
-        async with trio.open_nursery() as nursery:
-            client = cls(nursery, url, binary=binary, api_key=api_key, reconnect=reconnect,
-                         reconnect_attempts=reconnect_attempts,
-                         reconnect_backoff=reconnect_backoff)
-            await client._ensure_connected(first=True)
-            try:
-                yield client
-            finally:
-                nursery.cancel_scope.cancel()
-                if client._ws is not None:
-                    with trio.CancelScope(shield=True):
-                        await client._ws.aclose()
+        """Open a session on `url` (ws://host:port/v1/stream); closes it on exit.
+
+        Raises ConnectionLost when the first connection cannot be made. An exception
+        from the block comes out as itself (not wrapped in an exception group)."""
+        try:
+            async with trio.open_nursery() as nursery:
+                client = cls(nursery, url, binary=binary, api_key=api_key, reconnect=reconnect,
+                             reconnect_attempts=reconnect_attempts,
+                             reconnect_backoff=reconnect_backoff)
+                await client.open()
+                try:
+                    yield client
+                finally:
+                    await client.aclose()
+                    nursery.cancel_scope.cancel()
+        except BaseExceptionGroup as group:
+            if len(group.exceptions) == 1 and not isinstance(group.exceptions[0],
+                                                             BaseExceptionGroup):
+                raise group.exceptions[0]
+            raise
+
+    async def open(self) -> None:
+        """Open the first socket (ConnectionLost when it cannot be made). For a client made
+        with its own long-lived nursery; `Client.connect` does this for you."""
+        await self._ensure_connected(first=True)
+
+    async def aclose(self) -> None:
+        """Close the socket (handshake bounded by CLOSE_TIMEOUT); requests in flight on it
+        fail with ConnectionLost."""
+        if self._ws is not None:  # close handshake first, while the reader runs
+            with trio.move_on_after(CLOSE_TIMEOUT) as scope:
+                scope.shield = True
+                await self._ws.aclose()
+
+    @property
+    def connected(self) -> bool:
+        """Whether a socket is open now (a dropped one is noticed by the reader task)."""
+        return self._ws is not None and not self._ws.closed
 
     @property
     def num_active(self) -> int:
@@ -243,9 +274,14 @@ class Client:
             await ws.send_message(encode_frame(obj, self._binary))
 
     async def _send_cancel(self, rid: str) -> None:
+        """Best effort on the socket open now: a closed socket cancelled it already."""
+        ws = self._ws
+        if ws is None or ws.closed:
+            return
         try:
-            await self._send({"type": "cancel", "id": rid})
-        except (ConnectionClosed, ClientError):
+            async with self._send_lock:
+                await ws.send_message(encode_frame({"type": "cancel", "id": rid}, self._binary))
+        except ConnectionClosed:
             pass
 
     async def generate(self, *, prompt: str | None = None,

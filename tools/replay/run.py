@@ -38,8 +38,8 @@ async def _one(target: Any, req: TraceRequest, rid: str, t0: float) -> RequestRe
                 tokens.append(ev.token_id)
             elif isinstance(ev, DoneEvent):
                 tier = next((k for k, v in ev.cached_tokens_by_tier.items() if v), None)
-                return RequestResult(
-                    index=req.index, send_s=send, prompt_tokens=len(req.prompt_tokens),
+                return RequestResult(  # prompt tokens as the server counted them
+                    index=req.index, send_s=send, prompt_tokens=ev.prompt_tokens,
                     token_times=tuple(times), done_s=now,
                     completion_tokens=ev.completion_tokens, cached_tokens=ev.cached_tokens,
                     cached_tier=tier, output_tokens=tuple(tokens),

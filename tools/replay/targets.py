@@ -58,15 +58,23 @@ class UrlTarget:
         self._open_lock = trio.Lock()
 
     async def __aenter__(self) -> "UrlTarget":
+        await self._open_nursery()
         return self
+
+    async def _open_nursery(self) -> None:
+        # entered and left by the task that runs `async with target`; clients opened
+        # from request tasks live in it
+        self._nursery = await self._stack.enter_async_context(trio.open_nursery())
 
     async def __aexit__(self, *exc: object) -> None:
         await self._close_clients()
+        self._nursery.cancel_scope.cancel()
+        await self._stack.aclose()
 
     async def _close_clients(self) -> None:
-        await self._stack.aclose()
-        self._stack = AsyncExitStack()
-        self._clients = []
+        clients, self._clients = self._clients, []
+        for c in clients:
+            await c.aclose()
 
     @property
     def num_connections(self) -> int:
@@ -77,8 +85,9 @@ class UrlTarget:
             for c in self._clients:
                 if c.num_active < self._limit:
                     return c
-            client = await self._stack.enter_async_context(Client.connect(
-                self.ws_url, binary=self._binary, api_key=self._api_key))
+            client = Client(self._nursery, self.ws_url, binary=self._binary,
+                            api_key=self._api_key)
+            await client.open()
             self._clients.append(client)
             return client
 
@@ -107,11 +116,12 @@ class SpawnTarget(UrlTarget):
         self._proc: trio.Process | None = None
 
     async def __aenter__(self) -> "SpawnTarget":
+        await self._open_nursery()
         await self._start()
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        await self._close_clients()
+        await super().__aexit__(*exc)
         await self._stop()
 
     async def _start(self) -> None:
