@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from pathlib import Path
 
 import pytest
@@ -216,3 +217,15 @@ def test_bad_arguments_are_one_line_errors(tmp_path, capsys):
         assert main(argv + ["--no-load-check", "--no-progress"]) == 2, argv
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and word in err and "Traceback" not in err
+
+
+async def test_readme_client_example_runs(server):
+    text = (REPO / "README.md").read_text()
+    block = text.split("<!-- example:client -->")[1].split("<!-- /example:client -->")[0]
+    code = block.split("```python")[1].split("```")[0]
+    assert "ws://127.0.0.1:8000/v1/stream" in code
+    code = code.replace("ws://127.0.0.1:8000/v1/stream", server.ws_url)
+    result = await trio.run_process([sys.executable, "-c", code], cwd=REPO,
+                                    capture_stdout=True, capture_stderr=True)
+    out = result.stdout.decode()
+    assert out.rstrip().endswith("[length, cached {'ram': 0, 'ssd': 0}]"), out
