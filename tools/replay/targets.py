@@ -19,6 +19,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import urllib.request
 from contextlib import AsyncExitStack
 from pathlib import Path
@@ -117,7 +118,12 @@ class SpawnTarget(UrlTarget):
 
     async def __aenter__(self) -> "SpawnTarget":
         await self._open_nursery()
-        await self._start()
+        try:
+            await self._start()
+        except BaseException:
+            self._nursery.cancel_scope.cancel()
+            await self._stack.aclose()
+            raise
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -126,7 +132,9 @@ class SpawnTarget(UrlTarget):
 
     async def _start(self) -> None:
         cmd = [sys.executable, "-m", "api.cli", "serve", "--port", "0", *self._args]
-        self._proc = await trio.lowlevel.open_process(cmd, cwd=_REPO, stdout=subprocess.PIPE)
+        self._log = tempfile.TemporaryFile()  # the child's stderr: shown only if it fails
+        self._proc = await trio.lowlevel.open_process(cmd, cwd=_REPO, stdout=subprocess.PIPE,
+                                                      stderr=self._log)
         buf = b""
         with trio.move_on_after(SPAWN_START_TIMEOUT):
             while not re.search(rb"on (http://\S+) ", buf):
@@ -136,8 +144,10 @@ class SpawnTarget(UrlTarget):
                 buf += chunk
         m = re.search(rb"on (http://\S+) ", buf)
         if m is None:
+            self._log.seek(0)
+            tail = self._log.read().decode(errors="replace").strip().splitlines()[-1:]
             await self._stop()
-            raise ValueError(f"spawned server did not start: {buf.decode(errors='replace')}")
+            raise ValueError(f"spawned server did not start: {' '.join(tail) or 'no output'}")
         self.ws_url = m.group(1).decode().replace("http://", "ws://") + "/v1/stream"
         self.name = f"spawned {self.ws_url}"
 
@@ -155,6 +165,7 @@ class SpawnTarget(UrlTarget):
                     await proc.wait()
             if proc.stdout is not None:
                 await proc.stdout.aclose()
+            self._log.close()
 
     async def restart(self) -> None:
         await self._close_clients()
