@@ -32,6 +32,7 @@ _MAILBOXES = frozenset(("admission", "hub"))  # Submit in; Queued/Token/Done/Err
 class _Pending:
     arrival_s: float
     submit: Submit
+    epoch: int  # drops counted when its Submit was queued
     admitted: bool = False
     tokens: list[int] = attrs.Factory(list)
 
@@ -44,7 +45,7 @@ class RecorderStatistics:
 
 
 class _Recorder:
-    def __init__(self, send: trio.MemorySendChannel[tuple[float, str, bytes]]) -> None:
+    def __init__(self, send: trio.MemorySendChannel[tuple[float, str, bytes, int]]) -> None:
         self._send = send
         self._t0 = trio.current_time()
         self.num_dropped = 0
@@ -53,27 +54,29 @@ class _Recorder:
         if mailbox not in _MAILBOXES:
             return
         try:
-            self._send.send_nowait((trio.current_time() - self._t0, mailbox, data))
+            self._send.send_nowait((trio.current_time() - self._t0, mailbox, data,
+                                    self.num_dropped))
         except trio.WouldBlock:
             self.num_dropped += 1
         except (trio.ClosedResourceError, trio.BrokenResourceError):
             pass
 
 
-async def _write_records(receive: trio.MemoryReceiveChannel[tuple[float, str, bytes]],
-                         writer: RecordingWriter, recorder: _Recorder,
-                         stats: dict[str, int]) -> None:
+async def _write_records(receive: trio.MemoryReceiveChannel[tuple[float, str, bytes, int]],
+                         writer: RecordingWriter, stats: dict[str, int]) -> None:
     pending: dict[str, _Pending] = {}
-    seen_dropped = 0
-    async for t, _, data in receive:
-        if recorder.num_dropped != seen_dropped:  # a gap: whatever is in flight is torn
-            seen_dropped = recorder.num_dropped
-            stats["incomplete"] += len(pending)
-            pending.clear()
+    epoch = 0
+    async for t, _, data, drops in receive:
+        if drops != epoch:  # messages were dropped just before this one: whatever was in
+            epoch = drops   # flight then may miss one, so it is left out
+            torn = [rid for rid, p in pending.items() if p.epoch < epoch]
+            stats["incomplete"] += len(torn)
+            for rid in torn:
+                del pending[rid]
         msg = decode(data)
         match msg:
             case Submit():
-                pending[msg.request_id] = _Pending(arrival_s=t, submit=msg)
+                pending[msg.request_id] = _Pending(arrival_s=t, submit=msg, epoch=epoch)
             case Queued() if msg.request_id in pending:
                 pending[msg.request_id].admitted = True
             case Token() if msg.request_id in pending:
@@ -103,7 +106,7 @@ async def open_recorder(path: str | Path, header: dict[str, Any]
     """(hook for open_engine(recorder=...), statistics) while the block runs; the file is
     complete (every finished request written) when the block exits."""
     writer = await trio.to_thread.run_sync(RecordingWriter, path, header)
-    send, receive = trio.open_memory_channel[tuple[float, str, bytes]](RECORD_QUEUE)
+    send, receive = trio.open_memory_channel[tuple[float, str, bytes, int]](RECORD_QUEUE)
     recorder = _Recorder(send)
     stats = {"incomplete": 0}
 
@@ -114,7 +117,7 @@ async def open_recorder(path: str | Path, header: dict[str, Any]
 
     try:
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(_write_records, receive, writer, recorder, stats)
+            nursery.start_soon(_write_records, receive, writer, stats)
             try:
                 yield recorder, statistics
             finally:
