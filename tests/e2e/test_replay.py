@@ -214,7 +214,8 @@ def test_bad_arguments_are_one_line_errors(tmp_path, capsys):
                        ([str(trace), "--block-tokens", "0"], "block-tokens"),
                        ([str(tmp_path / "missing.jsonl")], "missing"),
                        ([str(trace), "--goodput", "ttfb:3"], "ttfb"),
-                       ([str(trace), "--spawn", "--cache-dir", str(trace)], "did not start")):
+                       ([str(trace), "--spawn", "--cache-dir", str(trace)],
+                        "did not start: tqserve: error: cache-dir")):
         assert main(argv + ["--no-load-check", "--no-progress"]) == 2, argv
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and word in err and "Traceback" not in err

@@ -236,6 +236,7 @@ async def _run_one(args: argparse.Namespace, target: Any, reqs: list[TraceReques
                         "tokens_implied": sum(r.implied_input_tokens for r in reqs)}
     summary["stats_before"], summary["stats_after"] = before, after
     summary["target"] = target.name
+    summary["restarted"] = args.restart_at is not None and args.restart_at < len(reqs)
     return summary, results
 
 

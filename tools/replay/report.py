@@ -49,6 +49,19 @@ def summary_table(summary: dict[str, Any]) -> str:
         frac = row["cached_tokens"] / row["prompt_tokens"] if row["prompt_tokens"] else 0.0
         lines.append(f"{outcome:<14}{row['requests']:>10d}{frac:>16.3f}"
                      f"{row['mean_ttft_ms']:>10.1f}ms{row['p99_ttft_ms']:>10.1f}ms")
+    before, after = summary.get("stats_before"), summary.get("stats_after")
+    if summary.get("restarted") and after:  # counters began again at the restart
+        before = {k: (0 if isinstance(v, int) else {kk: 0 for kk in v} if isinstance(v, dict)
+                      else v) for k, v in after.items()}
+        lines.append("(the server restarted: its counters below are since the restart)")
+    if before and after:
+        lines.append("server /v1/stats after - before: " + ", ".join(
+            f"{k} {after[k] - before[k]:+d}" for k in ("requests_total", "requests_rejected")
+            if isinstance(after.get(k), int) and isinstance(before.get(k), int)) + (
+            ", prefix " + ", ".join(
+                f"{k} {after['prefix_cache'][k] - before['prefix_cache'][k]:+d}"
+                for k in ("hits_ram", "hits_ssd", "misses"))
+            if before.get("prefix_cache") and after.get("prefix_cache") else ""))
     if summary.get("errors"):
         lines.append(f"errors: {summary['errors']}")
     return "\n".join(lines)

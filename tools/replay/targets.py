@@ -145,7 +145,8 @@ class SpawnTarget(UrlTarget):
         m = re.search(rb"on (http://\S+) ", buf)
         if m is None:
             self._log.seek(0)
-            tail = self._log.read().decode(errors="replace").strip().splitlines()[-1:]
+            lines = self._log.read().decode(errors="replace").strip().splitlines()
+            tail = [x for x in lines if x.startswith("tqserve: error")][-1:] or lines[-1:]
             await self._stop()
             raise ValueError(f"spawned server did not start: {' '.join(tail) or 'no output'}")
         self.ws_url = m.group(1).decode().replace("http://", "ws://") + "/v1/stream"
