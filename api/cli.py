@@ -1,4 +1,4 @@
-"""`tqserve` command line: serve | generate | bench | bench-kv | bench-prefix | eval-kv.
+"""`tqserve` command line: serve | generate | replay | bench | bench-kv | bench-prefix | eval-kv.
 
 serve and generate map their flags 1:1 onto engine.config.Config; bench, bench-kv,
 bench-prefix and eval-kv hand their arguments to tools.bench, tools.bench_kv,
@@ -89,6 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     serve = sub.add_parser("serve", help="run the WebSocket server")
     _config_flags(serve, server=True)
+    serve.add_argument("--record", default=None, metavar="FILE",
+                       help="record every admitted request and its output (tqserve replay)")
     gen = sub.add_parser("generate", help="generate from one prompt, printing as it streams")
     _config_flags(gen, server=False)
     for name, text in (("bench", "tqserve vs mlx-lm, side by side (tools/bench)"),
@@ -97,7 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
                                         "(tools/bench_prefix)"),
                        ("bench-gpu", "tqserve vs mlx-lm at B1..B64 on random Qwen3 shapes "
                                      "(tools/bench_gpu)"),
-                       ("eval-kv", "KV-cache quality: perplexity and KL (tools/eval_kv)")):
+                       ("eval-kv", "KV-cache quality: perplexity and KL (tools/eval_kv)"),
+                       ("replay", "replay, record-verify and A/B traces (tools/replay)")):
         sub.add_parser(name, help=text, add_help=False)
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--max-tokens", type=int, default=128)
@@ -149,7 +152,7 @@ async def _generate(config: Config, args: argparse.Namespace) -> int:
     return 0
 
 
-async def _serve(config: Config) -> int:
+async def _serve(config: Config, record: str | None = None) -> int:
     from api.server import listen, serve
 
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
@@ -158,6 +161,7 @@ async def _serve(config: Config) -> int:
     listening = listen(config)  # a taken port fails here, before the model loads
     async with trio.open_nursery() as nursery:
         url = await nursery.start(lambda task_status: serve(config, listening=listening,
+                                                            record=record,
                                                             task_status=task_status))
         print(f"tqserve: serving {config.model} on {url} (WebSocket /v1/stream; HTTP "
               "/v1/completions, /v1/chat/completions, /v1/messages, /metrics)", flush=True)
@@ -174,8 +178,9 @@ def _leaves(group: BaseExceptionGroup) -> list[BaseException]:
     return out
 
 
-_TOOLS = {"bench": "tools.bench", "bench-kv": "tools.bench_kv", "eval-kv": "tools.eval_kv",
-          "bench-prefix": "tools.bench_prefix", "bench-gpu": "tools.bench_gpu"}
+_TOOLS = {"replay": "tools.replay.cli", "bench": "tools.bench", "bench-kv": "tools.bench_kv",
+          "eval-kv": "tools.eval_kv", "bench-prefix": "tools.bench_prefix",
+          "bench-gpu": "tools.bench_gpu"}
 
 
 def _load_blas(choice: str) -> None:
@@ -211,7 +216,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             _check_cache_dir(config.cache_dir)
         if args.command == "generate":
             return trio.run(_generate, config, args)
-        return trio.run(_serve, config)
+        return trio.run(_serve, config, args.record)
     except ValueError as exc:  # ModelLoadError is a ValueError
         print(f"tqserve: error: {exc}", file=sys.stderr)
         return 2

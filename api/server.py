@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from contextlib import AsyncExitStack
+
+import attrs
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.config import Sockets
 from hypercorn.trio.run import worker_serve
@@ -38,14 +41,21 @@ def listen(config: Config) -> tuple[HypercornConfig, Sockets]:
 
 async def serve(config: Config, *, loaded: LoadedModel | None = None,
                 listening: tuple[HypercornConfig, Sockets] | None = None,
-                shutdown_trigger: trio.Event | None = None,
+                shutdown_trigger: trio.Event | None = None, record: str | None = None,
                 task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> None:
     """Start the engine and the server; report the bound URL through task_status.
 
     The listening socket is bound first, so a taken port is a ValueError naming it before
-    the model loads."""
+    the model loads. `record`: write every admitted request to this file (tools/replay)."""
     hc, sockets = listening if listening is not None else listen(config)
-    async with open_engine(config, loaded=loaded) as engine:
+    async with AsyncExitStack() as stack:
+        recorder = None
+        if record is not None:
+            from tools.replay.recorder import open_recorder
+            recorder, _ = await stack.enter_async_context(open_recorder(
+                record, {"model": config.model, "config": attrs.asdict(config)}))
+        engine = await stack.enter_async_context(
+            open_engine(config, loaded=loaded, recorder=recorder))
         app = wrap_app(create_app(engine), hc.wsgi_max_body_size, None)
 
         async def started(*, task_status: trio.TaskStatus[list[str]]) -> None:

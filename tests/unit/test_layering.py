@@ -11,6 +11,7 @@ FORBIDDEN = {
                "api", "storage"},
     "storage": {"mlx", "mlx_lm", "engine", "actors", "api"},
     "actors": {"api", "quart", "quart_trio", "hypercorn"},
+    "tqserve": {"mlx", "mlx_lm", "engine", "actors", "api", "storage", "tools"},  # the client
 }
 
 

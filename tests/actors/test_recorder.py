@@ -1,0 +1,57 @@
+"""serve --record's recorder: records admitted requests; a full queue drops messages
+without waiting and leaves every request in flight at the drop out of the file."""
+
+from __future__ import annotations
+
+import trio.testing
+
+import tools.replay.recorder as recorder_mod
+from actors.messages import Done, Error, Queued, Submit, Token, encode
+from engine.sampling import SamplingParams
+from tools.replay.recording import read_recording
+
+WRITE_POLLS = 10_000  # bounded polls for the worker thread's write
+
+
+def _request(hook, rid: str, n_tokens: int, *, done: bool = True) -> None:
+    hook("admission", encode(Submit(request_id=rid, prompt_tokens=(2, 3, 4),
+                                    params=SamplingParams(max_tokens=9, seed=5))))
+    hook("cache_owner", b"ignored")  # other mailboxes are not recorded
+    hook("hub", encode(Queued(request_id=rid)))
+    for i in range(n_tokens):
+        hook("hub", encode(Token(request_id=rid, index=i, token_id=10 + i, text="x")))
+    if done:
+        hook("hub", encode(Done(request_id=rid, finish_reason="length", prompt_tokens=3,
+                                completion_tokens=n_tokens)))
+
+
+async def test_full_queue_drops_and_leaves_in_flight_requests_out(tmp_path, monkeypatch):
+    monkeypatch.setattr(recorder_mod, "RECORD_QUEUE", 8)
+    path = tmp_path / "rec.tqrec"
+    async with recorder_mod.open_recorder(path, {"model": "m", "config": {}}) as (hook, stats):
+        _request(hook, "a", 3)
+        hook("admission", encode(Submit(request_id="refused", prompt_tokens=(2,),
+                                        params=SamplingParams())))
+        hook("hub", encode(Error(request_id="refused", code="overloaded", message="full")))
+        await trio.testing.wait_all_tasks_blocked()
+        for _ in range(WRITE_POLLS):  # the write runs on a worker thread
+            if stats().num_recorded == 1:
+                break
+            await trio.sleep(0.001)
+        assert stats().num_recorded == 1
+        _request(hook, "b", 4, done=False)   # 6 queued, then b's tokens overflow the queue
+        _request(hook, "torn", 5)            # dropped in part
+        assert stats().num_dropped_messages > 0
+        await trio.testing.wait_all_tasks_blocked()
+        _request(hook, "c", 2)               # after the gap: complete
+        _request(hook, "d", 1)
+    header, records = read_recording(path)
+    assert header["model"] == "m"
+    assert [r["request_id"] for r in records] == ["a", "c", "d"]
+    a = records[0]
+    assert a["prompt_tokens"] == [2, 3, 4] and a["output_tokens"] == [10, 11, 12]
+    assert a["params"]["seed"] == 5 and a["params"]["max_tokens"] == 9
+    assert a["finish_reason"] == "length" and a["arrival_s"] >= 0
+    assert records[1]["output_tokens"] == [10, 11]
+    s = stats()
+    assert s.num_recorded == 3 and s.num_incomplete >= 1
