@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 _INT_FLAGS = ("max_batch", "prefill_chunk", "max_queued_requests", "max_queued_tokens",
               "max_tokens_cap", "default_max_tokens", "stream_buffer", "port",
               "max_message_bytes", "max_streams_per_connection", "ram_cache_bytes",
-              "ssd_cache_bytes")
+              "ssd_cache_bytes", "max_prompt_chars", "max_messages")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -65,6 +65,8 @@ def _config_flags(p: argparse.ArgumentParser, *, server: bool) -> None:
                         "queue, a full queue drops the spill")
     if server:
         p.add_argument("--host", default=defaults.host)
+        p.add_argument("--ws-message-timeout", type=float, default=defaults.ws_message_timeout,
+                       help="seconds a WebSocket message may take to arrive (then close 1008)")
 
 
 def build_parser() -> argparse.ArgumentParser:
