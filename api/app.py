@@ -45,6 +45,8 @@ class _Connection:
         await self._out.send(encode_frame(event, binary))
 
     async def error(self, exc: ProtocolError, binary: bool) -> None:
+        if exc.code != "unknown_id":  # a late cancel refuses no request
+            self._engine.note_rejection(exc.code)
         await self.send_event(Error(request_id=exc.request_id, code=exc.code,
                                     message=exc.message).to_wire(), binary)
 
@@ -71,6 +73,11 @@ class _Connection:
         except ProtocolError as exc:
             await self.error(exc, binary)
             return
+        except Exception as exc:  # our bug: this frame fails, the socket goes on
+            log.exception("frame handling failed")
+            await self.error(ProtocolError("internal_error", f"{type(exc).__name__}: {exc}"),
+                             binary)
+            return
         engine_id = f"{self._conn_id:x}:{self._next_seq}:{rid}"
         self._next_seq += 1
         self._active[rid] = engine_id
@@ -83,6 +90,10 @@ class _Connection:
                 wire = event.to_wire()
                 wire["id"] = rid
                 await self.send_event(wire, binary)
+        except Exception as exc:  # our bug: it fails this request only, never the socket
+            log.exception("request %s failed", engine_id)
+            await self.send_event(Error(request_id=rid, code="internal_error",
+                                        message=f"{type(exc).__name__}: {exc}").to_wire(), binary)
         finally:
             self._active.pop(rid, None)
 

@@ -66,13 +66,13 @@ async def test_oversize_message_closes_1009_and_drops_the_connection(nursery, dr
         stream, head = await connect(port)
         assert head.startswith(b"HTTP/1.1 101"), head
         if fragmented:  # many small fragments of one message, over the cap in total
-            for _ in range(40):
-                if not await send_quietly(stream, frame(OP_BINARY if _ == 0 else 0,
-                                                        b"x" * 100, fin=False)):
+            for i in range(40):
+                if not await send_quietly(stream, frame(OP_BINARY if i == 0 else 0,
+                                                        b"x" * 4096, fin=False)):
                     break
-        else:  # one frame declaring 1 MiB, of which 64 KiB are sent
-            await send_quietly(stream, frame(OP_BINARY, b"x" * (64 << 10), length=1 << 20)[
-                :(64 << 10) + 14])
+        else:  # one frame declaring 1 MiB, of which 128 KiB are sent
+            await send_quietly(stream, frame(OP_BINARY, b"x" * (128 << 10), length=1 << 20)[
+                :(128 << 10) + 14])
         assert await closed_with(stream) == (1009, True)
     await still_serving(server, draft_model)
 
