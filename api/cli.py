@@ -80,7 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
                        ("bench-kv", "TurboQuant vs plain decode speed (tools/bench_kv)"),
                        ("bench-prefix", "prefix cache TTFT cold/RAM/SSD and snapshot bytes "
                                         "(tools/bench_prefix)"),
-                       ("eval-kv", "KV-cache quality: perplexity and KL (tools/eval_kv)")):
+                       ("eval-kv", "KV-cache quality: perplexity and KL (tools/eval_kv)"),
+                       ("attack", "bounded attack run on a loopback server (tools/attack)")):
         sub.add_parser(name, help=text, add_help=False)
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--max-tokens", type=int, default=128)
@@ -141,7 +142,7 @@ def _leaves(group: BaseExceptionGroup) -> list[BaseException]:
 
 
 _TOOLS = {"bench": "tools.bench", "bench-kv": "tools.bench_kv", "eval-kv": "tools.eval_kv",
-          "bench-prefix": "tools.bench_prefix"}
+          "bench-prefix": "tools.bench_prefix", "attack": "tools.attack"}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

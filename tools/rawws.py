@@ -42,13 +42,11 @@ def _mask_fast(payload: bytes, mask: bytes) -> bytes:
 
 
 def deflate_bomb(inflated: int, chunk: int = 1 << 20) -> bytes:
-    """A raw-deflate payload (permessage-deflate framing) inflating to `inflated` zero bytes."""
+    """A raw-deflate payload (permessage-deflate framing) inflating to `inflated` zero bytes
+    (a multiple of `chunk`): one full-flushed compressed chunk, repeated."""
     comp = zlib.compressobj(9, zlib.DEFLATED, -15)
-    zeros = bytes(chunk)
-    out = [comp.compress(zeros) for _ in range(inflated // chunk)]
-    out.append(comp.compress(bytes(inflated % chunk)))
-    data = b"".join(out) + comp.flush(zlib.Z_SYNC_FLUSH)
-    return data[:-4] if data.endswith(b"\x00\x00\xff\xff") else data
+    block = comp.compress(bytes(chunk)) + comp.flush(zlib.Z_FULL_FLUSH)
+    return block * max(1, inflated // chunk)
 
 
 async def connect(port: int, *, path: str = "/v1/stream", extensions: str | None = None,
@@ -106,3 +104,60 @@ async def read_close(stream: trio.SocketStream) -> int | None:
         if not data:
             return None
         buf += data
+
+
+class FrameReader:
+    """Reads whole server frames (unmasked, one frame per message) from a stream."""
+
+    def __init__(self, stream: trio.SocketStream) -> None:
+        self.stream = stream
+        self._buf = b""
+
+    async def next(self) -> tuple[int, bytes] | None:
+        """The next (opcode, payload), or None at EOF."""
+        while True:
+            parsed = self._parse()
+            if parsed is not None:
+                return parsed
+            try:
+                data = await self.stream.receive_some(65536)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                return None
+            if not data:
+                return None
+            self._buf += data
+
+    def _parse(self) -> tuple[int, bytes] | None:
+        buf = self._buf
+        if len(buf) < 2:
+            return None
+        n, at = buf[1] & 0x7F, 2
+        if n == 126:
+            if len(buf) < 4:
+                return None
+            n, at = struct.unpack("!H", buf[2:4])[0], 4
+        elif n == 127:
+            if len(buf) < 10:
+                return None
+            n, at = struct.unpack("!Q", buf[2:10])[0], 10
+        if len(buf) < at + n:
+            return None
+        self._buf = buf[at + n:]
+        return buf[0] & 0x0F, buf[at:at + n]
+
+
+async def http_get(port: int, path: str, host: str = "127.0.0.1") -> tuple[int, bytes]:
+    """One HTTP/1.1 GET on its own connection: (status, body); reads content-length bytes."""
+    stream = await trio.open_tcp_stream(host, port)
+    async with stream:
+        await stream.send_all(f"GET {path} HTTP/1.1\r\nHost: {host}\r\n"
+                              "Connection: close\r\n\r\n".encode())
+        data = b""
+        while b"\r\n\r\n" not in data and (chunk := await stream.receive_some(65536)):
+            data += chunk
+        head, _, body = data.partition(b"\r\n\r\n")
+        length = next((int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
+                       if line.lower().startswith(b"content-length:")), 0)
+        while len(body) < length and (chunk := await stream.receive_some(65536)):
+            body += chunk
+    return int(head.split(b" ", 2)[1]), body

@@ -1,0 +1,363 @@
+"""A bounded attack run against a tqserve on loopback; writes the figures as JSON.
+
+    python -m tools.attack --out bench-out/attack.json            # spawns its own server
+    python -m tools.attack --fuzz 200 --bombs 10 --oversize 10    # smaller
+
+It starts `tqserve serve` (bundled model, default limits, except --ws-message-timeout,
+which the run shortens so that its waits stay short) as a subprocess on a loopback port,
+runs each phase with a bounded count, reads the server's RSS from /proc, and stops the
+server. Nothing leaves 127.0.0.1. The phases and what must hold (`invariants`):
+
+* fuzz: mutated JSON and msgpack generate/cancel frames -> no `internal_error`, no socket
+  closed by the server.
+* cancels: requests cancelled at random moments -> 0 rows, 0 KV bytes, 0 streams after.
+* pings: WebSocket pings -> each answered with a pong.
+* slowloris / random bytes / connections: sockets that never finish a request, random
+  bytes (raw and after a handshake), many open WebSockets -> /health answers meanwhile;
+  every socket that never completes a request or a message is closed by the server.
+* bombs / oversize: permessage-deflate bombs (1 GiB inflated) and oversize frames ->
+  closed (1002 / 1009), /health answers, RSS returns within 50 MB of its baseline.
+* overload: a burst over the admission bound -> every refusal counted in /v1/stats.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import trio
+
+from tools.rawws import (OP_BINARY, OP_CLOSE, OP_PING, OP_TEXT, FrameReader, connect,
+                         deflate_bomb, frame, http_get, read_close, send_quietly)
+
+REPO = Path(__file__).resolve().parent.parent
+RSS_SLACK = 50 << 20        # RSS after the bombs and oversize frames, over the baseline
+RSS_POLLS = 100             # reads of /proc while waiting for RSS to come back ...
+RSS_POLL_SLEEP = 0.1        # ... this far apart
+PHASE_TIMEOUT = 120.0       # seconds any one phase may take before the run fails
+CLOSE_WAIT = 15.0           # seconds the server gets to close sockets that never finish
+EDGE_VALUES: tuple[Any, ...] = (
+    None, True, False, 0, -1, 1, 2**31, 2**63 - 1, 2**64 - 1, -2**63, 1e308, -1e-308, 0.5,
+    "", "x" * 300, "\u00e9\u6f22", [], [1, 2], [-1], [2**63], ["a"] * 20, {"a": 1}, [[1]])
+FIELDS = ("type", "id", "prompt", "prompt_tokens", "messages", "max_tokens", "temperature",
+          "top_p", "top_k", "min_p", "repetition_penalty", "seed", "logprobs",
+          "top_logprobs", "stop", "stop_token_ids", "bogus")
+
+
+class Server:
+    """`tqserve serve` as a subprocess on a free loopback port."""
+
+    def __init__(self, extra: list[str]) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "api.cli", "serve", "--port", "0", *extra], cwd=REPO,
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        line = self.proc.stdout.readline() if self.proc.stdout else ""
+        if " on http://" not in line:
+            self.proc.kill()
+            raise RuntimeError(f"server did not start: {line!r}")
+        self.port = int(line.split(" on http://", 1)[1].split()[0].rsplit(":", 1)[1])
+
+    def rss(self) -> int:
+        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+        raise RuntimeError("no VmRSS")
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+async def stats(port: int) -> dict[str, Any]:
+    status, body = await http_get(port, "/v1/stats")
+    return json.loads(body) if status == 200 else {}
+
+
+async def health(port: int, latencies: list[float]) -> bool:
+    start = time.perf_counter()
+    try:
+        with trio.fail_after(30):
+            status, _ = await http_get(port, "/health")
+    except (OSError, trio.TooSlowError):
+        return False
+    latencies.append(time.perf_counter() - start)
+    return status == 200
+
+
+def fuzz_frame(rng: random.Random, n: int) -> tuple[Any, bool]:
+    """A mutated generate (or cancel) object, and whether to send it as msgpack."""
+    obj: dict[Any, Any] = {"type": "generate", "id": f"z{n}", "prompt": "def f():",
+                           "max_tokens": 3, "temperature": 0}
+    if rng.random() < 0.1:
+        obj = {"type": "cancel", "id": f"z{rng.randrange(n + 1)}"}
+    for _ in range(rng.randint(1, 3)):
+        obj[rng.choice(FIELDS)] = rng.choice(EDGE_VALUES)
+    binary = rng.random() < 0.5
+    if not binary:
+        obj = json.loads(json.dumps(obj))  # what JSON can carry
+    return obj, binary
+
+
+async def phase_fuzz(port: int, count: int, rng: random.Random) -> dict[str, Any]:
+    codes: Counter[str] = Counter()
+    closed = 0
+    stream, _ = await connect(port)
+    reader = FrameReader(stream)
+    for n in range(count):
+        obj, binary = fuzz_frame(rng, n)
+        data = msgpack.packb(obj, use_bin_type=True) if binary else json.dumps(obj).encode()
+        if rng.random() < 0.05:  # raw garbage: truncated or random bytes
+            data = data[:rng.randrange(len(data))] if rng.random() < 0.5 else rng.randbytes(40)
+            binary = True
+        await stream.send_all(frame(OP_BINARY if binary else OP_TEXT, data))
+        rid = obj.get("id") if isinstance(obj.get("id"), str) else None
+        while True:
+            got = await reader.next()
+            if got is None or got[0] == OP_CLOSE:
+                closed += 1
+                stream, _ = await connect(port)
+                reader = FrameReader(stream)
+                break
+            op, payload = got
+            event = msgpack.unpackb(payload) if op == OP_BINARY else json.loads(payload)
+            if event["type"] == "queued" and event["id"] == rid and obj.get("type") == "generate":
+                await stream.send_all(frame(OP_TEXT, json.dumps(
+                    {"type": "cancel", "id": rid}).encode()))
+            if event["type"] in ("error", "done") and event["id"] in (rid, None):
+                codes[event.get("code", "done")] += 1
+                break
+    await stream.aclose()
+    return {"frames": count, "replies": dict(codes), "internal_error": codes["internal_error"],
+            "sockets_closed_by_server": closed}
+
+
+async def phase_cancels(port: int, count: int, rng: random.Random) -> dict[str, Any]:
+    stream, _ = await connect(port)
+    for n in range(count):
+        req = {"type": "generate", "id": f"c{n}", "prompt": "import os\n",
+               "max_tokens": rng.randint(1, 64), "temperature": 0}
+        await stream.send_all(frame(OP_TEXT, json.dumps(req).encode()))
+        if rng.random() < 0.7:
+            await trio.sleep(rng.random() * 0.01)
+            await stream.send_all(frame(OP_TEXT, json.dumps(
+                {"type": "cancel", "id": f"c{n}"}).encode()))
+        if n % 8 == 7:  # drain what came back so the socket never backs up
+            with trio.move_on_after(0.05):
+                while await stream.receive_some(65536):
+                    pass
+    await stream.aclose()  # closing cancels whatever still runs
+    after: dict[str, Any] = {}
+    for _ in range(RSS_POLLS):
+        after = await stats(port)
+        if all(after.get(k) == 0 for k in ("rows_active", "kv_bytes", "streams_open")):
+            break
+        await trio.sleep(RSS_POLL_SLEEP)
+    return {"requests": count, "rows_active": after.get("rows_active"),
+            "kv_bytes": after.get("kv_bytes"), "streams_open": after.get("streams_open")}
+
+
+async def phase_pings(port: int, count: int) -> dict[str, Any]:
+    stream, _ = await connect(port)
+    reader = FrameReader(stream)
+    pongs = 0
+    for i in range(count):
+        await stream.send_all(frame(OP_PING, str(i).encode()))
+        got = await reader.next()
+        pongs += got is not None and got[0] == 0xA and got[1] == str(i).encode()
+    await stream.aclose()
+    return {"pings": count, "pongs": pongs}
+
+
+async def phase_held(port: int, slowloris: int, randoms: int, connections: int,
+                     rng: random.Random) -> dict[str, Any]:
+    """Sockets that never finish; /health meanwhile; how many the server closed."""
+    latencies: list[float] = []
+    held: list[trio.SocketStream] = []
+    for _ in range(slowloris):
+        s = await trio.open_tcp_stream("127.0.0.1", port)
+        await s.send_all(b"GET /health HTTP/1.1\r\nHost: x\r\nX-a: ")
+        held.append(s)
+    for i in range(randoms):
+        if i % 2:
+            s, _ = await connect(port)
+        else:
+            s = await trio.open_tcp_stream("127.0.0.1", port)
+        await s.send_all(rng.randbytes(rng.randint(1, 600)))
+        held.append(s)
+    opened = []
+    for _ in range(connections):
+        s, head = await connect(port)
+        opened.append(head.startswith(b"HTTP/1.1 101"))
+        held.append(s)
+    answered = all([await health(port, latencies) for _ in range(5)])
+    closed = 0
+
+    async def until_closed(s: trio.SocketStream) -> None:
+        nonlocal closed
+        while await _receive(s):
+            pass
+        closed += 1
+
+    unfinished = held[:slowloris + randoms]
+    with trio.move_on_after(CLOSE_WAIT):  # the idle (keep-alive) and message timeouts
+        async with trio.open_nursery() as nursery:
+            for s in unfinished:
+                nursery.start_soon(until_closed, s)
+    still_open = len(unfinished) - closed
+    for s in held:
+        await s.aclose()
+    return {"slowloris": slowloris, "random_byte_sockets": randoms,
+            "connections": connections, "connections_accepted": sum(opened),
+            "health_answered": answered, "health_max_s": round(max(latencies), 3),
+            "unfinished_sockets_still_open": still_open}
+
+
+async def _receive(s: trio.SocketStream) -> bytes:
+    try:
+        return await s.receive_some(65536)
+    except (trio.BrokenResourceError, trio.ClosedResourceError):
+        return b""
+
+
+async def phase_memory(server: Server, bombs: int, oversize: int,
+                       bomb_bytes: int) -> dict[str, Any]:
+    port = server.port
+    baseline = server.rss()
+    peak = baseline
+    latencies: list[float] = []
+    codes: Counter[int | None] = Counter()
+    bomb = deflate_bomb(bomb_bytes)
+    big = frame(OP_BINARY, b"x" * (4 << 20))  # twice the hard cap at the default limit
+    answered = True
+    for i in range(max(bombs, oversize)):
+        for payload, wanted in ((bomb, i < bombs), (big, i < oversize)):
+            if not wanted:
+                continue
+            ext = "permessage-deflate" if payload is bomb else None
+            s, _ = await connect(port, extensions=ext)
+            data = frame(OP_BINARY, payload, rsv1=True) if payload is bomb else payload
+            await send_quietly(s, data)
+            codes[await read_close(s)] += 1
+            await s.aclose()
+            peak = max(peak, server.rss())
+        if i % 10 == 0:
+            answered &= await health(port, latencies)
+    after = server.rss()
+    for _ in range(RSS_POLLS):
+        after = server.rss()
+        if after <= baseline + RSS_SLACK:
+            break
+        await trio.sleep(RSS_POLL_SLEEP)
+    return {"bombs": bombs, "bomb_compressed_bytes": len(bomb), "bomb_inflated_bytes": bomb_bytes,
+            "oversize_frames": oversize, "oversize_frame_bytes": len(big),
+            "close_codes": {str(k): v for k, v in codes.items()},
+            "rss_baseline_mb": round(baseline / 2**20, 1), "rss_peak_mb": round(peak / 2**20, 1),
+            "rss_after_mb": round(after / 2**20, 1), "health_answered": answered,
+            "health_max_s": round(max(latencies, default=0.0), 3)}
+
+
+async def phase_overload(port: int, count: int) -> dict[str, Any]:
+    before = await stats(port)
+    stream, _ = await connect(port)
+    reader = FrameReader(stream)
+    for n in range(count):
+        req = {"type": "generate", "id": f"o{n}", "prompt": "import os\n", "max_tokens": 64,
+               "temperature": 0}
+        await stream.send_all(frame(OP_TEXT, json.dumps(req).encode()))
+    codes: Counter[str] = Counter()
+    ends = 0
+    while ends < count:
+        got = await reader.next()
+        if got is None:
+            break
+        event = json.loads(got[1])
+        if event["type"] in ("done", "error"):
+            ends += 1
+            codes[event.get("code", "done")] += 1
+    await stream.aclose()
+    after = await stats(port)
+    return {"requests": count, "replies": dict(codes),
+            "rejected_counted": after["requests_rejected"] - before["requests_rejected"]}
+
+
+async def attack(args: argparse.Namespace) -> dict[str, Any]:
+    rng = random.Random(args.seed)
+    server = Server(["--ws-message-timeout", str(args.ws_message_timeout),
+                     "--max-streams-per-connection", "64", "--max-queued-requests", "8"])
+    out: dict[str, Any] = {"server": {"ws_message_timeout": args.ws_message_timeout,
+                                      "max_queued_requests": 8}}
+    try:
+        with trio.fail_after(PHASE_TIMEOUT):
+            out["fuzz"] = await phase_fuzz(server.port, args.fuzz, rng)
+        with trio.fail_after(PHASE_TIMEOUT):
+            out["cancels"] = await phase_cancels(server.port, args.cancels, rng)
+        with trio.fail_after(PHASE_TIMEOUT):
+            out["pings"] = await phase_pings(server.port, args.pings)
+        with trio.fail_after(PHASE_TIMEOUT):
+            out["held"] = await phase_held(server.port, args.slowloris, args.random,
+                                           args.connections, rng)
+        with trio.fail_after(PHASE_TIMEOUT):
+            out["memory"] = await phase_memory(server, args.bombs, args.oversize,
+                                               args.bomb_bytes)
+        with trio.fail_after(PHASE_TIMEOUT):
+            out["overload"] = await phase_overload(server.port, args.overload)
+        out["server_alive"] = server.alive()
+    finally:
+        server.stop()
+    mem, held = out["memory"], out["held"]
+    out["invariants"] = {
+        "no_internal_error": out["fuzz"]["internal_error"] == 0,
+        "fuzz_sockets_kept": out["fuzz"]["sockets_closed_by_server"] == 0,
+        "cancels_leave_nothing": (out["cancels"]["rows_active"], out["cancels"]["kv_bytes"],
+                                  out["cancels"]["streams_open"]) == (0, 0, 0),
+        "pings_answered": out["pings"]["pongs"] == out["pings"]["pings"],
+        "health_during_held_sockets": held["health_answered"],
+        "unfinished_sockets_closed": held["unfinished_sockets_still_open"] == 0,
+        "health_during_bombs": mem["health_answered"],
+        # None: the connection was reset before the close frame could be read
+        "bombs_and_oversize_closed": set(mem["close_codes"]) <= {"1002", "1009", "None"},
+        "rss_back_within_50mb": mem["rss_after_mb"] - mem["rss_baseline_mb"] <= 50,
+        "every_refusal_counted": (out["overload"]["rejected_counted"]
+                                  == out["overload"]["requests"]
+                                  - out["overload"]["replies"].get("done", 0)),
+        "server_alive": out["server_alive"],
+    }
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="tqserve attack", description=__doc__.split("\n")[0])
+    for name, default in (("fuzz", 2000), ("cancels", 500), ("pings", 5000), ("slowloris", 200),
+                          ("random", 100), ("connections", 500), ("bombs", 100),
+                          ("oversize", 100), ("overload", 200), ("seed", 0)):
+        p.add_argument("--" + name, type=int, default=default)
+    p.add_argument("--bomb-bytes", type=int, default=1 << 30, help="inflated size of a bomb")
+    p.add_argument("--ws-message-timeout", type=float, default=3.0)
+    p.add_argument("--out", default=None, help="write the JSON here (default: stdout only)")
+    args = p.parse_args(argv)
+    result = trio.run(attack, args)
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(text + "\n")
+    return 0 if all(result["invariants"].values()) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
