@@ -15,7 +15,9 @@ The prefix cache (actors.prefix_cache) runs in the scheduler's task; with --cach
 SSD tier is recovered (verified, quarantined, indexed) before the first request.
 
 Cancelling the caller's scope (or leaving the `async for` early) sends a Cancel;
-the row is freed at the start of the next engine step.
+the row is freed at the start of the next engine step. A stream that falls behind is cut
+off by the hub, whose `run_overflow_cancels` task sends the Cancel into admission's
+mailbox at once (a reply edge: hub delivery never waits on it).
 """
 
 from __future__ import annotations

@@ -18,6 +18,10 @@ server. Nothing leaves 127.0.0.1. The phases and what must hold (`invariants`):
 * bombs / oversize: permessage-deflate bombs (1 GiB inflated) and oversize frames ->
   closed (1002 / 1009), /health answers, RSS returns within 50 MB of its baseline.
 * overload: a burst over the admission bound -> every refusal counted in /v1/stats.
+* slow: a client that never reads -> its rows are cancelled (rows_active back to 0) long
+  before max_tokens, while its socket stays open.
+* stall: a victim stream's tokens/s before and while a 250k-character prompt is tokenized
+  (on a worker thread) -> the victim goes on.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import argparse
 import json
 import os
 import random
+import socket
 import subprocess
 import sys
 import time
@@ -44,6 +49,8 @@ RSS_SLACK = 50 << 20        # RSS after the bombs and oversize frames, over the 
 RSS_POLLS = 100             # reads of /proc while waiting for RSS to come back ...
 RSS_POLL_SLEEP = 0.1        # ... this far apart
 PHASE_TIMEOUT = 120.0       # seconds any one phase may take before the run fails
+SLOW_STREAMS = 32          # requests of the client that never reads (they fill the socket ...
+SLOW_MAX_TOKENS = 4000     # ... buffers sooner together) and what each asks for
 CLOSE_WAIT = 15.0           # seconds the server gets to close sockets that never finish
 EDGE_VALUES: tuple[Any, ...] = (
     None, True, False, 0, -1, 1, 2**31, 2**63 - 1, 2**64 - 1, -2**63, 1e308, -1e-308, 0.5,
@@ -295,12 +302,80 @@ async def phase_overload(port: int, count: int) -> dict[str, Any]:
             "rejected_counted": after["requests_rejected"] - before["requests_rejected"]}
 
 
+async def phase_slow(port: int, streams: int, max_tokens: int) -> dict[str, Any]:
+    sock = trio.socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a small window, never read
+    await sock.connect(("127.0.0.1", port))
+    stream = trio.SocketStream(sock)
+    await stream.send_all(b"GET /v1/stream HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\n"
+                          b"Connection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
+                          b"Sec-WebSocket-Version: 13\r\n\r\n")
+    head = b""
+    while b"\r\n\r\n" not in head:
+        head += await stream.receive_some(4096)
+    before = await stats(port)
+    for i in range(streams):
+        req = {"type": "generate", "id": f"s{i}", "prompt": "import os\n", "temperature": 0,
+               "max_tokens": max_tokens, "logprobs": True, "top_logprobs": 20}
+        await stream.send_all(frame(OP_TEXT, json.dumps(req).encode()))
+    now = before
+    for _ in range(RSS_POLLS * 10):
+        await trio.sleep(RSS_POLL_SLEEP)
+        now = await stats(port)
+        if now["rows_active"] == 0 and now["streams_open"] == 0 and now["steps"] > before["steps"]:
+            break
+    await stream.aclose()
+    return {"streams": streams, "max_tokens": max_tokens,
+            "steps_until_cancelled": now["steps"] - before["steps"],
+            "rows_active_after": now["rows_active"]}
+
+
+async def phase_stall(port: int, prompt_chars: int) -> dict[str, Any]:
+    stream, _ = await connect(port)
+    reader = FrameReader(stream)
+    await stream.send_all(frame(OP_TEXT, json.dumps(
+        {"type": "generate", "id": "victim", "prompt": "import os\n", "max_tokens": 3000,
+         "temperature": 0}).encode()))
+    times: list[float] = []
+
+    async def count() -> None:
+        while (got := await reader.next()) is not None:
+            if b'"token"' in got[1]:
+                times.append(time.perf_counter())
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(count)
+        while len(times) < 50:
+            await trio.sleep(0.01)
+        huge, _ = await connect(port)
+        huge_reader = FrameReader(huge)
+        start = time.perf_counter()
+        await huge.send_all(frame(OP_TEXT, json.dumps(
+            {"type": "generate", "id": "huge", "prompt": ("x = 1\n" * prompt_chars)[:prompt_chars],
+             "max_tokens": 1}).encode()))
+        reply = await huge_reader.next()
+        end = time.perf_counter()
+        await huge.aclose()
+        nursery.cancel_scope.cancel()
+    await stream.aclose()
+    window = end - start
+    during = sum(start <= t <= end for t in times)
+    base = [t for t in times if t < start]
+    base_rate = (len(base) - 1) / (base[-1] - base[0]) if len(base) > 1 else 0.0
+    return {"prompt_chars": prompt_chars, "huge_reply": json.loads(reply[1]).get("code", "ok")
+            if reply else None, "window_s": round(window, 3),
+            "victim_tok_s_before": round(base_rate, 1),
+            "victim_tok_s_during": round(during / window, 1) if window > 0 else None,
+            "victim_tokens_during": during}
+
+
 async def attack(args: argparse.Namespace) -> dict[str, Any]:
     rng = random.Random(args.seed)
     server = Server(["--ws-message-timeout", str(args.ws_message_timeout),
-                     "--max-streams-per-connection", "64", "--max-queued-requests", "8"])
+                     "--max-streams-per-connection", "64", "--max-queued-requests", "8",
+                     "--stream-buffer", "64"])
     out: dict[str, Any] = {"server": {"ws_message_timeout": args.ws_message_timeout,
-                                      "max_queued_requests": 8}}
+                                      "max_queued_requests": 8, "stream_buffer": 64}}
     try:
         with trio.fail_after(PHASE_TIMEOUT):
             out["fuzz"] = await phase_fuzz(server.port, args.fuzz, rng)
@@ -316,6 +391,10 @@ async def attack(args: argparse.Namespace) -> dict[str, Any]:
                                                args.bomb_bytes)
         with trio.fail_after(PHASE_TIMEOUT):
             out["overload"] = await phase_overload(server.port, args.overload)
+        with trio.fail_after(PHASE_TIMEOUT):
+            out["slow"] = await phase_slow(server.port, SLOW_STREAMS, SLOW_MAX_TOKENS)
+        with trio.fail_after(PHASE_TIMEOUT):
+            out["stall"] = await phase_stall(server.port, 250_000)
         out["server_alive"] = server.alive()
     finally:
         server.stop()
@@ -335,6 +414,10 @@ async def attack(args: argparse.Namespace) -> dict[str, Any]:
         "every_refusal_counted": (out["overload"]["rejected_counted"]
                                   == out["overload"]["requests"]
                                   - out["overload"]["replies"].get("done", 0)),
+        "slow_client_rows_cancelled": (out["slow"]["rows_active_after"] == 0
+                                       and out["slow"]["steps_until_cancelled"]
+                                       < SLOW_MAX_TOKENS // 2),
+        "victim_goes_on_during_huge_prompt": out["stall"]["victim_tokens_during"] > 0,
         "server_alive": out["server_alive"],
     }
     return out

@@ -25,3 +25,5 @@ def test_attack_harness_invariants(tmp_path):
     assert memory["rss_after_mb"] - memory["rss_baseline_mb"] <= 50
     assert result["fuzz"]["internal_error"] == 0 and result["fuzz"]["frames"] == 150
     assert result["overload"]["replies"].get("overloaded", 0) > 0
+    assert result["slow"]["rows_active_after"] == 0
+    assert result["stall"]["victim_tokens_during"] > 0
