@@ -3,8 +3,9 @@
 One connection multiplexes many requests by client-chosen id. Each request runs
 as a task in the connection's nursery; all frames leave through one writer task
 fed by a bounded channel (OUTGOING_FRAMES), so a slow client backs up into its
-requests' hub streams, which cut the request off with a `slow_consumer` error
-instead of growing a buffer. A disconnect cancels the connection's nursery, which
+requests' hub streams, which cancel the request at once and end it with a
+`slow_consumer` error instead of growing a buffer. An exception in one request
+(our bug) is an `internal_error` frame for that request; the socket goes on. A disconnect cancels the connection's nursery, which
 cancels every request on it (their rows are freed within one engine step).
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from contextlib import aclosing
 from typing import Any
 
 import attrs
@@ -86,10 +88,11 @@ class _Connection:
     async def _run(self, command: GenerateCommand, engine_id: str, binary: bool) -> None:
         rid = command.request_id
         try:
-            async for event in self._engine.generate(command.request, engine_id):
-                wire = event.to_wire()
-                wire["id"] = rid
-                await self.send_event(wire, binary)
+            async with aclosing(self._engine.generate(command.request, engine_id)) as events:
+                async for event in events:
+                    wire = event.to_wire()
+                    wire["id"] = rid
+                    await self.send_event(wire, binary)
         except Exception as exc:  # our bug: it fails this request only, never the socket
             log.exception("request %s failed", engine_id)
             await self.send_event(Error(request_id=rid, code="internal_error",
