@@ -18,13 +18,16 @@ first, then closes the write queue and waits until every queued snapshot is writ
 (drained), so a restart finds every snapshot that was queued.
 
 Cancelling the caller's scope (or leaving the `async for` early) sends a Cancel;
-the row is freed at the start of the next engine step.
+the row is freed at the start of the next engine step. A stream that falls behind is cut
+off by the hub, whose `run_overflow_cancels` task sends the Cancel into admission's
+mailbox at once (a reply edge: hub delivery never waits on it).
 """
 
 from __future__ import annotations
 
 import logging
 import uuid
+from collections import Counter
 from contextlib import asynccontextmanager
 from typing import AsyncIterator, Callable
 
@@ -33,7 +36,7 @@ import trio
 
 from actors.admission import AdmissionControl, run_admission
 from actors.cache_owner import RowBooks, run_cache_owner
-from actors.hub import Hub, run_hub
+from actors.hub import Hub, run_hub, run_overflow_cancels
 from actors.mailbox import Outbox, Recorder, open_mailbox
 from actors.messages import Cancel, Done, Error, Event, Submit
 from actors.prefix_cache import (PrefixCache, PrefixCacheStatistics, header_validator,
@@ -60,6 +63,9 @@ ADMISSION_MAILBOX = 64   # absorbs a burst of submits; a full mailbox rejects at
 SCHEDULER_MAILBOX = 64   # admitted requests and cancels waiting for the next step boundary
 HUB_MAILBOX = 256        # one step's events for a full batch (max rows) plus finishes
 CACHE_OWNER_MAILBOX = 64  # leases/releases of one step; the owner only does bookkeeping
+# Prompts of at most this many characters are tokenized on the event loop (~1 ms); longer
+# ones on a worker thread, so that one large prompt never stalls every other stream.
+TOKENIZE_INLINE_CHARS = 4096
 
 
 @attrs.frozen(kw_only=True)
@@ -69,6 +75,7 @@ class EngineStatistics:
     kv_bytes: int
     requests_total: int
     requests_rejected: int
+    rejections: dict[str, int]  # refusals by error code (overloaded, invalid_request, ...)
     streams_open: int
     steps: int
     model: str
@@ -91,20 +98,35 @@ class Engine:
         self._books = books
         self._core = core
         self.prefix = prefix
+        self._rejections: Counter[str] = Counter()  # refused before reaching admission
 
-    def validate(self, request: GenerateRequest) -> tuple[int, ...]:
-        """Tokenize and check limits; raises ValueError naming the field."""
+    def note_rejection(self, code: str) -> None:
+        """Count a request refused outside the engine (e.g. a bad frame at the API)."""
+        self._rejections[code] += 1
+
+    async def validate(self, request: GenerateRequest) -> tuple[int, ...]:
+        """Check limits, tokenize (a long prompt on a worker thread), check the tokens;
+        raises ValueError naming the field."""
+        limit = self.model.context_length
+        request.check_limits(max_prompt_chars=self.config.max_prompt_chars,
+                             max_messages=self.config.max_messages, max_prompt_tokens=limit)
+        vocab = self.model.vocab_size
+        bad = next((t for t in request.params.stop_token_ids if t >= vocab), None)
+        if bad is not None:
+            raise ValueError(f"stop_token_ids holds id {bad}, outside the vocabulary "
+                             f"(size {vocab})")
         try:
-            tokens = request.token_ids(self.model.tokenizer)
+            if request.num_chars <= TOKENIZE_INLINE_CHARS:
+                tokens = request.token_ids(self.model.tokenizer)
+            else:
+                tokens = await trio.to_thread.run_sync(request.token_ids, self.model.tokenizer)
         except (TypeError, UnicodeError) as exc:
             raise ValueError(f"prompt cannot be tokenized: {exc}") from None
         if not tokens:
             raise ValueError("prompt encodes to zero tokens")
-        vocab = self.model.vocab_size
         bad = next((t for t in tokens if t >= vocab), None)
         if bad is not None:
             raise ValueError(f"prompt_tokens holds id {bad}, outside the vocabulary (size {vocab})")
-        limit = self.model.context_length
         if len(tokens) + request.params.max_tokens > limit:
             raise ValueError(
                 f"prompt ({len(tokens)} tokens) plus max_tokens ({request.params.max_tokens}) "
@@ -121,9 +143,10 @@ class Engine:
         try:
             if not rid.isprintable() or len(rid.encode("utf-8", "strict")) > 512:
                 raise ValueError("request id must be printable text of at most 512 bytes")
-            tokens = self.validate(request)
+            tokens = await self.validate(request)
             stream = self._hub.open_stream(rid)
         except (ValueError, UnicodeError) as exc:
+            self._rejections["invalid_request"] += 1
             yield Error(request_id=rid if rid.isprintable() else None, code="invalid_request",
                         message=str(exc))
             return
@@ -135,7 +158,15 @@ class Engine:
                            response_format=request.constraint))
             except trio.WouldBlock:
                 finished = True
+                self._rejections["overloaded"] += 1
                 yield Error(request_id=rid, code="overloaded", message="admission mailbox full")
+                return
+            except (OverflowError, TypeError, ValueError) as exc:  # our bug: validation missed it
+                log.exception("request %s cannot be encoded", rid)
+                finished = True
+                self._rejections["internal_error"] += 1
+                yield Error(request_id=rid, code="internal_error",
+                            message=f"request cannot be encoded: {type(exc).__name__}: {exc}")
                 return
             async for event in stream:
                 if isinstance(event, (Done, Error)):
@@ -174,10 +205,14 @@ class Engine:
     def statistics(self) -> EngineStatistics:
         admission = self._control.statistics()
         rows = self._books.statistics()
+        rejections = self._rejections.copy()
+        rejections["overloaded"] += admission.requests_rejected  # admission refuses only so
+        early = sum(self._rejections.values())
         return EngineStatistics(
             rows_active=rows.rows_active, rows_queued=admission.num_queued,
-            kv_bytes=rows.kv_bytes, requests_total=admission.requests_total,
-            requests_rejected=admission.requests_rejected,
+            kv_bytes=rows.kv_bytes, requests_total=admission.requests_total + early,
+            requests_rejected=admission.requests_rejected + early,
+            rejections={k: v for k, v in sorted(rejections.items()) if v},
             streams_open=self._hub.statistics().num_streams,
             steps=self._core.statistics().num_steps,
             model=self.model.path.name, dtype=self.model.dtype,

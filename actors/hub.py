@@ -2,9 +2,11 @@
 
 Owns: the open streams (request id -> bounded trio channel to its consumer).
 Receives: Queued/Token/Done/Error from admission and the scheduler (HUB_MAILBOX).
-Sends: nothing to other actors. A consumer that falls STREAM_BUFFER events behind
-is cut off (its stream ends and `overflowed` says so); the consumer then cancels
-its request. A slow client never grows a buffer.
+Sends: Cancel to admission, from `run_overflow_cancels` only. A consumer that falls
+`stream_buffer` events behind is cut off (its stream ends and `overflowed` says so) and
+its request is cancelled at once by that task, before anyone tries to tell the client
+(whose socket may never drain). A slow client never grows a buffer. The overflowed ids
+waiting for their cancel are at most the open streams; delivery never waits for them.
 
 `open_stream` / `close_stream` are called by the consumer side (same trio thread):
 they hand over a local channel endpoint, which no message can carry.
@@ -15,8 +17,8 @@ from __future__ import annotations
 import attrs
 import trio
 
-from actors.mailbox import Inbox
-from actors.messages import Done, Error, Event
+from actors.mailbox import Inbox, Outbox
+from actors.messages import Cancel, Done, Error, Event
 
 
 @attrs.frozen(kw_only=True)
@@ -34,6 +36,8 @@ class Hub:
         self._stream_buffer = stream_buffer
         self._streams: dict[str, trio.MemorySendChannel[Event]] = {}
         self._overflowed: set[str] = set()
+        self._to_cancel: set[str] = set()
+        self._cancel_wanted = trio.Event()
         self._num_events = 0
         self._num_dropped = 0
         self._num_overflowed = 0
@@ -71,6 +75,8 @@ class Hub:
         except trio.WouldBlock:
             self._num_overflowed += 1
             self._overflowed.add(rid)
+            self._to_cancel.add(rid)
+            self._cancel_wanted.set()
             self.close_stream(rid)
             return
         except trio.BrokenResourceError:
@@ -78,6 +84,15 @@ class Hub:
             return
         if isinstance(event, (Done, Error)):
             self.close_stream(rid)
+
+    async def wait_overflowed(self) -> list[str]:
+        """Wait until some streams overflowed; return their ids, each once."""
+        while not self._to_cancel:
+            self._cancel_wanted = trio.Event()
+            await self._cancel_wanted.wait()
+        ids = sorted(self._to_cancel)
+        self._to_cancel.clear()
+        return ids
 
     def statistics(self) -> HubStatistics:
         return HubStatistics(num_streams=len(self._streams), num_events=self._num_events,
@@ -91,3 +106,11 @@ async def run_hub(hub: Hub, inbox: Inbox,
         hub.deliver(event)
     for rid in list(hub._streams):
         hub.close_stream(rid)
+
+
+async def run_overflow_cancels(hub: Hub, admission: Outbox) -> None:
+    """Cancel every request whose stream overflowed, as soon as it does."""
+    async with admission:
+        while True:
+            for rid in await hub.wait_overflowed():
+                await admission.send(Cancel(request_id=rid))

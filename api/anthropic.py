@@ -105,7 +105,7 @@ def register(app: QuartTrio, engine: Engine, metrics: Metrics) -> None:
                 params[name] = value
         gen = build_request(params, messages=_prompt(body))
         try:
-            prompt_tokens = len(engine.validate(gen))
+            prompt_tokens = len(await engine.validate(gen))
         except ValueError as exc:
             raise ApiError(400, str(exc), param_of(str(exc)) or "messages") from None
         stream = body.get("stream", bool, False)

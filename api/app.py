@@ -4,8 +4,9 @@
 One connection multiplexes many requests by client-chosen id. Each request runs
 as a task in the connection's nursery; all frames leave through one writer task
 fed by a bounded channel (OUTGOING_FRAMES), so a slow client backs up into its
-requests' hub streams, which cut the request off with a `slow_consumer` error
-instead of growing a buffer. A disconnect cancels the connection's nursery, which
+requests' hub streams, which cancel the request at once and end it with a
+`slow_consumer` error instead of growing a buffer. An exception in one request
+(our bug) is an `internal_error` frame for that request; the socket goes on. A disconnect cancels the connection's nursery, which
 cancels every request on it (their rows are freed within one engine step).
 """
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from contextlib import aclosing
 from typing import Any
 
 import attrs
@@ -50,6 +52,8 @@ class _Connection:
         await self._out.send(encode_frame(event, binary))
 
     async def error(self, exc: ProtocolError, binary: bool) -> None:
+        if exc.code != "unknown_id":  # a late cancel refuses no request
+            self._engine.note_rejection(exc.code)
         await self.send_event(Error(request_id=exc.request_id, code=exc.code,
                                     message=exc.message).to_wire(), binary)
 
@@ -76,6 +80,11 @@ class _Connection:
         except ProtocolError as exc:
             await self.error(exc, binary)
             return
+        except Exception as exc:  # our bug: this frame fails, the socket goes on
+            log.exception("frame handling failed")
+            await self.error(ProtocolError("internal_error", f"{type(exc).__name__}: {exc}"),
+                             binary)
+            return
         engine_id = f"{self._conn_id:x}:{self._next_seq}:{rid}"
         self._next_seq += 1
         self._active[rid] = engine_id
@@ -85,10 +94,16 @@ class _Connection:
         rid = command.request_id
         try:
             events = self._engine.generate(command.request, engine_id)
-            async for event in self._metrics.track(events, rid, "WS /v1/stream", engine_id):
-                wire = event.to_wire()
-                wire["id"] = rid
-                await self.send_event(wire, binary)
+            tracked = self._metrics.track(events, rid, "WS /v1/stream", engine_id)
+            async with aclosing(tracked) as stream:
+                async for event in stream:
+                    wire = event.to_wire()
+                    wire["id"] = rid
+                    await self.send_event(wire, binary)
+        except Exception as exc:  # our bug: it fails this request only, never the socket
+            log.exception("request %s failed", engine_id)
+            await self.send_event(Error(request_id=rid, code="internal_error",
+                                        message=f"{type(exc).__name__}: {exc}").to_wire(), binary)
         finally:
             self._active.pop(rid, None)
 

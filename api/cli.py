@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 _INT_FLAGS = ("max_batch", "prefill_chunk", "max_queued_requests", "max_queued_tokens",
               "max_tokens_cap", "default_max_tokens", "stream_buffer", "port",
               "max_message_bytes", "max_streams_per_connection", "ram_cache_bytes",
-              "ssd_cache_bytes")
+              "ssd_cache_bytes", "max_prompt_chars", "max_messages")
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
@@ -82,6 +82,8 @@ def _config_flags(p: argparse.ArgumentParser, *, server: bool) -> None:
         p.add_argument("--allowed-origins", default="", metavar="ORIGIN,...",
                        help="browser origins allowed to open the WebSocket, comma-separated "
                             "(e.g. https://app.example.com); unset = not checked")
+        p.add_argument("--ws-message-timeout", type=float, default=defaults.ws_message_timeout,
+                       help="seconds a WebSocket message may take to arrive (then close 1008)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -100,7 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
                        ("bench-gpu", "tqserve vs mlx-lm at B1..B64 on random Qwen3 shapes "
                                      "(tools/bench_gpu)"),
                        ("eval-kv", "KV-cache quality: perplexity and KL (tools/eval_kv)"),
-                       ("replay", "replay, record-verify and A/B traces (tools/replay)")):
+                       ("replay", "replay, record-verify and A/B traces (tools/replay)"),
+                       ("attack", "bounded attack run on a loopback server (tools/attack)")):
         sub.add_parser(name, help=text, add_help=False)
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--max-tokens", type=int, default=128)
@@ -180,7 +183,7 @@ def _leaves(group: BaseExceptionGroup) -> list[BaseException]:
 
 _TOOLS = {"replay": "tools.replay.cli", "bench": "tools.bench", "bench-kv": "tools.bench_kv",
           "eval-kv": "tools.eval_kv", "bench-prefix": "tools.bench_prefix",
-          "bench-gpu": "tools.bench_gpu"}
+          "bench-gpu": "tools.bench_gpu", "attack": "tools.attack"}
 
 
 def _load_blas(choice: str) -> None:

@@ -13,20 +13,37 @@ import trio
 
 from actors.engine import open_engine
 from api.app import create_app
+from api.hardening import LimitedConfig, install
 from engine.config import Config
 from engine.model import LoadedModel
 
-# hypercorn's own hard cap; the app's --max-message-bytes check (an error frame)
-# fires first, this only protects against absurd frames.
-_HARD_FRAME_FACTOR = 4
+# hypercorn's own hard cap: twice --max-message-bytes (at least 64 KiB over it). The app's
+# check (an error frame, the socket goes on) fires first; over this the socket closes, 1009.
+_HARD_FRAME_FACTOR = 2
+_HARD_FRAME_MARGIN = 64 << 10
+# WebSocket messages hypercorn queues for the app (its default is 10): with quart-trio's own
+# queue of 10, a connection holds at most (APP_QUEUE + 11) * the hard cap of received data.
+APP_QUEUE = 1
+# seconds a connection may take to send a complete request (hypercorn's idle timer)
+REQUEST_TIMEOUT = 5.0
+
+
+def hard_message_bytes(config: Config) -> int:
+    """Bytes of one WebSocket message over which the socket is closed with 1009."""
+    return max(config.max_message_bytes * _HARD_FRAME_FACTOR,
+               config.max_message_bytes + _HARD_FRAME_MARGIN)
 
 
 def listen(config: Config) -> tuple[HypercornConfig, Sockets]:
     """hypercorn's config and the bound, listening sockets; ValueError naming host:port
     when the address is taken or invalid (so callers can fail before loading a model)."""
-    hc = HypercornConfig()
+    install()
+    hc = LimitedConfig()
     hc.bind = [f"{config.host}:{config.port}"]
-    hc.websocket_max_message_size = config.max_message_bytes * _HARD_FRAME_FACTOR
+    hc.websocket_max_message_size = hard_message_bytes(config)
+    hc.max_app_queue_size = APP_QUEUE
+    hc.keep_alive_timeout = REQUEST_TIMEOUT
+    hc.ws_message_timeout = config.ws_message_timeout
     hc.accesslog = None
     hc.graceful_timeout = 1.0
     try:

@@ -24,6 +24,12 @@ def _non_negative(inst: object, attr: attrs.Attribute, value: int) -> None:
         raise ValueError(f"{attr.name.replace('_', '-')} must be an integer >= 0, got {value!r}")
 
 
+def _positive_seconds(inst: object, attr: attrs.Attribute, value: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1e6:
+        raise ValueError(f"{attr.name.replace('_', '-')} must be a number of seconds > 0, "
+                         f"got {value!r}")
+
+
 def _turboquant(inst: object, attr: attrs.Attribute, value: str | None) -> None:
     if value is not None:
         parse_turboquant(value)
@@ -80,6 +86,11 @@ class Config:
     port: int = attrs.field(default=8000, validator=_port)
     max_message_bytes: int = attrs.field(default=1 << 20, validator=_positive)
     max_streams_per_connection: int = attrs.field(default=16, validator=_positive)
+    # What one request may carry (README "Reliability"): checked before tokenizing.
+    max_prompt_chars: int = attrs.field(default=262144, validator=_positive)
+    max_messages: int = attrs.field(default=256, validator=_positive)
+    # seconds a WebSocket message may take from its first byte to its last (then close 1008)
+    ws_message_timeout: float = attrs.field(default=30.0, validator=_positive_seconds)
     turboquant: str | None = attrs.field(default=None, validator=_turboquant)
     quantized_kv_start: int = attrs.field(default=0, validator=_non_negative)
     kv_quant: int | None = attrs.field(default=None, validator=_kv_quant)

@@ -17,7 +17,7 @@ from typing import Any, Iterable
 
 import attrs
 
-from engine.sampling import SamplingParams
+from engine.sampling import MAX_TOKEN_ID, SamplingParams
 from engine.structured import ResponseFormat, validate_response_format
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -46,8 +46,8 @@ def _tokens(inst: object, attr: attrs.Attribute, value: tuple | None) -> None:
         return
     if not value:
         raise ValueError("prompt_tokens must not be empty")
-    if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value):
-        raise ValueError("prompt_tokens must be a list of non-negative integers")
+    if not all(type(t) is int and 0 <= t <= MAX_TOKEN_ID for t in value):
+        raise ValueError(f"prompt_tokens must be a list of token ids in [0, {MAX_TOKEN_ID}]")
 
 
 @attrs.frozen(kw_only=True)
@@ -71,6 +71,27 @@ class GenerateRequest:
         if self.prompt == "":
             raise ValueError("prompt must not be empty")
         object.__setattr__(self, "constraint", validate_response_format(self.response_format))
+
+    @property
+    def num_chars(self) -> int:
+        """Characters of prompt text (the prompt, or every message's content)."""
+        if self.prompt is not None:
+            return len(self.prompt)
+        return sum(len(m["content"]) for m in self.messages or ())
+
+    def check_limits(self, *, max_prompt_chars: int, max_messages: int,
+                     max_prompt_tokens: int) -> None:
+        """Refuse, naming the field and the limit, what is too large to tokenize or hold."""
+        if self.messages is not None and len(self.messages) > max_messages:
+            raise ValueError(f"messages holds {len(self.messages)} entries, more than the "
+                             f"limit of {max_messages} (--max-messages)")
+        if self.num_chars > max_prompt_chars:
+            field = "prompt" if self.prompt is not None else "messages content"
+            raise ValueError(f"{field} holds {self.num_chars} characters, more than the "
+                             f"limit of {max_prompt_chars} (--max-prompt-chars)")
+        if self.prompt_tokens is not None and len(self.prompt_tokens) > max_prompt_tokens:
+            raise ValueError(f"prompt_tokens holds {len(self.prompt_tokens)} ids, more than "
+                             f"the model's context of {max_prompt_tokens} tokens")
 
     def token_ids(self, tokenizer: Any) -> tuple[int, ...]:
         """The prompt as token ids."""

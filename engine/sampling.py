@@ -24,6 +24,11 @@ import mlx.core as mx
 import numpy as np
 
 MAX_TOP_LOGPROBS = 20
+# What one request may carry in its stop lists (each is checked against every new token).
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256        # characters of one stop string
+MAX_STOP_TOKEN_IDS = 64
+MAX_TOKEN_ID = 2**31 - 1    # token ids travel as int32; the model's vocabulary is checked too
 _NEG_INF = float("-inf")
 
 
@@ -62,15 +67,23 @@ def _bool(inst: object, attr: attrs.Attribute, value: bool) -> None:
 
 
 def _str_tuple(inst: object, attr: attrs.Attribute, value: tuple) -> None:
+    if len(value) > MAX_STOP_STRINGS:
+        raise ValueError(f"{attr.name} may hold at most {MAX_STOP_STRINGS} entries, "
+                         f"got {len(value)}")
     if not all(isinstance(s, str) and s for s in value):
         raise ValueError(f"{attr.name} must be a list of non-empty strings")
-    if len(value) > 16:
-        raise ValueError(f"{attr.name} may hold at most 16 entries, got {len(value)}")
+    longest = max(map(len, value), default=0)
+    if longest > MAX_STOP_CHARS:
+        raise ValueError(f"{attr.name} entries may hold at most {MAX_STOP_CHARS} characters, "
+                         f"got {longest}")
 
 
 def _int_tuple(inst: object, attr: attrs.Attribute, value: tuple) -> None:
-    if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value):
-        raise ValueError(f"{attr.name} must be a list of non-negative integers")
+    if len(value) > MAX_STOP_TOKEN_IDS:
+        raise ValueError(f"{attr.name} may hold at most {MAX_STOP_TOKEN_IDS} entries, "
+                         f"got {len(value)}")
+    if not all(type(t) is int and 0 <= t <= MAX_TOKEN_ID for t in value):
+        raise ValueError(f"{attr.name} must be a list of token ids in [0, {MAX_TOKEN_ID}]")
 
 
 @attrs.frozen(kw_only=True)

@@ -162,10 +162,14 @@ async def test_bad_input_battery_keeps_the_socket(server, draft_model):
         assert_well_formed(after, tok, binary=True, stop_ids=draft_model.eos_token_ids)
         assert_well_formed(long, tok, binary=False)
         assert long.finish_reason == "length" and len(long.tokens) == LONG_TOKENS
-        # nothing leaked, and no bad frame reached admission
+        # nothing leaked, and every refused frame is counted as a rejection
         final = await wait_stats(client, server.url, rows_active=0, rows_queued=0, kv_bytes=0,
                                  streams_open=0)
-        assert (final["requests_total"], final["requests_rejected"]) == (2, 0)
+        refused = len(problems) - 2  # the unknown-id cancels (one per pass) refuse no request
+        assert (final["requests_total"], final["requests_rejected"]) == (2 + refused, refused)
+        assert sum(final["rejections"].values()) == refused
+        assert "internal_error" not in final["rejections"]
+        assert "overloaded" not in final["rejections"]
 
 
 async def test_message_over_the_size_limit(nursery, draft_model):

@@ -1,0 +1,162 @@
+"""hypercorn hardening: what a hostile peer can make the server hold, and for how long.
+
+hypercorn 0.18 has no settings for these, so `install()` (idempotent) puts two small
+subclasses in place of hypercorn's HTTP/1.1 protocol and WebSocket stream. They act only
+on servers whose hypercorn config is a `LimitedConfig` (api.server makes one); any other
+hypercorn server in the process keeps hypercorn's own behaviour.
+
+* WebSocket compression (permessage-deflate) is never negotiated: the offer is ignored,
+  so a compressed (RSV1) frame is a protocol error (close 1002) before its payload is
+  read, and no frame can inflate. Frames here are small JSON/msgpack; compression would
+  buy little and cost a decompression bomb's worth of memory and CPU.
+* A message over `websocket_max_message_size` closes with 1009 and the TCP connection is
+  dropped at once, with the partial message's buffer: nothing more of it is read.
+* A message (or a frame of it) not completed within `ws_message_timeout` seconds of its
+  first byte closes with 1008: a half-sent frame never holds the socket open.
+* A frame that fails to parse (invalid UTF-8 in a text frame: 1007; reserved bits, bad
+  opcodes: 1002) is answered with a close frame carrying that code, then dropped
+  (hypercorn drops the TCP connection without one).
+* HTTP/2 is not served: `Upgrade: h2c` is ignored and the request answered in HTTP/1.1
+  (RFC 9110 7.8 lets a server ignore an upgrade); a prior-knowledge `PRI * HTTP/2.0`
+  preface gets 505 and the connection is closed.
+* A connection that has not completed a request within hypercorn's `keep_alive_timeout`
+  is closed (hypercorn's idle timer, set by api.server).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import h11
+import hypercorn.protocol
+import hypercorn.protocol.h11
+import trio
+from hypercorn.config import Config as HypercornConfig
+from hypercorn.protocol.events import Request, StreamClosed
+from hypercorn.protocol.h11 import H11Protocol
+from hypercorn.protocol.ws_stream import FrameTooLargeError, WSStream
+from hypercorn.events import Closed
+from wsproto.connection import ConnectionState
+from wsproto.events import CloseConnection, Message, Ping
+from wsproto.frame_protocol import CloseReason
+
+_EXTENSIONS_HEADER = b"sec-websocket-extensions"
+
+
+class LimitedConfig(HypercornConfig):
+    """hypercorn's config plus the limits the subclasses below enforce."""
+
+    ws_message_timeout: float = 30.0
+
+
+class LimitedWSStream(WSStream):
+    """hypercorn's WebSocket stream with the limits of the module docstring."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._limited = isinstance(self.config, LimitedConfig)
+        self._incomplete_since: float | None = None
+        self._progress = trio.Event()
+
+    async def handle(self, event: Any) -> None:
+        if self._limited and isinstance(event, Request):
+            headers = [(n, v) for n, v in event.headers if n.lower() != _EXTENSIONS_HEADER]
+            event = dataclasses.replace(event, headers=headers)
+        elif isinstance(event, StreamClosed):
+            self.buffer.clear()
+            self._incomplete_since = None
+            self._progress.set()
+        await super().handle(event)
+
+    async def _accept(self, message: Any) -> None:
+        await super()._accept(message)
+        if self._limited:
+            self.task_group.spawn(self._watch_incomplete)
+
+    async def _handle_events(self) -> None:
+        if not self._limited:
+            await super()._handle_events()
+            return
+        for event in self.connection.events():
+            if isinstance(event, Message):
+                try:
+                    self.buffer.extend(event)
+                except FrameTooLargeError:
+                    await self._fail(CloseReason.MESSAGE_TOO_BIG, "message exceeds "
+                                     f"{self.config.websocket_max_message_size} bytes")
+                    return
+                if event.message_finished:
+                    await self.app_put(self.buffer.to_message())
+                    self.buffer.clear()
+            elif isinstance(event, Ping):
+                await self._send_wsproto_event(event.response())
+            elif isinstance(event, CloseConnection):
+                if self.connection.state == ConnectionState.REMOTE_CLOSING:
+                    await self._send_wsproto_event(event.response())
+                    await self.send(StreamClosed(stream_id=self.stream_id))
+                else:  # a frame that failed to parse: say why before dropping
+                    await self._fail(event.code, event.reason or "")
+                return
+        self._note_progress()
+
+    def _incomplete(self) -> bool:
+        decoder = self.connection._proto._frame_decoder  # wsproto 1.x internals
+        return (self.buffer.value is not None or decoder.header is not None
+                or len(decoder.buffer) > 0)
+
+    def _note_progress(self) -> None:
+        if not self._incomplete():
+            self._incomplete_since = None
+        elif self._incomplete_since is None:
+            self._incomplete_since = trio.current_time()
+            self._progress.set()
+
+    async def _watch_incomplete(self) -> None:
+        """Close the connection when a message stays incomplete too long."""
+        timeout = self.config.ws_message_timeout
+        while not self.closed:
+            self._progress = trio.Event()
+            since = self._incomplete_since
+            if since is None:
+                await self._progress.wait()
+                continue
+            with trio.move_on_at(since + timeout):
+                await self._progress.wait()
+                continue
+            if self._incomplete_since == since and not self.closed:
+                await self._fail(CloseReason.POLICY_VIOLATION,
+                                 f"message not completed within {timeout:g} s")
+                return
+
+    async def _fail(self, code: int, reason: str) -> None:
+        """Send a close frame with `code`, drop buffers, close the TCP connection."""
+        self.buffer.clear()
+        self._incomplete_since = None
+        await self._send_wsproto_event(CloseConnection(code=int(code), reason=reason[:120]))
+        await self.send(StreamClosed(stream_id=self.stream_id))
+
+
+class LimitedH11Protocol(H11Protocol):
+    """hypercorn's HTTP/1.1 protocol without the h2c upgrade or an HTTP/2 preface."""
+
+    _refuse_http2 = False
+
+    async def _check_protocol(self, event: h11.Request) -> None:
+        if not isinstance(self.config, LimitedConfig):
+            await super()._check_protocol(event)
+        elif event.method == b"PRI" and event.http_version == b"2.0":
+            self._refuse_http2 = True
+
+    async def _create_stream(self, request: h11.Request) -> None:
+        if not self._refuse_http2:
+            await super()._create_stream(request)
+            return
+        await self._send_error_response(505)
+        await self.send(Closed())
+
+
+def install() -> None:
+    """Put the subclasses in place of hypercorn's (idempotent)."""
+    hypercorn.protocol.H11Protocol = LimitedH11Protocol  # type: ignore[misc]
+    hypercorn.protocol.h11.WSStream = LimitedWSStream  # type: ignore[misc]

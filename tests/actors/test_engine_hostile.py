@@ -1,0 +1,73 @@
+"""The embedded engine under hostile load: a huge prompt never stalls other streams, and
+every refusal is counted in the statistics."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import trio
+
+from actors.engine import ADMISSION_MAILBOX, open_engine
+from actors.messages import Done, Error, Token
+from engine.config import Config
+from engine.request import GenerateRequest
+from engine.sampling import SamplingParams
+
+LONG_PROMPT = "import os\n"
+HUGE_CHARS = 250_000  # under --max-prompt-chars; tokenizing it takes a noticeable while
+
+
+async def test_a_huge_prompt_is_tokenized_while_other_streams_go_on(draft_model):
+    async with open_engine(Config(), loaded=draft_model) as engine:
+        victim_tokens = 0
+        victim_started = trio.Event()
+
+        async def victim() -> None:
+            nonlocal victim_tokens
+            req = GenerateRequest(prompt=LONG_PROMPT,
+                                  params=SamplingParams(max_tokens=3000, temperature=0.0))
+            async for event in engine.generate(req):
+                if isinstance(event, Token):
+                    victim_tokens += 1
+                    victim_started.set()
+
+        huge = GenerateRequest(prompt=("x = 1\n" * (HUGE_CHARS // 6))[:HUGE_CHARS],
+                               params=SamplingParams(max_tokens=1, temperature=0.0))
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(victim)
+            await victim_started.wait()
+            before = victim_tokens
+            events = [event async for event in engine.generate(huge)]
+            during = victim_tokens - before
+            nursery.cancel_scope.cancel()
+        # the prompt tokenized on a worker thread: the victim kept decoding meanwhile
+        assert during > 0
+        assert isinstance(events[-1], (Done, Error)), events[-1]
+        await engine.wait_idle()
+
+
+async def test_every_refusal_is_counted(draft_model):
+    n = ADMISSION_MAILBOX + 40
+    config = Config(max_queued_requests=n, max_batch=1)
+    async with open_engine(config, loaded=draft_model) as engine:
+        ends: list[Error | Done] = []
+
+        async def one(i: int) -> None:
+            req = GenerateRequest(prompt=f"def f{i}():",
+                                  params=SamplingParams(max_tokens=1, temperature=0.0))
+            async for event in engine.generate(req, f"r{i}"):
+                if isinstance(event, (Done, Error)):
+                    ends.append(event)
+
+        async with trio.open_nursery() as nursery:
+            for i in range(n):  # all submit before admission runs once: its mailbox fills
+                nursery.start_soon(one, i)
+        bad = GenerateRequest(prompt="x", params=SamplingParams(stop_token_ids=(10**6,)))
+        ends.extend([e async for e in engine.generate(bad)])
+        codes = Counter(e.code if isinstance(e, Error) else "done" for e in ends)
+        assert codes["overloaded"] > 0 and codes["invalid_request"] == 1, codes
+        stats = engine.statistics()
+        assert stats.requests_total == n + 1
+        assert stats.requests_rejected == codes["overloaded"] + 1
+        assert stats.rejections == {"invalid_request": 1, "overloaded": codes["overloaded"]}
+        await engine.wait_idle()

@@ -1,0 +1,119 @@
+"""A bounded attack run against a tqserve on loopback; writes the figures as JSON.
+
+    python -m tools.attack --out bench-out/attack.json            # spawns its own server
+    python -m tools.attack --fuzz 200 --bombs 10 --oversize 10    # smaller
+
+It starts `tqserve serve` (bundled model, default limits, except --ws-message-timeout,
+which the run shortens so that its waits stay short) as a subprocess on a loopback port,
+runs each phase with a bounded count, reads the server's RSS from /proc, and stops the
+server. Nothing leaves 127.0.0.1. The phases and what must hold (`invariants`):
+
+* fuzz: mutated JSON and msgpack generate/cancel frames -> no `internal_error`, no socket
+  closed by the server.
+* cancels: requests cancelled at random moments -> 0 rows, 0 KV bytes, 0 streams after.
+* pings: WebSocket pings -> each answered with a pong.
+* slowloris / random bytes / connections: sockets that never finish a request, random
+  bytes (raw and after a handshake), many open WebSockets -> /health answers meanwhile;
+  every socket that never completes a request or a message is closed by the server.
+* bombs / oversize: permessage-deflate bombs (1 GiB inflated) and oversize frames ->
+  closed (1002 / 1009), /health answers, RSS returns within 50 MB of its baseline.
+* overload: a burst over the admission bound -> every refusal counted in /v1/stats.
+* slow: a client that never reads -> its rows are cancelled (rows_active back to 0) long
+  before max_tokens, while its socket stays open.
+* stall: a victim stream's tokens/s before and while a 250k-character prompt is tokenized
+  (on a worker thread) -> the victim goes on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from tools.attack_phases import (Server, phase_cancels, phase_fuzz, phase_held, phase_memory,
+                                 phase_overload, phase_pings, phase_slow, phase_stall)
+
+PHASE_TIMEOUT = 120.0       # seconds any one phase may take before the run fails
+SLOW_STREAMS = 32          # requests of the client that never reads (they fill the socket ...
+SLOW_MAX_TOKENS = 4000     # ... buffers sooner together) and what each asks for
+
+
+async def attack(args: argparse.Namespace) -> dict[str, Any]:
+    rng = random.Random(args.seed)
+    server = Server(["--ws-message-timeout", str(args.ws_message_timeout),
+                     "--max-streams-per-connection", "64", "--max-queued-requests", "8",
+                     "--stream-buffer", "64"])
+    out: dict[str, Any] = {"server": {"ws_message_timeout": args.ws_message_timeout,
+                                      "max_queued_requests": 8, "stream_buffer": 64}}
+    try:
+        with trio.fail_after(PHASE_TIMEOUT):
+            out["fuzz"] = await phase_fuzz(server.port, args.fuzz, rng)
+        with trio.fail_after(PHASE_TIMEOUT):
+            out["cancels"] = await phase_cancels(server.port, args.cancels, rng)
+        with trio.fail_after(PHASE_TIMEOUT):
+            out["pings"] = await phase_pings(server.port, args.pings)
+        with trio.fail_after(PHASE_TIMEOUT):
+            out["held"] = await phase_held(server.port, args.slowloris, args.random,
+                                           args.connections, rng)
+        with trio.fail_after(PHASE_TIMEOUT):
+            out["memory"] = await phase_memory(server, args.bombs, args.oversize,
+                                               args.bomb_bytes)
+        with trio.fail_after(PHASE_TIMEOUT):
+            out["overload"] = await phase_overload(server.port, args.overload)
+        with trio.fail_after(PHASE_TIMEOUT):
+            out["slow"] = await phase_slow(server.port, SLOW_STREAMS, SLOW_MAX_TOKENS)
+        with trio.fail_after(PHASE_TIMEOUT):
+            out["stall"] = await phase_stall(server.port, 250_000)
+        out["server_alive"] = server.alive()
+    finally:
+        server.stop()
+    mem, held = out["memory"], out["held"]
+    out["invariants"] = {
+        "no_internal_error": out["fuzz"]["internal_error"] == 0,
+        "fuzz_sockets_kept": out["fuzz"]["sockets_closed_by_server"] == 0,
+        "cancels_leave_nothing": (out["cancels"]["rows_active"], out["cancels"]["kv_bytes"],
+                                  out["cancels"]["streams_open"]) == (0, 0, 0),
+        "pings_answered": out["pings"]["pongs"] == out["pings"]["pings"],
+        "health_during_held_sockets": held["health_answered"],
+        "unfinished_sockets_closed": held["unfinished_sockets_still_open"] == 0,
+        "health_during_bombs": mem["health_answered"],
+        # None: the connection was reset before the close frame could be read
+        "bombs_and_oversize_closed": set(mem["close_codes"]) <= {"1002", "1009", "None"},
+        "rss_back_within_50mb": mem["rss_after_mb"] - mem["rss_baseline_mb"] <= 50,
+        "every_refusal_counted": (out["overload"]["rejected_counted"]
+                                  == out["overload"]["requests"]
+                                  - out["overload"]["replies"].get("done", 0)),
+        "slow_client_rows_cancelled": (out["slow"]["rows_active_after"] == 0
+                                       and out["slow"]["steps_until_cancelled"]
+                                       < SLOW_MAX_TOKENS // 2),
+        "victim_goes_on_during_huge_prompt": out["stall"]["victim_tokens_during"] > 0,
+        "server_alive": out["server_alive"],
+    }
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="tqserve attack", description=__doc__.split("\n")[0])
+    for name, default in (("fuzz", 2000), ("cancels", 500), ("pings", 5000), ("slowloris", 200),
+                          ("random", 100), ("connections", 500), ("bombs", 100),
+                          ("oversize", 100), ("overload", 200), ("seed", 0)):
+        p.add_argument("--" + name, type=int, default=default)
+    p.add_argument("--bomb-bytes", type=int, default=1 << 30, help="inflated size of a bomb")
+    p.add_argument("--ws-message-timeout", type=float, default=3.0)
+    p.add_argument("--out", default=None, help="write the JSON here (default: stdout only)")
+    args = p.parse_args(argv)
+    result = trio.run(attack, args)
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(text + "\n")
+    return 0 if all(result["invariants"].values()) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
