@@ -13,6 +13,7 @@ EXAMPLES = [
                                    min_p=0.1, repetition_penalty=1.2, seed=7, logprobs=True,
                                    top_logprobs=3, stop=("\n\n",), stop_token_ids=(5,))),
     m.Cancel(request_id="r1"),
+    m.Cancel(request_id="r1", reason="shutdown"),
     m.Dequeued(request_id="r1", num_prompt_tokens=3),
     m.Lease(request_id="r1", row_id=0),
     m.Release(request_id="r1", row_id=0, reason="stop"),
