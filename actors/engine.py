@@ -56,6 +56,7 @@ ADMISSION_MAILBOX = 64   # absorbs a burst of submits; a full mailbox rejects at
 SCHEDULER_MAILBOX = 64   # admitted requests and cancels waiting for the next step boundary
 HUB_MAILBOX = 256        # one step's events for a full batch (max rows) plus finishes
 CACHE_OWNER_MAILBOX = 64  # leases/releases of one step; the owner only does bookkeeping
+SHUTDOWN_GRACE = 5.0  # seconds ended requests' consumers get to read their final Done
 
 
 @attrs.frozen(kw_only=True)
@@ -115,8 +116,8 @@ class Engine:
                 f"prompt ({len(tokens)} tokens) plus max_tokens ({request.params.max_tokens}) "
                 f"exceeds the model's context of {limit} tokens")
         if request.params.max_tokens > self.config.max_tokens_cap:
-            raise ValueError(f"max_tokens must be <= {self.config.max_tokens_cap}, "
-                             f"got {request.params.max_tokens}")
+            raise ValueError(f"max_tokens must be <= {self.config.max_tokens_cap} (the "
+                             f"server's --max-tokens-cap), got {request.params.max_tokens}")
         return tokens
 
     def generate(self, request: GenerateRequest, request_id: str | None = None) -> Generation:
@@ -208,9 +209,10 @@ class Engine:
         while self._live:
             await self._live_changed.wait()
 
-    async def shutdown(self, timeout: float) -> ShutdownReport:
+    async def shutdown(self, timeout: float, grace: float = SHUTDOWN_GRACE) -> ShutdownReport:
         """Stop admitting; give in-flight requests `timeout` seconds to finish, then end
-        the rest with Done(finish_reason="shutdown") and wait for their streams to end."""
+        the rest with Done(finish_reason="shutdown") and wait (at most `grace` seconds:
+        a consumer that stopped reading never takes its Done) for their streams to end."""
         self.stop_admitting()
         in_flight = len(self._live)
         with trio.move_on_after(timeout):
@@ -218,7 +220,8 @@ class Engine:
         ended = list(self._live)
         for request_id in ended:
             await self.cancel(request_id, reason="shutdown")
-        await self.wait_no_live()
+        with trio.move_on_after(grace):
+            await self.wait_no_live()
         return ShutdownReport(num_in_flight=in_flight, num_ended=len(ended))
 
     async def wait_idle(self) -> None:

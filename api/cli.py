@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import signal
 import sys
 from typing import TYPE_CHECKING, NoReturn, Sequence
 
@@ -20,11 +21,36 @@ import trio
 
 if TYPE_CHECKING:
     from engine.config import Config
+    from engine.sampling import SamplingParams
 
-_INT_FLAGS = ("max_batch", "prefill_chunk", "max_queued_requests", "max_queued_tokens",
-              "max_tokens_cap", "default_max_tokens", "stream_buffer", "port",
-              "max_message_bytes", "max_streams_per_connection", "ram_cache_bytes",
-              "ssd_cache_bytes")
+_INT_FLAGS = {  # Config field -> help; every one maps 1:1 onto engine.config.Config
+    "max_batch": "rows decoding together in one batched forward",
+    "prefill_chunk": "prompt tokens prefilled per engine step",
+    "max_queued_requests": "admission bound: requests waiting for a row (more are refused "
+                           "at once with code overloaded)",
+    "max_queued_tokens": "admission bound: prompt tokens of the waiting requests",
+    "max_tokens_cap": "largest max_tokens a request may ask for",
+    "default_max_tokens": "max_tokens of a request that does not set it",
+    "stream_buffer": "events a request's consumer may fall behind before it is cut off "
+                     "(code slow_consumer)",
+    "port": "TCP port to listen on (0: any free port)",
+    "max_message_bytes": "largest WebSocket frame a client may send",
+    "max_streams_per_connection": "concurrent requests on one WebSocket",
+    "ram_cache_bytes": "byte budget of the prefix cache's RAM tier",
+    "ssd_cache_bytes": "byte budget of the prefix cache's SSD tier (--cache-dir)",
+}
+_SERVER_ONLY = ("port", "max_message_bytes", "max_streams_per_connection")
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows every flag's default, except where the help text already says it and for
+    switches and unset options (a default of None or a bool says nothing useful)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if (action.help and "default" in action.help) or action.default is None \
+                or isinstance(action.default, bool):
+            return action.help
+        return super()._get_help_string(action)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -43,36 +69,46 @@ def _config_flags(p: argparse.ArgumentParser, *, server: bool) -> None:
                    help="mlx-lm model directory or hub id (default: the bundled pycoder-draft-4m)")
     p.add_argument("--dtype", choices=DTYPES, default="auto",
                    help="auto = float32 on MLX's CPU backend, the model's dtype on a GPU")
-    for name in _INT_FLAGS:
-        if not server and name in ("port", "max_message_bytes", "max_streams_per_connection"):
+    for name, text in _INT_FLAGS.items():
+        if not server and name in _SERVER_ONLY:
             continue
-        p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(defaults, name))
+        p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(defaults, name),
+                       help=text)
     p.add_argument("--turboquant", default=None, metavar="kXvY",
-                   help="TurboQuant KV cache with X key bits and Y value bits (1..8), e.g. k4v4")
+                   help="TurboQuant KV cache with X key bits and Y value bits (1..8), e.g. k4v4 "
+                        "(default: off)")
     p.add_argument("--quantized-kv-start", type=int, default=0,
                    help="rows stay full precision until this many tokens, then convert")
     p.add_argument("--kv-quant", type=int, choices=KV_BITS, default=None,
                    help="affine (mlx-lm kv_bits) KV cache with this many bits; "
-                        "--turboquant wins if both are given")
+                        "--turboquant wins if both are given (default: off)")
     p.add_argument("--kv-group-size", type=int, choices=KV_GROUP_SIZES,
                    default=defaults.kv_group_size, help="elements per scale/bias of --kv-quant")
     p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
                    help="never reuse KV of earlier requests")
     p.add_argument("--cache-dir", default=None,
-                   help="directory of the SSD prefix-cache tier (restored at start)")
+                   help="directory of the SSD prefix-cache tier (restored at start; "
+                        "default: off)")
     p.add_argument("--ssd-flush", choices=("sync", "async"), default=defaults.ssd_flush,
                    help="sync: spills are written before the step goes on; async: a bounded "
                         "queue, a full queue drops the spill")
     if server:
-        p.add_argument("--host", default=defaults.host)
+        p.add_argument("--host", default=defaults.host, help="address to listen on")
+        p.add_argument("--shutdown-timeout", type=float, default=defaults.shutdown_timeout,
+                       metavar="SECONDS",
+                       help="on SIGTERM/SIGINT, seconds in-flight requests get to finish "
+                            "before they end with finish_reason shutdown")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="tqserve", description="Serve LLMs on MLX.")
+    parser = _Parser(prog="tqserve", description="Serve LLMs on MLX.",
+                     formatter_class=HelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    serve = sub.add_parser("serve", help="run the WebSocket server")
+    serve = sub.add_parser("serve", help="run the WebSocket server",
+                           formatter_class=HelpFormatter)
     _config_flags(serve, server=True)
-    gen = sub.add_parser("generate", help="generate from one prompt, printing as it streams")
+    gen = sub.add_parser("generate", help="generate from one prompt, printing as it streams",
+                         formatter_class=HelpFormatter)
     _config_flags(gen, server=False)
     for name, text in (("bench", "tqserve vs mlx-lm, side by side (tools/bench)"),
                        ("bench-kv", "TurboQuant vs plain decode speed (tools/bench_kv)"),
@@ -80,10 +116,11 @@ def build_parser() -> argparse.ArgumentParser:
                                         "(tools/bench_prefix)"),
                        ("eval-kv", "KV-cache quality: perplexity and KL (tools/eval_kv)")):
         sub.add_parser(name, help=text, add_help=False)
-    gen.add_argument("--prompt", required=True)
-    gen.add_argument("--max-tokens", type=int, default=128)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--prompt", required=True, help="the text to continue")
+    gen.add_argument("--max-tokens", type=int, default=128,
+                     help="tokens to generate (at most --max-tokens-cap)")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    gen.add_argument("--seed", type=int, default=None, help="sampling seed (default: off)")
     return parser
 
 
@@ -96,14 +133,32 @@ def _config(args: argparse.Namespace) -> Config:
     return Config(**{k: v for k, v in vars(args).items() if k in fields})
 
 
-async def _generate(config: Config, args: argparse.Namespace) -> int:
+_GENERATE_FLAGS = ("max_tokens", "temperature", "seed")  # SamplingParams fields with a flag
+
+
+def _sampling(config: Config, args: argparse.Namespace) -> SamplingParams:
+    """generate's sampling flags, checked before the model loads; errors name the flag."""
+    from engine.sampling import SamplingParams
+
+    if args.max_tokens > config.max_tokens_cap:
+        raise ValueError(f"--max-tokens ({args.max_tokens}) exceeds --max-tokens-cap "
+                         f"({config.max_tokens_cap})")
+    try:
+        return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                              seed=args.seed)
+    except ValueError as exc:
+        message = str(exc)
+        for field in _GENERATE_FLAGS:
+            if message.startswith(field):
+                message = "--" + field.replace("_", "-") + message[len(field):]
+        raise ValueError(message) from None
+
+
+async def _generate(config: Config, params: SamplingParams, args: argparse.Namespace) -> int:
     from actors.engine import open_engine
     from actors.messages import Error, Token
     from engine.request import GenerateRequest
-    from engine.sampling import SamplingParams
 
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                            seed=args.seed)
     request = GenerateRequest(prompt=args.prompt, params=params)
     async with open_engine(config) as engine:
         sys.stdout.write(args.prompt)
@@ -119,15 +174,39 @@ async def _generate(config: Config, args: argparse.Namespace) -> int:
 
 
 async def _serve(config: Config) -> int:
+    """Serve until SIGTERM or SIGINT, then shut down cleanly (api.server) and exit 0.
+
+    Both signals go to a trio signal receiver for the whole run, so Ctrl-C never lands
+    as a KeyboardInterrupt inside a request handler; a repeated signal changes nothing."""
     from api.server import listen, serve
 
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
     logging.getLogger("tqserve.prefix").setLevel(logging.INFO)
     listening = listen(config)  # a taken port fails here, before the model loads
-    async with trio.open_nursery() as nursery:
-        url = await nursery.start(lambda task_status: serve(config, listening=listening,
-                                                            task_status=task_status))
-        print(f"tqserve: serving {config.model} on {url} (WebSocket /v1/stream)", flush=True)
+    trigger = trio.Event()
+    received: list[int] = []
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+
+        async def watch() -> None:
+            async for signum in signals:
+                if not received:
+                    received.append(signum)
+                    trigger.set()
+
+        async def run(task_status: trio.TaskStatus[str]) -> None:
+            reports.append(await serve(config, listening=listening, shutdown_trigger=trigger,
+                                       task_status=task_status))
+            nursery.cancel_scope.cancel()
+
+        reports = []
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(watch)
+            url = await nursery.start(run)
+            print(f"tqserve: serving {config.model} on {url} (WebSocket /v1/stream)", flush=True)
+    report = reports[0]
+    print(f"tqserve: shut down on {signal.Signals(received[0]).name}: "
+          f"{report.num_in_flight} requests in flight, {report.num_ended} ended at the "
+          f"--shutdown-timeout ({config.shutdown_timeout:g} s)", file=sys.stderr, flush=True)
     return 0
 
 
@@ -151,7 +230,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         config = _config(args)
         if args.command == "generate":
-            return trio.run(_generate, config, args)
+            return trio.run(_generate, config, _sampling(config, args), args)
         return trio.run(_serve, config)
     except ValueError as exc:  # ModelLoadError is a ValueError
         print(f"tqserve: error: {exc}", file=sys.stderr)
