@@ -84,13 +84,26 @@ async def read_until_closed(session: Session) -> int:
     raise AssertionError(f"the socket stayed open for {MAX_FRAMES} frames")
 
 
+async def poll_stats_until_gone(url: str) -> None:
+    """GET /v1/stats back to back until the server stops answering, so that a signal is
+    likely to arrive while an HTTP handler runs (where a KeyboardInterrupt used to be
+    swallowed by hypercorn)."""
+    async with httpx.AsyncClient() as client:
+        for _ in range(MAX_FRAMES):
+            try:
+                response = await client.get(url + "/v1/stats")
+            except httpx.TransportError:
+                return
+            assert response.status_code == 200, response.text
+
+
 async def shut_down_with_streams(sig: signal.Signals, timeout: float, max_tokens: int,
                                  *, repeat_signal: bool = False) -> tuple[Session, str]:
     """Open NUM_STREAMS streams, signal the server, check what every client sees."""
     server = ServeProcess("--shutdown-timeout", str(timeout))
     try:
         await server.started()
-        async with open_websocket_url(server.ws_url) as ws:
+        async with open_websocket_url(server.ws_url) as ws, trio.open_nursery() as nursery:
             session = Session(ws)
             rids = [f"s{i}" for i in range(NUM_STREAMS)]
             for rid in rids:
@@ -98,6 +111,9 @@ async def shut_down_with_streams(sig: signal.Signals, timeout: float, max_tokens
                                        temperature=0)
             for rid in rids:
                 await session.first_token(rid)
+            if timeout < 60:
+                nursery.start_soon(poll_stats_until_gone, server.url)
+                await trio.sleep(0)
             server.proc.send_signal(sig)
             if repeat_signal:
                 server.proc.send_signal(sig)
