@@ -214,3 +214,40 @@ async def test_a_reused_id_gets_its_own_output_only(draft_model, leave):
         assert again[-1].finish_reason == "length" and again[-1].completion_tokens == 6
         await engine.wait_idle()
         assert engine.statistics().streams_open == 0
+
+
+async def test_shutdown_refuses_new_requests_and_ends_the_running_ones(draft_model):
+    async with open_engine(Config(), loaded=draft_model) as engine:
+        long, short = [], []
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(drain, engine, request(max_tokens=2000, prompt=LOOPING_PROMPT),
+                               long, "long")
+            assert await wait_until(lambda: any(isinstance(e, Token) for e in long))
+            report = await engine.shutdown(timeout=0)
+            refused = await drain(engine, request(), request_id="late")
+            nursery.start_soon(drain, engine, request(), short, "later")
+        assert (report.num_in_flight, report.num_ended) == (1, 1)
+        assert isinstance(long[-1], Done) and long[-1].finish_reason == "shutdown"
+        assert long[-1].completion_tokens == len([e for e in long if isinstance(e, Token)])
+        for events in (refused, short):
+            assert [type(e) for e in events] == [Error] and events[0].code == "shutting_down"
+        await engine.wait_idle()
+        assert engine.statistics().streams_open == 0
+
+
+def test_admission_control_refuses_everything_after_stop_admitting():
+    from actors.admission import SHUTTING_DOWN, AdmissionControl
+
+    control = AdmissionControl(max_queued_requests=4, max_queued_tokens=100)
+    assert control.try_admit("a", 5) is None
+    control.stop_admitting()
+    assert control.try_admit("b", 5) == SHUTTING_DOWN
+    assert control.statistics().num_queued == 1 and control.requests_rejected == 1
+
+
+async def test_a_generation_is_iterated_once(draft_model):
+    async with open_engine(Config(), loaded=draft_model) as engine:
+        generation = engine.generate(request(max_tokens=2))
+        assert isinstance([e async for e in generation][-1], Done)
+        with pytest.raises(RuntimeError, match="iterated once"):
+            [e async for e in generation]
