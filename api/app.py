@@ -27,6 +27,7 @@ from werkzeug.exceptions import HTTPException
 
 from actors.engine import Engine
 from actors.messages import Error
+from api.playground import add_playground
 from api.protocol import (CancelCommand, GenerateCommand, ProtocolError, decode_frame,
                           encode_frame, parse_command)
 
@@ -153,6 +154,8 @@ def create_app(engine: Engine, connections: Connections | None = None) -> QuartT
     @app.get("/v1/stats")
     async def stats() -> Any:
         return jsonify(attrs.asdict(engine.statistics()))
+
+    add_playground(app, engine)  # GET /, its static files, the vocabulary it shows
 
     @app.websocket("/v1/stream")
     async def stream() -> Any:

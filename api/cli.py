@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING, NoReturn, Sequence
 
 import trio
 
+from engine import blas
+
 if TYPE_CHECKING:
     from engine.config import Config
     from engine.sampling import SamplingParams
@@ -67,6 +69,9 @@ def _config_flags(p: argparse.ArgumentParser, *, server: bool) -> None:
     defaults = Config()
     p.add_argument("--model", default=defaults.model,
                    help="mlx-lm model directory or hub id (default: the bundled pycoder-draft-4m)")
+    p.add_argument("--blas", default="auto", metavar="{auto,none,PATH}",
+                   help="Linux CPU: optimized BLAS loaded before MLX (auto: the system's "
+                        "OpenBLAS if installed, else MLX's slow reference BLAS and a hint)")
     p.add_argument("--dtype", choices=DTYPES, default="auto",
                    help="auto = float32 on MLX's CPU backend, the model's dtype on a GPU")
     for name, text in _INT_FLAGS.items():
@@ -114,6 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
                        ("bench-kv", "TurboQuant vs plain decode speed (tools/bench_kv)"),
                        ("bench-prefix", "prefix cache TTFT cold/RAM/SSD and snapshot bytes "
                                         "(tools/bench_prefix)"),
+                       ("bench-gpu", "tqserve vs mlx-lm at B1..B64 on random Qwen3 shapes "
+                                     "(tools/bench_gpu)"),
                        ("eval-kv", "KV-cache quality: perplexity and KL (tools/eval_kv)")):
         sub.add_parser(name, help=text, add_help=False)
     gen.add_argument("--prompt", required=True, help="the text to continue")
@@ -218,13 +225,29 @@ def _leaves(group: BaseExceptionGroup) -> list[BaseException]:
 
 
 _TOOLS = {"bench": "tools.bench", "bench-kv": "tools.bench_kv", "eval-kv": "tools.eval_kv",
-          "bench-prefix": "tools.bench_prefix"}
+          "bench-prefix": "tools.bench_prefix", "bench-gpu": "tools.bench_gpu"}
+
+
+def _load_blas(choice: str) -> None:
+    """Before anything imports MLX (build_parser does): load the optimized BLAS, or hint."""
+    path = blas.resolve(choice)
+    if path is not None:
+        blas.load(path)
+        print(f"tqserve: BLAS {path}", file=sys.stderr)
+    elif choice == "auto" and sys.platform.startswith("linux"):
+        print(blas.HINT, file=sys.stderr)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in _TOOLS:  # the tools parse their own flags
         return int(importlib.import_module(_TOOLS[argv[0]]).main(argv[1:]))
+    if argv and argv[0] in ("serve", "generate"):
+        try:
+            _load_blas(blas.choice_in(argv))
+        except ValueError as exc:
+            print(f"tqserve: error: {exc}", file=sys.stderr)
+            return 2
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

@@ -199,6 +199,8 @@ class Runner:
         """Start the batch's next forward: sampled tokens feed their rows, joiners their
         last prompt token."""
         sampled_rows = ready[0] if ready is not None else []
+        if ready is not None:  # this step's tokens first, so reading them never waits for
+            mx.async_eval(*ready[1].outputs)  # the next forward (issue 9's pipelining defect)
         joiners = [self._rows[rid].last_token for rid in self._batch[len(sampled_rows):]]
         parts = [ready[1].tokens.astype(mx.uint32)] if ready is not None else []
         if joiners:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import ctypes
 import importlib.metadata
 import json
 import os
@@ -32,6 +31,8 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Sequence
+
+from engine import blas
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_MODEL = "../shared/models/pycoder-29m"
@@ -99,9 +100,7 @@ def load_blas(path: str | None) -> str:
     if path is None:
         preload = os.environ.get("LD_PRELOAD")
         return f"LD_PRELOAD={preload}" if preload else "reference"
-    if "mlx.core" in sys.modules:
-        raise RuntimeError("--blas must be loaded before mlx is imported")
-    ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+    blas.load(path)
     return path
 
 

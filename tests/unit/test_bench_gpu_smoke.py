@@ -1,0 +1,23 @@
+"""tools/bench_gpu at toy sizes on the bundled model (real weights, so tokens must match)."""
+
+import json
+
+from tools import bench_gpu
+
+
+def test_bench_gpu_bundled_tiny(tmp_path, capsys):
+    out = tmp_path / "gpu.json"
+    assert bench_gpu.main(["--shape", "bundled", "--dtype", "float32", "--concurrency", "2,1",
+                           "--new-tokens", "4", "--prompt-tokens", "8", "--repeats", "1",
+                           "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["settings"]["concurrency"] == [1, 2]
+    figures = report["figures"]
+    assert set(figures) == {"c1", "c2"} and "decode_vs_stream" in figures["c1"]
+    for fig in figures.values():
+        for name in ("decode", "all_first"):
+            assert fig[name]["outputs_match"] is True
+            assert fig[name]["tqserve"]["median"] > 0 and fig[name]["mlx_lm"]["median"] > 0
+    assert fig["decode"]["ratio"] == (fig["decode"]["tqserve"]["median"]
+                                      / fig["decode"]["mlx_lm"]["median"])
+    assert "vs stream_generate" in capsys.readouterr().out

@@ -1,0 +1,63 @@
+"""`serve`/`generate` load the system's optimized BLAS before MLX, or print how to get one."""
+
+import subprocess
+import sys
+
+import pytest
+
+from api import cli
+from engine import blas
+
+OPENBLAS = blas.find()
+
+
+def test_choices():
+    assert blas.resolve("none") is None
+    assert blas.resolve("auto") == OPENBLAS
+    with pytest.raises(ValueError, match="--blas: no such file: /no/such/libblas.so"):
+        blas.resolve("/no/such/libblas.so")
+    assert blas.choice_in(["serve", "--port", "1"]) == "auto"
+    assert blas.choice_in(["generate", "--blas", "none", "--prompt", "x"]) == "none"
+    assert blas.choice_in(["serve", "--blas=/x.so"]) == "/x.so"
+
+
+def test_too_late_once_mlx_is_imported():
+    import mlx.core  # noqa: F401  (already imported by the suite; made explicit)
+
+    with pytest.raises(RuntimeError, match="before mlx is imported"):
+        blas.load("/any/path")
+
+
+def test_no_blas_found_prints_the_hint(monkeypatch, capsys):
+    monkeypatch.setattr(blas, "KNOWN_PATHS", ())
+    cli._load_blas("auto")
+    err = capsys.readouterr().err
+    if sys.platform.startswith("linux"):
+        assert err.strip() == blas.HINT and "libopenblas0-pthread" in err
+    cli._load_blas("none")
+    assert capsys.readouterr().err == ""
+
+
+def test_bad_blas_path_is_one_line_and_exit_2_before_the_model_loads():
+    result = subprocess.run([sys.executable, "-m", "api.cli", "generate", "--blas",
+                             "/no/such/libblas.so", "--model", "/no/such/model", "--prompt", "x"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert result.stderr == "tqserve: error: --blas: no such file: /no/such/libblas.so\n"
+
+
+@pytest.mark.skipif(OPENBLAS is None, reason="no optimized BLAS installed "
+                    "(Debian: apt-get install libopenblas0-pthread)")
+def test_auto_loads_the_system_blas_into_mlx_process():
+    probe = ("from api import cli; cli._load_blas({!r}); import mlx.core as mx; "
+             "mx.eval(mx.ones((64, 64)) @ mx.ones((64, 64))); "
+             "print(open('/proc/self/maps').read())")
+    loaded = subprocess.run([sys.executable, "-c", probe.format("auto")], capture_output=True,
+                            text=True, timeout=120)
+    assert loaded.returncode == 0, loaded.stderr
+    assert loaded.stderr == f"tqserve: BLAS {OPENBLAS}\n"
+    assert OPENBLAS in loaded.stdout
+    kept = subprocess.run([sys.executable, "-c", probe.format("none")], capture_output=True,
+                          text=True, timeout=120)
+    assert kept.returncode == 0 and kept.stderr == ""
+    assert OPENBLAS not in kept.stdout

@@ -1,0 +1,142 @@
+"""tqserve vs mlx-lm at GPU scale: random-weight Qwen3 shapes, B1..B64, one process.
+
+    python -m tools.bench_gpu --shape qwen3-8b --concurrency 1,8,32,64 --out bench-out/gpu.json
+    python -m tools.bench_gpu --shape bundled --concurrency 1,8     # real weights: same tokens?
+
+For each concurrency C (prompts of --prompt-tokens ids, --new-tokens greedy tokens, EOS
+ignored), tools.bench's drivers run tqserve embedded (open_engine) against mlx-lm's
+BatchGenerator, and at C = 1 also against stream_generate: one warm-up per side and shape
+(MLX-CUDA compiles kernels per shape on first use), then --repeats interleaved runs, medians.
+Figures: decode tok/s once every request has its first token (tools.bench.decode_rate), and
+"all first" = seconds from the burst's submit until every request has its first token.
+
+Random weights (`qwen3-0.6b`, `qwen3-8b`: tools.bench_kv.SHAPES, the real vocabulary) have
+near-tied logits, so token equality is only meaningful with real weights: `--shape bundled`
+(pycoder-draft-4m) or `--model PATH`. The tokenizer is the bundled model's (ids past its
+8,192 decode to nothing; the figures count tokens, not text). Needs a GPU to mean anything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any, Sequence
+
+from tools.bench import (Settings, Trace, compare, decode_rate, machine, make_prompts, mlx_batch,
+                         mlx_stream, tq_batch)
+
+
+def all_first(traces: Sequence[Trace]) -> float:
+    """Seconds from the first submit until the last request's first token."""
+    return max(t.times[0] for t in traces) - min(t.submit for t in traces)
+
+
+def _loaded(shape: str, model: str | None, dtype: str) -> Any:
+    import attrs
+    import mlx.core as mx
+
+    from engine.model import DEFAULT_MODEL, load_model
+    from tools.bench_kv import SHAPES, _random_model
+
+    if model is not None:
+        return load_model(model, dtype)
+    base = load_model(DEFAULT_MODEL, dtype)
+    if shape == "bundled":
+        return base
+    random = _random_model(shape, dtype if dtype != "auto" else "bfloat16")
+    layers, _, _, _, _, vocab = SHAPES[shape]
+    return attrs.evolve(base, model=random, path=Path(f"random-{shape}"),
+                        fingerprint=f"random-{shape}-{mx.default_device()}",
+                        num_layers=layers, head_dims=(128,) * layers, vocab_size=vocab,
+                        context_length=65536)
+
+
+async def _measure(loaded: Any, levels: list[int], prompt_tokens: int, n: int,
+                   repeats: int) -> dict[str, Any]:
+    import attrs
+
+    from actors.engine import open_engine
+    from engine.config import Config
+
+    top = max(levels)
+    prompts = make_prompts(loaded.tokenizer, top, prompt_tokens)
+    config = Config(model=str(loaded.path), dtype=loaded.dtype, max_batch=max(32, top),
+                    max_queued_requests=max(64, top), max_queued_tokens=max(65536, top *
+                    prompt_tokens), max_tokens_cap=max(4096, n), prefix_cache=False)
+    no_eos = attrs.evolve(loaded, eos_token_ids=frozenset())
+    out: dict[str, Any] = {}
+    async with open_engine(config, loaded=no_eos) as engine:
+        for c in levels:
+            batch = prompts[:c]
+            figures = await compare(lambda: tq_batch(engine, batch, n),
+                                    lambda: mlx_batch(loaded, batch, n),
+                                    {"decode": decode_rate, "all_first": all_first},
+                                    n, repeats)
+            if c == 1:
+                figures["decode_vs_stream"] = (await compare(
+                    lambda: tq_batch(engine, batch, n), lambda: mlx_stream(loaded, batch[0], n),
+                    {"decode": decode_rate}, n, repeats))["decode"]
+            out[f"c{c}"] = figures
+    return out
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    import trio
+
+    loaded = _loaded(args.shape, args.model, args.dtype)
+    levels = sorted({int(x) for x in args.concurrency.split(",")})
+    figures = trio.run(_measure, loaded, levels, args.prompt_tokens, args.new_tokens,
+                       args.repeats)
+    return {"machine": machine(Settings(model=str(loaded.path), dtype=loaded.dtype)),
+            "model": {"shape": args.shape, "path": str(loaded.path), "dtype": loaded.dtype},
+            "settings": {"concurrency": levels, "prompt_tokens": args.prompt_tokens,
+                         "new_tokens": args.new_tokens, "repeats": args.repeats,
+                         "greedy": True, "ignore_eos": True},
+            "figures": figures}
+
+
+def table(report: dict[str, Any]) -> str:
+    """Medians as rows: C, tqserve and mlx-lm decode tok/s and ms/step, ratio, all-first s."""
+    lines = [f"{report['model']['shape']} ({report['model']['dtype']}) on "
+             f"{report['machine']['device']}, {report['settings']['prompt_tokens']}-token "
+             f"prompts, {report['settings']['new_tokens']} new tokens",
+             f"{'C':>3} {'tqserve tok/s':>14} {'BatchGen tok/s':>15} {'ratio':>6} "
+             f"{'all-first tq/BG s':>18} {'same tokens':>12}"]
+    for key, fig in report["figures"].items():
+        c = int(key[1:])
+        d, f = fig["decode"], fig["all_first"]
+        lines.append(f"{c:>3} {d['tqserve']['median']:>14.1f} {d['mlx_lm']['median']:>15.1f} "
+                     f"{d['ratio']:>6.2f} {f['tqserve']['median']:>8.2f}/"
+                     f"{f['mlx_lm']['median']:<9.2f} {str(d['outputs_match']):>12}")
+        if "decode_vs_stream" in fig:
+            s = fig["decode_vs_stream"]
+            lines.append(f"    vs stream_generate: {s['tqserve']['median']:.1f} vs "
+                         f"{s['mlx_lm']['median']:.1f} tok/s, ratio {s['ratio']:.2f}, "
+                         f"ms/step {1000 / s['tqserve']['median']:.2f} vs "
+                         f"{1000 / s['mlx_lm']['median']:.2f}")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="tqserve bench-gpu", description=__doc__.splitlines()[0])
+    p.add_argument("--shape", default="qwen3-8b", choices=("qwen3-0.6b", "qwen3-8b", "bundled"))
+    p.add_argument("--model", default=None, help="a real model dir instead of --shape")
+    p.add_argument("--dtype", default="auto",
+                   help="auto: the model's dtype on a GPU, float32 on the CPU; random: bf16")
+    p.add_argument("--concurrency", default="1,8,32,64")
+    p.add_argument("--prompt-tokens", type=int, default=256)
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--out", type=Path, default=Path("bench-out/bench_gpu.json"))
+    args = p.parse_args(argv)
+    report = run(args)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    print(table(report))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
