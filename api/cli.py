@@ -161,13 +161,21 @@ def _sampling(config: Config, args: argparse.Namespace) -> SamplingParams:
         raise ValueError(message) from None
 
 
-async def _generate(config: Config, params: SamplingParams, args: argparse.Namespace) -> int:
+def _report(line: str | None) -> None:
+    """The BLAS line, printed once the model has loaded (errors before stay one line)."""
+    if line is not None:
+        print(line, file=sys.stderr, flush=True)
+
+
+async def _generate(config: Config, params: SamplingParams, args: argparse.Namespace,
+                    blas_line: str | None = None) -> int:
     from actors.engine import open_engine
     from actors.messages import Error, Token
     from engine.request import GenerateRequest
 
     request = GenerateRequest(prompt=args.prompt, params=params)
     async with open_engine(config) as engine:
+        _report(blas_line)
         sys.stdout.write(args.prompt)
         async for event in engine.generate(request):
             if isinstance(event, Token):
@@ -180,7 +188,7 @@ async def _generate(config: Config, params: SamplingParams, args: argparse.Names
     return 0
 
 
-async def _serve(config: Config) -> int:
+async def _serve(config: Config, blas_line: str | None = None) -> int:
     """Serve until SIGTERM or SIGINT, then shut down cleanly (api.server) and exit 0.
 
     Both signals go to a trio signal receiver for the whole run, so Ctrl-C never lands
@@ -209,6 +217,7 @@ async def _serve(config: Config) -> int:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(watch)
             url = await nursery.start(run)
+            _report(blas_line)
             print(f"tqserve: serving {config.model} on {url} (WebSocket /v1/stream)", flush=True)
     report = reports[0]
     print(f"tqserve: shut down on {signal.Signals(received[0]).name}: "
@@ -228,23 +237,34 @@ _TOOLS = {"bench": "tools.bench", "bench-kv": "tools.bench_kv", "eval-kv": "tool
           "bench-prefix": "tools.bench_prefix", "bench-gpu": "tools.bench_gpu"}
 
 
-def _load_blas(choice: str) -> None:
-    """Before anything imports MLX (build_parser does): load the optimized BLAS, or hint."""
+def _blas_line(choice: str) -> str | None:
+    """Before anything imports MLX (build_parser does): load the optimized BLAS. Returns
+    the line to report (the library loaded, or a hint); serve and generate print it once
+    the model has loaded, so that a bad flag or model stays a one-line error."""
     path = blas.resolve(choice)
     if path is not None:
         blas.load(path)
-        print(f"tqserve: BLAS {path}", file=sys.stderr)
-    elif choice == "auto" and sys.platform.startswith("linux"):
-        print(blas.HINT, file=sys.stderr)
+        return f"tqserve: BLAS {path}"
+    if choice == "auto" and sys.platform.startswith("linux"):
+        return blas.HINT
+    return None
+
+
+def _load_blas(choice: str) -> None:
+    """Load the optimized BLAS (or not) and print the report line at once."""
+    line = _blas_line(choice)
+    if line is not None:
+        print(line, file=sys.stderr)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in _TOOLS:  # the tools parse their own flags
         return int(importlib.import_module(_TOOLS[argv[0]]).main(argv[1:]))
+    blas_line = None
     if argv and argv[0] in ("serve", "generate"):
         try:
-            _load_blas(blas.choice_in(argv))
+            blas_line = _blas_line(blas.choice_in(argv))
         except ValueError as exc:
             print(f"tqserve: error: {exc}", file=sys.stderr)
             return 2
@@ -253,8 +273,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         config = _config(args)
         if args.command == "generate":
-            return trio.run(_generate, config, _sampling(config, args), args)
-        return trio.run(_serve, config)
+            return trio.run(_generate, config, _sampling(config, args), args, blas_line)
+        return trio.run(_serve, config, blas_line)
     except ValueError as exc:  # ModelLoadError is a ValueError
         print(f"tqserve: error: {exc}", file=sys.stderr)
         return 2

@@ -95,7 +95,7 @@ def test_cli_help_describes_every_flag_with_its_default(command):
     assert "--max-tokens-cap" in entries and "(default: 4096)" in entries["--max-tokens-cap"]
 
 
-@pytest.mark.parametrize("command", ["bench", "bench-kv", "bench-prefix", "eval-kv"])
+@pytest.mark.parametrize("command", ["bench", "bench-kv", "bench-prefix", "bench-gpu", "eval-kv"])
 def test_tool_help_shows_every_default(command):
     result = run([sys.executable, "-m", "api.cli", command, "--help"])
     assert result.returncode == 0, result.stderr
