@@ -247,6 +247,7 @@ async def open_engine(config: Config, *, loaded: LoadedModel | None = None,
                       recorder: Recorder | None = None) -> AsyncIterator[Engine]:
     """Load the model (unless given) and run the actor graph until the block exits."""
     thread = RunnerThread()
+    runner: Runner | None = None
     try:
         if loaded is None:
             loaded = await thread.call(load_model, config.model, config.dtype)
@@ -294,7 +295,11 @@ async def open_engine(config: Config, *, loaded: LoadedModel | None = None,
             finally:
                 nursery.cancel_scope.cancel()
     finally:
-        await thread.aclose()
+        try:
+            if runner is not None:
+                await thread.call(runner.close)  # shielded: MLX idle before the thread ends
+        finally:
+            await thread.aclose()
 
 
 def kv_scheme(config: Config, dtype: str) -> str:
