@@ -4,8 +4,9 @@ Owns: the count of queued requests and queued prompt tokens.
 Receives: Submit, Cancel (from the api, mailbox ADMISSION_MAILBOX);
           Dequeued (reply edge from the scheduler, mailbox sized so it never fills).
 Sends: Submit/Cancel to the scheduler; Queued or Error("overloaded") to the hub.
-A request over either bound is rejected at once with the reason; nothing already
-admitted is affected.
+A request over either bound is rejected at once with the reason (code `overloaded`);
+nothing already admitted is affected. After `stop_admitting()` (the server is shutting
+down) every new request is refused with code `shutting_down`.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import trio
 
 from actors.mailbox import Inbox, Outbox
 from actors.messages import Cancel, Dequeued, Error, Queued, Submit
+
+SHUTTING_DOWN = "the server is shutting down; no new requests"
 
 
 @attrs.frozen(kw_only=True)
@@ -38,13 +41,20 @@ class AdmissionControl:
     requests_rejected: int = 0
     # called with the request id when a request leaves the queue (metrics: queue time)
     dequeue_listeners: list[Callable[[str], None]] = attrs.Factory(list)
+    admitting: bool = True
+
+    def stop_admitting(self) -> None:
+        """Refuse every request from now on (shutdown); queued ones stay queued."""
+        self.admitting = False
 
     def try_admit(self, request_id: str, num_tokens: int) -> str | None:
         """Admit and return None, or return the reason for rejecting."""
         self.requests_total += 1
         reason = None
         tokens = sum(self.queued.values())
-        if len(self.queued) >= self.max_queued_requests:
+        if not self.admitting:
+            reason = SHUTTING_DOWN
+        elif len(self.queued) >= self.max_queued_requests:
             reason = f"queue full: {len(self.queued)} requests queued (max {self.max_queued_requests})"
         elif tokens + num_tokens > self.max_queued_tokens:
             reason = (f"queue full: {tokens} prompt tokens queued, {num_tokens} more would exceed "
@@ -93,7 +103,8 @@ async def run_admission(
                             await hub.send(Queued(request_id=msg.request_id))
                             await scheduler.send(msg)
                         else:
-                            await hub.send(Error(request_id=msg.request_id, code="overloaded",
+                            code = "shutting_down" if reason == SHUTTING_DOWN else "overloaded"
+                            await hub.send(Error(request_id=msg.request_id, code=code,
                                                  message=reason))
                     case Cancel():
                         await scheduler.send(msg)

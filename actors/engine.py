@@ -25,6 +25,7 @@ mailbox at once (a reply edge: hub delivery never waits on it).
 
 from __future__ import annotations
 
+import itertools
 import logging
 import uuid
 from collections import Counter
@@ -34,11 +35,12 @@ from typing import AsyncIterator, Callable
 import attrs
 import trio
 
-from actors.admission import AdmissionControl, run_admission
+from actors.admission import SHUTTING_DOWN, AdmissionControl, run_admission
 from actors.cache_owner import RowBooks, run_cache_owner
+from actors.generation import Generation
 from actors.hub import Hub, run_hub, run_overflow_cancels
 from actors.mailbox import Outbox, Recorder, open_mailbox
-from actors.messages import Cancel, Done, Error, Event, Submit
+from actors.messages import Cancel, Error, Event, Submit
 from actors.prefix_cache import (PrefixCache, PrefixCacheStatistics, header_validator,
                                  run_writer)
 from actors.runner_thread import RunnerThread
@@ -66,6 +68,13 @@ CACHE_OWNER_MAILBOX = 64  # leases/releases of one step; the owner only does boo
 # Prompts of at most this many characters are tokenized on the event loop (~1 ms); longer
 # ones on a worker thread, so that one large prompt never stalls every other stream.
 TOKENIZE_INLINE_CHARS = 4096
+SHUTDOWN_GRACE = 5.0  # seconds ended requests' consumers get to read their final Done
+
+
+@attrs.frozen(kw_only=True)
+class ShutdownReport:
+    num_in_flight: int  # requests running when shutdown began
+    num_ended: int      # of those, ended with finish_reason "shutdown" at the timeout
 
 
 @attrs.frozen(kw_only=True)
@@ -89,6 +98,10 @@ class Engine:
     def __init__(self, config: Config, loaded: LoadedModel, admission: Outbox, hub: Hub,
                  control: AdmissionControl, books: RowBooks, core: SchedulerCore,
                  prefix: PrefixCache | None = None, runner: Runner | None = None) -> None:
+        self._live: dict[str, str] = {}  # caller's id -> internal id, while its stream is open
+        self._live_changed = trio.Event()  # replaced after every stream end
+        self._internal_ids = itertools.count()
+        self._shutting_down = False
         self.config = config
         self.runner = runner  # its statistics and `step_hook` (fault injection in tests)
         self.model = loaded
@@ -132,70 +145,118 @@ class Engine:
                 f"prompt ({len(tokens)} tokens) plus max_tokens ({request.params.max_tokens}) "
                 f"exceeds the model's context of {limit} tokens")
         if request.params.max_tokens > self.config.max_tokens_cap:
-            raise ValueError(f"max_tokens must be <= {self.config.max_tokens_cap}, "
-                             f"got {request.params.max_tokens}")
+            raise ValueError(f"max_tokens must be <= {self.config.max_tokens_cap} (the "
+                             f"server's --max-tokens-cap), got {request.params.max_tokens}")
         return tokens
 
-    async def generate(self, request: GenerateRequest,
-                       request_id: str | None = None) -> AsyncIterator[Event]:
-        """Submit a request and yield its events: Queued, Token..., then Done or Error."""
-        rid = request_id or uuid.uuid4().hex
-        try:
-            if not rid.isprintable() or len(rid.encode("utf-8", "strict")) > 512:
-                raise ValueError("request id must be printable text of at most 512 bytes")
-            tokens = await self.validate(request)
-            stream = self._hub.open_stream(rid)
-        except (ValueError, UnicodeError) as exc:
-            self._rejections["invalid_request"] += 1
-            yield Error(request_id=rid if rid.isprintable() else None, code="invalid_request",
-                        message=str(exc))
-            return
-        finished = False
-        try:
-            try:
-                self._admission.send_nowait(
-                    Submit(request_id=rid, prompt_tokens=tokens, params=request.params,
-                           response_format=request.constraint))
-            except trio.WouldBlock:
-                finished = True
-                self._rejections["overloaded"] += 1
-                yield Error(request_id=rid, code="overloaded", message="admission mailbox full")
-                return
-            except (OverflowError, TypeError, ValueError) as exc:  # our bug: validation missed it
-                log.exception("request %s cannot be encoded", rid)
-                finished = True
-                self._rejections["internal_error"] += 1
-                yield Error(request_id=rid, code="internal_error",
-                            message=f"request cannot be encoded: {type(exc).__name__}: {exc}")
-                return
-            async for event in stream:
-                if isinstance(event, (Done, Error)):
-                    finished = True
-                yield event
-                if finished:
-                    return
-            if self._hub.overflowed(rid):
-                yield Error(request_id=rid, code="slow_consumer",
-                            message=f"client fell {self.config.stream_buffer} events behind")
-            else:
-                yield Error(request_id=rid, code="engine_closed", message="engine shut down")
-        finally:
-            self._hub.close_stream(rid)
-            if not finished:
-                with trio.CancelScope(shield=True):
-                    await self.cancel(rid)
+    def generate(self, request: GenerateRequest, request_id: str | None = None) -> Generation:
+        """The request's events as an async iterable: Queued, Token..., then Done or Error.
+
+        `request_id` labels the events (default: a fresh id); the engine runs the request
+        under an internal id of its own (see actors.generation). Leaving the loop early,
+        or cancelling the caller's scope, cancels the request at once."""
+        return Generation(self, request, request_id or uuid.uuid4().hex)
+
+    def refusal(self, request_id: str) -> Error | None:
+        """The Error refusing a new request now (id in use, shutting down), or None."""
+        if request_id in self._live:
+            return Error(request_id=request_id, code="invalid_request",
+                         message=f"request id {request_id!r} is already in use")
+        if self._shutting_down:
+            return Error(request_id=request_id, code="shutting_down", message=SHUTTING_DOWN)
+        return None
+
+    def open_internal(self, request_id: str) -> tuple[str, trio.MemoryReceiveChannel[Event]]:
+        """A fresh internal id for `request_id` and its hub stream."""
+        internal = f"{request_id}#{next(self._internal_ids)}"
+        self._live[request_id] = internal
+        return internal, self._hub.open_stream(internal)
+
+    def submit_nowait(self, submit: Submit) -> None:
+        """Hand a request to admission; trio.WouldBlock when its mailbox is full."""
+        self._admission.send_nowait(submit)
+
+    def close_internal(self, request_id: str, internal: str, *, cancel: bool) -> None:
+        """A stream ended: forget it and, if its request may still run, cancel it now
+        (synchronously: this runs from a dropped iterator's __del__ too)."""
+        self._hub.close_stream(internal)
+        if self._live.get(request_id) == internal:
+            del self._live[request_id]
+        self._live_changed.set()
+        self._live_changed = trio.Event()
+        if cancel:
+            self._cancel_nowait(Cancel(request_id=internal))
+
+    def stream_cut_off(self, internal: str) -> Error:
+        """The error ending a stream the hub closed without a Done."""
+        if self._hub.overflowed(internal):
+            return Error(request_id=internal, code="slow_consumer",
+                         message=f"client fell {self.config.stream_buffer} events behind")
+        return Error(request_id=internal, code="engine_closed", message="engine shut down")
 
     def add_dequeue_listener(self, listener: Callable[[str], None]) -> None:
         """Call `listener(request_id)` (on the engine's trio thread) whenever a request
         leaves the queue for a row; the api's metrics time queue waits with it."""
         self._control.dequeue_listeners.append(listener)
 
-    async def cancel(self, request_id: str) -> None:
-        """Cancel a request by id; unknown ids are ignored."""
+    def _cancel_nowait(self, cancel: Cancel) -> None:
         try:
-            await self._admission.send(Cancel(request_id=request_id))
+            self._admission.send_nowait(cancel)
+        except trio.WouldBlock:  # a full mailbox: a system task waits for room
+            trio.lowlevel.spawn_system_task(self._send_cancel, cancel)
         except (trio.ClosedResourceError, trio.BrokenResourceError):
             pass
+
+    async def _send_cancel(self, cancel: Cancel) -> None:
+        try:
+            await self._admission.send(cancel)
+        except (trio.ClosedResourceError, trio.BrokenResourceError):
+            pass
+
+    async def cancel(self, request_id: str, reason: str = "cancelled") -> None:
+        """Cancel the running request labelled `request_id` (its stream ends with
+        Done(finish_reason=reason)); unknown ids are ignored."""
+        internal = self._live.get(request_id)
+        if internal is None:
+            return
+        try:
+            await self._admission.send(Cancel(request_id=internal, reason=reason))
+        except (trio.ClosedResourceError, trio.BrokenResourceError):
+            pass
+
+    @property
+    def shutting_down(self) -> bool:
+        return self._shutting_down
+
+    def stop_admitting(self) -> None:
+        """From now on every new request is refused with code `shutting_down`."""
+        self._shutting_down = True
+        self._control.stop_admitting()
+
+    @property
+    def num_live(self) -> int:
+        """Requests whose stream is still open."""
+        return len(self._live)
+
+    async def wait_no_live(self) -> None:
+        """Wait until every request's stream has ended."""
+        while self._live:
+            await self._live_changed.wait()
+
+    async def shutdown(self, timeout: float, grace: float = SHUTDOWN_GRACE) -> ShutdownReport:
+        """Stop admitting; give in-flight requests `timeout` seconds to finish, then end
+        the rest with Done(finish_reason="shutdown") and wait (at most `grace` seconds:
+        a consumer that stopped reading never takes its Done) for their streams to end."""
+        self.stop_admitting()
+        in_flight = len(self._live)
+        with trio.move_on_after(timeout):
+            await self.wait_no_live()
+        ended = list(self._live)
+        for request_id in ended:
+            await self.cancel(request_id, reason="shutdown")
+        with trio.move_on_after(grace):
+            await self.wait_no_live()
+        return ShutdownReport(num_in_flight=in_flight, num_ended=len(ended))
 
     async def wait_idle(self) -> None:
         """Wait until no row is leased and no KV bytes are resident."""
@@ -224,6 +285,7 @@ async def open_engine(config: Config, *, loaded: LoadedModel | None = None,
                       recorder: Recorder | None = None) -> AsyncIterator[Engine]:
     """Load the model (unless given) and run the actor graph until the block exits."""
     thread = RunnerThread()
+    runner: Runner | None = None
     try:
         if loaded is None:
             loaded = await thread.call(load_model, config.model, config.dtype)
@@ -267,6 +329,7 @@ async def open_engine(config: Config, *, loaded: LoadedModel | None = None,
                     await nursery.start(run_cache_owner, books, owner_in)
                     await nursery.start(run_scheduler, core, runner, thread, scheduler_in,
                                         replies_out, owner_out, hub_out.clone(), prefix)
+                    nursery.start_soon(run_overflow_cancels, hub, admission_out.clone())
                     await nursery.start(run_admission, control, admission_in, replies_in,
                                         scheduler_out, hub_out)
                     try:
@@ -280,7 +343,11 @@ async def open_engine(config: Config, *, loaded: LoadedModel | None = None,
                     with trio.CancelScope(shield=True):
                         await prefix.close_writes()
     finally:
-        await thread.aclose()
+        try:
+            if runner is not None:
+                await thread.call(runner.close)  # shielded: MLX idle before the thread ends
+        finally:
+            await thread.aclose()
 
 
 def kv_scheme(config: Config, dtype: str) -> str:

@@ -38,9 +38,11 @@ class Submit:
 
 @attrs.frozen(kw_only=True)
 class Cancel:
-    """api -> admission -> scheduler: stop a request and free its row."""
+    """api -> admission -> scheduler: stop a request and free its row; its Done carries
+    `reason` ("cancelled", or "shutdown" when the server ends in-flight requests)."""
 
     request_id: str
+    reason: str = "cancelled"
 
 
 @attrs.frozen(kw_only=True)

@@ -145,7 +145,7 @@ class PrefixCache:
         try:
             report = await self.tier.recover_async()
         except OSError as exc:  # the user's directory: say which and why, no traceback
-            raise ValueError(f"cache-dir {str(self.tier.directory)!r} cannot be used: "
+            raise ValueError(f"--cache-dir {str(self.tier.directory)!r} cannot be used: "
                              f"{exc.strerror or exc}") from exc
         self._counts["quarantined"] += report.num_quarantined
         for entry in self.tier.entries():

@@ -91,7 +91,7 @@ async def run_scheduler(
                     await hub.send(Error(request_id=msg.request_id, code="invalid_request",
                                          message=str(exc)))
             case Cancel():
-                for event in core.cancel(msg.request_id):
+                for event in core.cancel(msg.request_id, msg.reason):
                     await emit(event)
             case _:
                 raise TypeError(f"scheduler got unexpected {type(msg).__name__}")

@@ -8,6 +8,11 @@ requests' hub streams, which cancel the request at once and end it with a
 `slow_consumer` error instead of growing a buffer. An exception in one request
 (our bug) is an `internal_error` frame for that request; the socket goes on. A disconnect cancels the connection's nursery, which
 cancels every request on it (their rows are freed within one engine step).
+
+Shutdown (api.server): once the engine stops admitting, /health answers 503 and a new
+WebSocket upgrade is refused with 503; `Connections.close_all()` then has each open
+socket send what its ended requests still owe and close with code 1001 (going away).
+Every HTTP error (404, 405, ...) is a JSON body `{"error": {"code", "message"}}`.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import attrs
 import trio
 from quart import jsonify, websocket
 from quart_trio import QuartTrio
+from werkzeug.exceptions import HTTPException
 
 from actors.engine import Engine
 from actors.messages import Error
@@ -33,6 +39,33 @@ from api.routes import register_http_apis
 log = logging.getLogger("tqserve.api")
 OUTGOING_FRAMES = 64  # frames waiting for the socket writer; a full queue backs up requests
 _CONNECTION_IDS = itertools.count()  # never reused, unlike id(): engine ids stay unique
+GOING_AWAY = 1001  # WebSocket close code sent to every socket at shutdown
+
+
+class Connections:
+    """The server's open WebSocket connections, so that shutdown can close them."""
+
+    def __init__(self) -> None:
+        self.closing = trio.Event()
+        self.num_open = 0
+        self._changed = trio.Event()  # replaced after every close
+
+    def close_all(self) -> None:
+        """Ask every connection to flush its frames and close with 1001."""
+        self.closing.set()
+
+    def opened(self) -> None:
+        self.num_open += 1
+
+    def closed(self) -> None:
+        self.num_open -= 1
+        self._changed.set()
+        self._changed = trio.Event()
+
+    async def wait_closed(self) -> None:
+        """Wait until no connection is open."""
+        while self.num_open:
+            await self._changed.wait()
 
 
 class _Connection:
@@ -47,9 +80,19 @@ class _Connection:
         self._conn_id = next(_CONNECTION_IDS)
         self._next_seq = 0
         self._active: dict[str, str] = {}
+        self._changed = trio.Event()  # replaced whenever a request ends
+        self.closing = False  # set at shutdown: frames that arrive now are not answered
+
+    async def wait_no_requests(self) -> None:
+        """Wait until every request of this connection has sent its last frame."""
+        while self._active:
+            await self._changed.wait()
 
     async def send_event(self, event: dict[str, Any], binary: bool) -> None:
-        await self._out.send(encode_frame(event, binary))
+        try:
+            await self._out.send(encode_frame(event, binary))
+        except trio.ClosedResourceError:  # the socket is closing at shutdown
+            pass
 
     async def error(self, exc: ProtocolError, binary: bool) -> None:
         if exc.code != "unknown_id":  # a late cancel refuses no request
@@ -58,6 +101,8 @@ class _Connection:
                                     message=exc.message).to_wire(), binary)
 
     async def handle(self, data: str | bytes) -> None:
+        if self.closing:
+            return
         binary = isinstance(data, bytes)
         config = self._engine.config
         try:
@@ -106,15 +151,26 @@ class _Connection:
                                         message=f"{type(exc).__name__}: {exc}").to_wire(), binary)
         finally:
             self._active.pop(rid, None)
+            self._changed.set()
+            self._changed = trio.Event()
 
 
-def create_app(engine: Engine) -> QuartTrio:
-    """The ASGI app bound to a running engine."""
+def create_app(engine: Engine, connections: Connections | None = None) -> QuartTrio:
+    """The ASGI app bound to a running engine (and the server's connection registry)."""
     app = QuartTrio("tqserve")
-    metrics = register_http_apis(app, engine)
+    connections = connections if connections is not None else Connections()
+
+    @app.errorhandler(HTTPException)
+    async def http_error(exc: HTTPException) -> Any:
+        code = (exc.name or "error").lower().replace(" ", "_")
+        return jsonify({"error": {"code": code, "message": exc.description}}), exc.code
+
+    metrics = register_http_apis(app, engine)  # after: its 404/405 are more specific
 
     @app.get("/health")
     async def health() -> Any:
+        if engine.shutting_down:
+            return jsonify({"status": "shutting_down", "model": engine.model.path.name}), 503
         return jsonify({"status": "ok", "model": engine.model.path.name})
 
     @app.get("/v1/stats")
@@ -124,21 +180,41 @@ def create_app(engine: Engine) -> QuartTrio:
     add_playground(app, engine)  # GET /, its static files, the vocabulary it shows
 
     @app.websocket("/v1/stream")
-    async def stream() -> None:
+    async def stream() -> Any:
+        if engine.shutting_down or connections.closing.is_set():
+            return jsonify({"error": {"code": "shutting_down",
+                                      "message": "the server is shutting down"}}), 503
         await websocket.accept()
         send, receive = trio.open_memory_channel[str | bytes](OUTGOING_FRAMES)
+        flushed = trio.Event()
 
         async def writer() -> None:
             async for frame in receive:
                 await websocket.send(frame)
+            flushed.set()
 
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(writer)
-            conn = _Connection(engine, nursery, send, metrics)
-            try:
-                while True:
-                    await conn.handle(await websocket.receive())
-            finally:
-                nursery.cancel_scope.cancel()
+        async def close_at_shutdown(conn: _Connection) -> None:
+            await connections.closing.wait()
+            await conn.wait_no_requests()  # the engine ended them all before close_all
+            conn.closing = True
+            send.close()
+            await flushed.wait()
+            await websocket.close(GOING_AWAY, "server shutting down")
+            nursery.cancel_scope.cancel()
+
+        connections.opened()
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(writer)
+                conn = _Connection(engine, nursery, send, metrics)
+                nursery.start_soon(close_at_shutdown, conn)
+                try:
+                    while True:
+                        await conn.handle(await websocket.receive())
+                finally:
+                    nursery.cancel_scope.cancel()
+        finally:
+            connections.closed()
+        return None
 
     return app

@@ -1,4 +1,5 @@
-"""`tqserve` command line: serve | generate | replay | bench | bench-kv | bench-prefix | eval-kv.
+"""`tqserve` command line: serve | generate | replay | attack | bench | bench-kv | bench-prefix |
+eval-kv | bench-gpu.
 
 serve and generate map their flags 1:1 onto engine.config.Config; bench, bench-kv,
 bench-prefix and eval-kv hand their arguments to tools.bench, tools.bench_kv,
@@ -14,6 +15,7 @@ import argparse
 import importlib
 import logging
 import os
+import signal
 import sys
 from typing import TYPE_CHECKING, NoReturn, Sequence
 
@@ -23,12 +25,39 @@ from engine import blas
 
 if TYPE_CHECKING:
     from engine.config import Config
+    from engine.sampling import SamplingParams
 
-_INT_FLAGS = ("max_batch", "prefill_chunk", "max_queued_requests", "max_queued_tokens",
-              "max_tokens_cap", "default_max_tokens", "stream_buffer", "port",
-              "max_message_bytes", "max_streams_per_connection", "ram_cache_bytes",
-              "ssd_cache_bytes", "max_prompt_chars", "max_messages")
+_INT_FLAGS = {  # Config field -> help; every one maps 1:1 onto engine.config.Config
+    "max_batch": "rows decoding together in one batched forward",
+    "prefill_chunk": "prompt tokens prefilled per engine step",
+    "max_queued_requests": "admission bound: requests waiting for a row (more are refused "
+                           "at once with code overloaded)",
+    "max_queued_tokens": "admission bound: prompt tokens of the waiting requests",
+    "max_tokens_cap": "largest max_tokens a request may ask for",
+    "default_max_tokens": "max_tokens of a request that does not set it",
+    "stream_buffer": "events a request's consumer may fall behind before it is cut off "
+                     "(code slow_consumer)",
+    "port": "TCP port to listen on (0: any free port)",
+    "max_message_bytes": "largest WebSocket frame a client may send",
+    "max_streams_per_connection": "concurrent requests on one WebSocket",
+    "ram_cache_bytes": "byte budget of the prefix cache's RAM tier",
+    "ssd_cache_bytes": "byte budget of the prefix cache's SSD tier (--cache-dir)",
+    "max_prompt_chars": "characters of prompt text one request may carry (README Reliability)",
+    "max_messages": "entries of a chat messages array one request may carry",
+}
+_SERVER_ONLY = ("port", "max_message_bytes", "max_streams_per_connection")
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows every flag's default, except where the help text already says it and for
+    switches and unset options (a default of None or a bool says nothing useful)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if (action.help and "default" in action.help) or action.default is None \
+                or isinstance(action.default, bool):
+            return action.help
+        return super()._get_help_string(action)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -50,23 +79,26 @@ def _config_flags(p: argparse.ArgumentParser, *, server: bool) -> None:
                         "OpenBLAS if installed, else MLX's slow reference BLAS and a hint)")
     p.add_argument("--dtype", choices=DTYPES, default="auto",
                    help="auto = float32 on MLX's CPU backend, the model's dtype on a GPU")
-    for name in _INT_FLAGS:
-        if not server and name in ("port", "max_message_bytes", "max_streams_per_connection"):
+    for name, text in _INT_FLAGS.items():
+        if not server and name in _SERVER_ONLY:
             continue
-        p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(defaults, name))
+        p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(defaults, name),
+                       help=text)
     p.add_argument("--turboquant", default=None, metavar="kXvY",
-                   help="TurboQuant KV cache with X key bits and Y value bits (1..8), e.g. k4v4")
+                   help="TurboQuant KV cache with X key bits and Y value bits (1..8), e.g. k4v4 "
+                        "(default: off)")
     p.add_argument("--quantized-kv-start", type=int, default=0,
                    help="rows stay full precision until this many tokens, then convert")
     p.add_argument("--kv-quant", type=int, choices=KV_BITS, default=None,
                    help="affine (mlx-lm kv_bits) KV cache with this many bits; "
-                        "--turboquant wins if both are given")
+                        "--turboquant wins if both are given (default: off)")
     p.add_argument("--kv-group-size", type=int, choices=KV_GROUP_SIZES,
                    default=defaults.kv_group_size, help="elements per scale/bias of --kv-quant")
     p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
                    help="never reuse KV of earlier requests")
     p.add_argument("--cache-dir", default=None,
-                   help="directory of the SSD prefix-cache tier (restored at start)")
+                   help="directory of the SSD prefix-cache tier (restored at start; "
+                        "default: off)")
     p.add_argument("--ssd-flush", choices=("sync", "async"), default=defaults.ssd_flush,
                    help="async: writes go through a bounded queue, a full queue drops the "
                         "write; sync: a snapshot is published once its file is durable")
@@ -74,7 +106,11 @@ def _config_flags(p: argparse.ArgumentParser, *, server: bool) -> None:
                    help="through: every published snapshot is written to --cache-dir; "
                         "back: only snapshots evicted from the RAM tier")
     if server:
-        p.add_argument("--host", default=defaults.host)
+        p.add_argument("--host", default=defaults.host, help="address to listen on")
+        p.add_argument("--shutdown-timeout", type=float, default=defaults.shutdown_timeout,
+                       metavar="SECONDS",
+                       help="on SIGTERM/SIGINT, seconds in-flight requests get to finish "
+                            "before they end with finish_reason shutdown")
         p.add_argument("--api-key", default=os.environ.get("TQSERVE_API_KEY") or None,
                        help="require this key as 'Authorization: Bearer KEY' on every route "
                             "but /health and on the WebSocket upgrade (default: "
@@ -87,13 +123,16 @@ def _config_flags(p: argparse.ArgumentParser, *, server: bool) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="tqserve", description="Serve LLMs on MLX.")
+    parser = _Parser(prog="tqserve", description="Serve LLMs on MLX.",
+                     formatter_class=HelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    serve = sub.add_parser("serve", help="run the WebSocket server")
+    serve = sub.add_parser("serve", help="run the WebSocket server",
+                           formatter_class=HelpFormatter)
     _config_flags(serve, server=True)
     serve.add_argument("--record", default=None, metavar="FILE",
                        help="record every admitted request and its output (tqserve replay)")
-    gen = sub.add_parser("generate", help="generate from one prompt, printing as it streams")
+    gen = sub.add_parser("generate", help="generate from one prompt, printing as it streams",
+                         formatter_class=HelpFormatter)
     _config_flags(gen, server=False)
     for name, text in (("bench", "tqserve vs mlx-lm, side by side (tools/bench)"),
                        ("bench-kv", "TurboQuant vs plain decode speed (tools/bench_kv)"),
@@ -105,10 +144,11 @@ def build_parser() -> argparse.ArgumentParser:
                        ("replay", "replay, record-verify and A/B traces (tools/replay)"),
                        ("attack", "bounded attack run on a loopback server (tools/attack)")):
         sub.add_parser(name, help=text, add_help=False)
-    gen.add_argument("--prompt", required=True)
-    gen.add_argument("--max-tokens", type=int, default=128)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--prompt", required=True, help="the text to continue")
+    gen.add_argument("--max-tokens", type=int, default=128,
+                     help="tokens to generate (at most --max-tokens-cap)")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    gen.add_argument("--seed", type=int, default=None, help="sampling seed (default: off)")
     return parser
 
 
@@ -121,7 +161,7 @@ def _check_cache_dir(path: str) -> None:
     try:
         prepare_directory(Path(path))
     except OSError as exc:
-        raise ValueError(f"cache-dir {path!r} cannot be used: {exc.strerror or exc}") from None
+        raise ValueError(f"--cache-dir {path!r} cannot be used: {exc.strerror or exc}") from None
 
 
 def _config(args: argparse.Namespace) -> Config:
@@ -133,16 +173,42 @@ def _config(args: argparse.Namespace) -> Config:
     return Config(**{k: v for k, v in vars(args).items() if k in fields})
 
 
-async def _generate(config: Config, args: argparse.Namespace) -> int:
+_GENERATE_FLAGS = ("max_tokens", "temperature", "seed")  # SamplingParams fields with a flag
+
+
+def _sampling(config: Config, args: argparse.Namespace) -> SamplingParams:
+    """generate's sampling flags, checked before the model loads; errors name the flag."""
+    from engine.sampling import SamplingParams
+
+    if args.max_tokens > config.max_tokens_cap:
+        raise ValueError(f"--max-tokens ({args.max_tokens}) exceeds --max-tokens-cap "
+                         f"({config.max_tokens_cap})")
+    try:
+        return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                              seed=args.seed)
+    except ValueError as exc:
+        message = str(exc)
+        for field in _GENERATE_FLAGS:
+            if message.startswith(field):
+                message = "--" + field.replace("_", "-") + message[len(field):]
+        raise ValueError(message) from None
+
+
+def _report(line: str | None) -> None:
+    """The BLAS line, printed once the model has loaded (errors before stay one line)."""
+    if line is not None:
+        print(line, file=sys.stderr, flush=True)
+
+
+async def _generate(config: Config, params: SamplingParams, args: argparse.Namespace,
+                    blas_line: str | None = None) -> int:
     from actors.engine import open_engine
     from actors.messages import Error, Token
     from engine.request import GenerateRequest
-    from engine.sampling import SamplingParams
 
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                            seed=args.seed)
     request = GenerateRequest(prompt=args.prompt, params=params)
     async with open_engine(config) as engine:
+        _report(blas_line)
         sys.stdout.write(args.prompt)
         async for event in engine.generate(request):
             if isinstance(event, Token):
@@ -155,22 +221,46 @@ async def _generate(config: Config, args: argparse.Namespace) -> int:
     return 0
 
 
-async def _serve(config: Config, record: str | None = None) -> int:
+async def _serve(config: Config, blas_line: str | None = None, record: str | None = None) -> int:
+    """Serve until SIGTERM or SIGINT, then shut down cleanly (api.server) and exit 0.
+
+    Both signals go to a trio signal receiver for the whole run, so Ctrl-C never lands
+    as a KeyboardInterrupt inside a request handler; a repeated signal changes nothing."""
     from api.server import listen, serve
 
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
     logging.getLogger("tqserve.prefix").setLevel(logging.INFO)
     logging.getLogger("tqserve.access").setLevel(logging.INFO)
     listening = listen(config)  # a taken port fails here, before the model loads
-    async with trio.open_nursery() as nursery:
-        url = await nursery.start(lambda task_status: serve(config, listening=listening,
-                                                            record=record,
-                                                            task_status=task_status))
-        print(f"tqserve: serving {config.model} on {url} (WebSocket /v1/stream; HTTP "
-              "/v1/completions, /v1/chat/completions, /v1/messages, /metrics)", flush=True)
-        if config.api_key is None and config.host not in _LOOPBACK:
-            print(f"tqserve: warning: listening on {config.host} without --api-key: anyone "
-                  "who can reach this port can generate", file=sys.stderr, flush=True)
+    trigger = trio.Event()
+    received: list[int] = []
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+
+        async def watch() -> None:
+            async for signum in signals:
+                if not received:
+                    received.append(signum)
+                    trigger.set()
+
+        async def run(task_status: trio.TaskStatus[str]) -> None:
+            reports.append(await serve(config, listening=listening, shutdown_trigger=trigger,
+                                       record=record, task_status=task_status))
+            nursery.cancel_scope.cancel()
+
+        reports = []
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(watch)
+            url = await nursery.start(run)
+            _report(blas_line)
+            print(f"tqserve: serving {config.model} on {url} (WebSocket /v1/stream; HTTP "
+                  "/v1/completions, /v1/chat/completions, /v1/messages, /metrics)", flush=True)
+            if config.api_key is None and config.host not in _LOOPBACK:
+                print(f"tqserve: warning: listening on {config.host} without --api-key: anyone "
+                      "who can reach this port can generate", file=sys.stderr, flush=True)
+    report = reports[0]
+    print(f"tqserve: shut down on {signal.Signals(received[0]).name}: "
+          f"{report.num_in_flight} requests in flight, {report.num_ended} ended at the "
+          f"--shutdown-timeout ({config.shutdown_timeout:g} s)", file=sys.stderr, flush=True)
     return 0
 
 
@@ -186,28 +276,39 @@ _TOOLS = {"replay": "tools.replay.cli", "bench": "tools.bench", "bench-kv": "too
           "bench-gpu": "tools.bench_gpu", "attack": "tools.attack"}
 
 
-def _load_blas(choice: str) -> None:
-    """Before anything imports MLX (build_parser does): load the optimized BLAS, or hint.
-    Called in a process that already runs MLX (main() from Python), `auto` does nothing."""
+def _blas_line(choice: str) -> str | None:
+    """Before anything imports MLX (build_parser does): load the optimized BLAS. Returns
+    the line to report (the library loaded, or a hint); serve and generate print it once
+    the model has loaded, so that a bad flag or model stays a one-line error. In a process
+    that already runs MLX (main() called from Python) `auto` does nothing."""
     if "mlx.core" in sys.modules:
         if choice not in ("auto", "none"):
             raise ValueError("--blas PATH needs a process that has not imported MLX yet")
-        return
+        return None
     path = blas.resolve(choice)
     if path is not None:
         blas.load(path)
-        print(f"tqserve: BLAS {path}", file=sys.stderr)
-    elif choice == "auto" and sys.platform.startswith("linux"):
-        print(blas.HINT, file=sys.stderr)
+        return f"tqserve: BLAS {path}"
+    if choice == "auto" and sys.platform.startswith("linux"):
+        return blas.HINT
+    return None
+
+
+def _load_blas(choice: str) -> None:
+    """Load the optimized BLAS (or not) and print the report line at once."""
+    line = _blas_line(choice)
+    if line is not None:
+        print(line, file=sys.stderr)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in _TOOLS:  # the tools parse their own flags
         return int(importlib.import_module(_TOOLS[argv[0]]).main(argv[1:]))
+    blas_line = None
     if argv and argv[0] in ("serve", "generate"):
         try:
-            _load_blas(blas.choice_in(argv))
+            blas_line = _blas_line(blas.choice_in(argv))
         except ValueError as exc:
             print(f"tqserve: error: {exc}", file=sys.stderr)
             return 2
@@ -218,8 +319,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if config.cache_dir is not None and config.prefix_cache:
             _check_cache_dir(config.cache_dir)
         if args.command == "generate":
-            return trio.run(_generate, config, args)
-        return trio.run(_serve, config, args.record)
+            return trio.run(_generate, config, _sampling(config, args), args, blas_line)
+        return trio.run(_serve, config, blas_line, args.record)
     except ValueError as exc:  # ModelLoadError is a ValueError
         print(f"tqserve: error: {exc}", file=sys.stderr)
         return 2

@@ -22,6 +22,7 @@ from engine.request import GenerateRequest
 RETRY_AFTER_SECONDS = 1  # what a 429 tells clients to wait: admission frees within a step or so
 # engine error codes -> HTTP status (anything else is our fault: 500)
 STATUS_BY_CODE = {"invalid_request": 400, "overloaded": 429, "engine_closed": 503,
+                  "shutting_down": 503,
                   "slow_consumer": 500, "internal_error": 500}
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                "X-Accel-Buffering": "no"}

@@ -1,4 +1,12 @@
-"""Serve the app on hypercorn inside the caller's nursery (or from the CLI)."""
+"""Serve the app on hypercorn inside the caller's nursery (or from the CLI).
+
+Clean shutdown, when `shutdown_trigger` is set (the CLI sets it on SIGTERM or SIGINT):
+the engine stops admitting (new requests get `shutting_down`, /health 503); in-flight
+requests get `config.shutdown_timeout` seconds to finish, then end with
+Done(finish_reason="shutdown"); every WebSocket sends what it still owes and closes with
+1001; hypercorn stops; the engine closes (draining its SSD write queue); `serve` returns
+the ShutdownReport.
+"""
 
 from __future__ import annotations
 
@@ -11,8 +19,8 @@ from hypercorn.trio.run import worker_serve
 from hypercorn.utils import wrap_app
 import trio
 
-from actors.engine import open_engine
-from api.app import create_app
+from actors.engine import ShutdownReport, open_engine
+from api.app import Connections, create_app
 from api.hardening import LimitedConfig, install
 from engine.config import Config
 from engine.model import LoadedModel
@@ -32,6 +40,7 @@ def hard_message_bytes(config: Config) -> int:
     """Bytes of one WebSocket message over which the socket is closed with 1009."""
     return max(config.max_message_bytes * _HARD_FRAME_FACTOR,
                config.max_message_bytes + _HARD_FRAME_MARGIN)
+CLOSE_GRACE = 5.0  # seconds the sockets get to flush their last frames and close (1001)
 
 
 def listen(config: Config) -> tuple[HypercornConfig, Sockets]:
@@ -45,6 +54,7 @@ def listen(config: Config) -> tuple[HypercornConfig, Sockets]:
     hc.keep_alive_timeout = REQUEST_TIMEOUT
     hc.ws_message_timeout = config.ws_message_timeout
     hc.accesslog = None
+    hc.loglevel = "WARNING"  # hypercorn's "Running on" lines: the CLI prints its own
     hc.graceful_timeout = 1.0
     try:
         sockets = hc.create_sockets()
@@ -59,8 +69,10 @@ def listen(config: Config) -> tuple[HypercornConfig, Sockets]:
 async def serve(config: Config, *, loaded: LoadedModel | None = None,
                 listening: tuple[HypercornConfig, Sockets] | None = None,
                 shutdown_trigger: trio.Event | None = None, record: str | None = None,
-                task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> None:
-    """Start the engine and the server; report the bound URL through task_status.
+                task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED
+                ) -> ShutdownReport:
+    """Start the engine and the server; report the bound URL through task_status; serve
+    until `shutdown_trigger` is set (forever without one), then shut down cleanly.
 
     The listening socket is bound first, so a taken port is a ValueError naming it before
     the model loads. `record`: write every admitted request to this file (tools/replay)."""
@@ -73,13 +85,24 @@ async def serve(config: Config, *, loaded: LoadedModel | None = None,
                 record, {"model": config.model, "config": attrs.asdict(config)}))
         engine = await stack.enter_async_context(
             open_engine(config, loaded=loaded, recorder=recorder))
-        app = wrap_app(create_app(engine), hc.wsgi_max_body_size, None)
+        connections = Connections()
+        app = wrap_app(create_app(engine, connections), hc.wsgi_max_body_size, None)
+        stop_http = trio.Event()
 
         async def started(*, task_status: trio.TaskStatus[list[str]]) -> None:
-            trigger = shutdown_trigger.wait if shutdown_trigger is not None else None
-            await worker_serve(app, hc, sockets=sockets, shutdown_trigger=trigger,
+            await worker_serve(app, hc, sockets=sockets, shutdown_trigger=stop_http.wait,
                                task_status=task_status)
 
         async with trio.open_nursery() as nursery:
             binds = await nursery.start(started)
             task_status.started(binds[0])
+            if shutdown_trigger is None:
+                await trio.sleep_forever()
+            else:
+                await shutdown_trigger.wait()
+            report = await engine.shutdown(config.shutdown_timeout)
+            connections.close_all()
+            with trio.move_on_after(CLOSE_GRACE):
+                await connections.wait_closed()
+            stop_http.set()
+    return report

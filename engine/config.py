@@ -1,4 +1,9 @@
-"""The one configuration record. The CLI maps onto it 1:1; validated at construction."""
+"""The one configuration record. The CLI maps onto it 1:1; validated at construction.
+
+Naming rule for errors: a Config error names the setting as its CLI flag (`--max-batch`),
+embedded use included; a request error (wire protocol, SamplingParams) names the request
+field as it is spelled on the wire (`max_tokens`).
+"""
 
 from __future__ import annotations
 
@@ -9,19 +14,35 @@ from engine.kv.factory import parse_turboquant
 from engine.model import DEFAULT_MODEL, DTYPES
 
 
+def _flag(attr: attrs.Attribute) -> str:
+    """The CLI flag of a Config field: every Config error names its setting this way."""
+    return "--" + attr.name.replace("_", "-")
+
+
+def _dtype(inst: object, attr: attrs.Attribute, value: str) -> None:
+    if value not in DTYPES:
+        raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {value!r}")
+
+
 def _positive(inst: object, attr: attrs.Attribute, value: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{attr.name.replace('_', '-')} must be a positive integer, got {value!r}")
+        raise ValueError(f"{_flag(attr)} must be a positive integer, got {value!r}")
 
 
 def _port(inst: object, attr: attrs.Attribute, value: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 65535:
-        raise ValueError(f"port must be in [0, 65535], got {value!r}")
+        raise ValueError(f"--port must be in [0, 65535], got {value!r}")
 
 
 def _non_negative(inst: object, attr: attrs.Attribute, value: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{attr.name.replace('_', '-')} must be an integer >= 0, got {value!r}")
+        raise ValueError(f"{_flag(attr)} must be an integer >= 0, got {value!r}")
+
+
+def _seconds(inst: object, attr: attrs.Attribute, value: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+        raise ValueError(f"{_flag(attr)} must be a number of seconds >= 0, "
+                         f"got {value!r}")
 
 
 def _positive_seconds(inst: object, attr: attrs.Attribute, value: float) -> None:
@@ -32,24 +53,27 @@ def _positive_seconds(inst: object, attr: attrs.Attribute, value: float) -> None
 
 def _turboquant(inst: object, attr: attrs.Attribute, value: str | None) -> None:
     if value is not None:
-        parse_turboquant(value)
+        try:
+            parse_turboquant(value)
+        except ValueError as exc:
+            raise ValueError(f"--turboquant: {exc}") from None
 
 
 def _kv_quant(inst: object, attr: attrs.Attribute, value: int | None) -> None:
     if value is not None and (type(value) is not int or value not in KV_BITS):
-        raise ValueError(f"kv-quant must be one of {', '.join(map(str, KV_BITS))} (or unset), "
+        raise ValueError(f"--kv-quant must be one of {', '.join(map(str, KV_BITS))} (or unset), "
                          f"got {value!r}")
 
 
 def _kv_group_size(inst: object, attr: attrs.Attribute, value: int) -> None:
     if type(value) is not int or value not in KV_GROUP_SIZES:
-        raise ValueError(f"kv-group-size must be one of "
+        raise ValueError(f"--kv-group-size must be one of "
                          f"{', '.join(map(str, KV_GROUP_SIZES))}, got {value!r}")
 
 
 def _ssd_flush(inst: object, attr: attrs.Attribute, value: str) -> None:
     if value not in ("sync", "async"):
-        raise ValueError(f"ssd-flush must be sync or async, got {value!r}")
+        raise ValueError(f"--ssd-flush must be sync or async, got {value!r}")
 
 
 def _api_key(inst: object, attr: attrs.Attribute, value: str | None) -> None:
@@ -74,7 +98,7 @@ class Config:
     """Engine and server settings (defaults suit a laptop and the bundled model)."""
 
     model: str = str(DEFAULT_MODEL)
-    dtype: str = attrs.field(default="auto", validator=attrs.validators.in_(DTYPES))
+    dtype: str = attrs.field(default="auto", validator=_dtype)
     max_batch: int = attrs.field(default=32, validator=_positive)
     prefill_chunk: int = attrs.field(default=512, validator=_positive)
     max_queued_requests: int = attrs.field(default=64, validator=_positive)
@@ -91,6 +115,9 @@ class Config:
     max_messages: int = attrs.field(default=256, validator=_positive)
     # seconds a WebSocket message may take from its first byte to its last (then close 1008)
     ws_message_timeout: float = attrs.field(default=30.0, validator=_positive_seconds)
+    # Seconds in-flight requests get to finish after SIGTERM/SIGINT before they are ended
+    # with finish_reason "shutdown".
+    shutdown_timeout: float = attrs.field(default=10.0, validator=_seconds)
     turboquant: str | None = attrs.field(default=None, validator=_turboquant)
     quantized_kv_start: int = attrs.field(default=0, validator=_non_negative)
     kv_quant: int | None = attrs.field(default=None, validator=_kv_quant)
@@ -107,7 +134,10 @@ class Config:
     allowed_origins: tuple[str, ...] = attrs.field(default=(), converter=_origins)
 
     def __attrs_post_init__(self) -> None:
+        if self.quantized_kv_start > 0 and self.kv_quant is not None and self.turboquant is None:
+            raise ValueError("--quantized-kv-start applies to TurboQuant only; --kv-quant "
+                             "quantizes from the first token")
         if self.default_max_tokens > self.max_tokens_cap:
             raise ValueError(
-                f"default-max-tokens ({self.default_max_tokens}) exceeds max-tokens-cap "
+                f"--default-max-tokens ({self.default_max_tokens}) exceeds --max-tokens-cap "
                 f"({self.max_tokens_cap})")

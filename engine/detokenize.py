@@ -1,11 +1,16 @@
 """Incremental detokenization and stop-string matching for one output stream.
 
-`TextStream.add(token)` returns the text delta that is now safe to send:
-* text is only released once it decodes to whole UTF-8 characters, so the deltas
-  concatenate to exactly `tokenizer.decode(tokens)` (no broken characters);
-* with stop strings, text that could still be the start of a stop string is held
-  back; when a stop string appears, the output ends just before it (the stop
-  string itself is never sent, as in the OpenAI API).
+`TextStream.add(token)` returns the text delta that is now safe to send. The rule:
+a token's delta is its own text (what it adds to `tokenizer.decode(tokens)`), held
+back only while
+* it ends in an incomplete UTF-8 character (the text decodes with a trailing U+FFFD), or
+* the output's tail could still be the start of a stop string: exactly the longest
+  suffix of the unreleased text that is a proper prefix of a stop string is held;
+and held text is released with the token that completes the character or rules the stop
+string out. So deltas concatenate to exactly `tokenizer.decode(tokens)` (no broken
+characters), and a frame never carries an earlier token's text when nothing was held.
+When a stop string appears, the output ends just before it (the stop string itself is
+never sent, as in the OpenAI API).
 """
 
 from __future__ import annotations
@@ -21,7 +26,6 @@ class TextStream:
     def __init__(self, tokenizer: Any, stop: Sequence[str] = ()) -> None:
         self._tokenizer = tokenizer
         self._stop = tuple(stop)
-        self._holdback = max((len(s) for s in self._stop), default=1) - 1
         self._tokens: list[int] = []
         self._prefix_offset = 0
         self._read_offset = 0
@@ -57,9 +61,18 @@ class TextStream:
             self.stopped = True
             out, self._pending = self._pending[:cut], ""
             return out
-        release = self._pending[: max(len(self._pending) - self._holdback, 0)]
-        self._pending = self._pending[len(release):]
+        keep = self._stop_prefix_start(self._pending)
+        release, self._pending = self._pending[:keep], self._pending[keep:]
         return release
+
+    def _stop_prefix_start(self, text: str) -> int:
+        """Where the longest suffix of `text` that is a proper prefix of a stop string
+        begins (len(text) when there is none)."""
+        for start in range(max(len(text) - max(len(s) for s in self._stop) + 1, 0), len(text)):
+            tail = text[start:]
+            if any(s.startswith(tail) and len(s) > len(tail) for s in self._stop):
+                return start
+        return len(text)
 
     def flush(self) -> str:
         """End of stream: release held-back text (no stop string can complete now)."""

@@ -325,6 +325,12 @@ class Runner:
         self._batch_cache = None
         self._pending = None
 
+    def close(self) -> None:
+        """Drop every row and wait for MLX work already started (a pipelined forward that
+        no step will read): nothing may still run in MLX's threads when the process exits."""
+        self.reset()
+        mx.synchronize()
+
     def kv_bytes(self) -> int:
         """Resident KV bytes: the batch cache plus every prefilling row's cache."""
         return _cache_nbytes(self._batch_cache) + sum(

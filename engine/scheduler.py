@@ -295,12 +295,13 @@ class SchedulerCore:
         row = self._rows.get(request_id)
         return row is not None and row.held
 
-    def cancel(self, request_id: str) -> list[Event]:
-        """Cancel a request wherever it is; unknown or finished ids are a no-op."""
+    def cancel(self, request_id: str, reason: str = "cancelled") -> list[Event]:
+        """Cancel a request wherever it is, finishing it with `reason`; unknown or
+        finished ids are a no-op."""
         row = self._rows.get(request_id)
         if row is None or row.state is RowState.FINISHED:
             return []
-        return [self._finish(row, "cancelled")]
+        return [self._finish(row, reason)]
 
     def active_ids(self) -> list[str]:
         """Every request not yet finished, queued ones included."""

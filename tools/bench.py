@@ -289,14 +289,17 @@ _COUNTS = {"new_tokens": (2, "tokens per request"), "concurrency": (1, "aggregat
 def build_parser() -> argparse.ArgumentParser:
     """The bench's flags (kept separate so `tqserve bench` can reuse them)."""
     d = Settings()
-    p = argparse.ArgumentParser(prog="tqserve bench", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="tqserve bench", description=__doc__.splitlines()[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", default=d.model, help="model dir (relative to the repo) or hub id")
-    p.add_argument("--dtype", default=d.dtype, choices=("float32", "bfloat16", "float16"))
+    p.add_argument("--dtype", default=d.dtype, choices=("float32", "bfloat16", "float16"),
+                   help="model dtype")
     for name, (minimum, what) in _COUNTS.items():
         p.add_argument("--" + name.replace("_", "-"), type=int,
-                       default=getattr(d, name), help=f"{what} (default {getattr(d, name)})")
+                       default=getattr(d, name), help=what)
     add_blas_flag(p)
-    p.add_argument("--out", type=Path, default=Path("bench-out/bench.json"))
+    p.add_argument("--out", type=Path, default=Path("bench-out/bench.json"),
+                   help="JSON results file")
     p.add_argument("--quick", action="store_true", help="tiny sizes (smoke test)")
     return p
 

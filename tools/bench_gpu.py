@@ -119,16 +119,20 @@ def table(report: dict[str, Any]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="tqserve bench-gpu", description=__doc__.splitlines()[0])
-    p.add_argument("--shape", default="qwen3-8b", choices=("qwen3-0.6b", "qwen3-8b", "bundled"))
-    p.add_argument("--model", default=None, help="a real model dir instead of --shape")
+    p = argparse.ArgumentParser(prog="tqserve bench-gpu", description=__doc__.splitlines()[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--shape", default="qwen3-8b", choices=("qwen3-0.6b", "qwen3-8b", "bundled"),
+                   help="random-weight model shape")
+    p.add_argument("--model", default=None,
+                   help="a real model dir instead of --shape (default: off)")
     p.add_argument("--dtype", default="auto",
                    help="auto: the model's dtype on a GPU, float32 on the CPU; random: bf16")
-    p.add_argument("--concurrency", default="1,8,32,64")
-    p.add_argument("--prompt-tokens", type=int, default=256)
-    p.add_argument("--new-tokens", type=int, default=128)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--out", type=Path, default=Path("bench-out/bench_gpu.json"))
+    p.add_argument("--concurrency", default="1,8,32,64", help="batch sizes, comma-separated")
+    p.add_argument("--prompt-tokens", type=int, default=256, help="tokens of each prompt")
+    p.add_argument("--new-tokens", type=int, default=128, help="tokens generated per request")
+    p.add_argument("--repeats", type=int, default=3, help="runs per figure (median)")
+    p.add_argument("--out", type=Path, default=Path("bench-out/bench_gpu.json"),
+                   help="JSON results file")
     args = p.parse_args(argv)
     report = run(args)
     args.out.parent.mkdir(parents=True, exist_ok=True)

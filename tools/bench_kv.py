@@ -149,18 +149,24 @@ def _table(report: dict[str, Any]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="tqserve bench-kv", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="tqserve bench-kv", description=__doc__.splitlines()[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--model", default="../shared/models/pycoder-29m")
-    src.add_argument("--shape", choices=sorted(SHAPES))
-    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
-    p.add_argument("--turboquant", default="k4v4")
+    src.add_argument("--model", default="../shared/models/pycoder-29m",
+                     help="model dir or hub id")
+    src.add_argument("--shape", choices=sorted(SHAPES),
+                     help="a random-weight model of this shape instead of --model (default: off)")
+    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
+                   help="model dtype")
+    p.add_argument("--turboquant", default="k4v4", help="TurboQuant scheme kXvY")
     p.add_argument("--contexts", type=lambda s: [int(x) for x in s.split(",")],
-                   default=[1024, 4096])
-    p.add_argument("--steps", type=int, default=32)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--prefill-chunk", type=int, default=2048)
-    p.add_argument("--out", type=Path, default=Path("bench-out/bench_kv.json"))
+                   default=[1024, 4096], help="context lengths, comma-separated")
+    p.add_argument("--steps", type=int, default=32, help="timed decode steps per run")
+    p.add_argument("--repeats", type=int, default=3, help="runs per figure (median)")
+    p.add_argument("--prefill-chunk", type=int, default=2048,
+                   help="prompt tokens per forward while filling the context")
+    p.add_argument("--out", type=Path, default=Path("bench-out/bench_kv.json"),
+                   help="JSON results file")
     args = p.parse_args(argv)
     if args.steps < 1 or args.repeats < 1 or min(args.contexts) < 1:
         p.error("--steps, --repeats and --contexts must be positive")

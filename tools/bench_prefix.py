@@ -239,13 +239,15 @@ def format_table(report: dict[str, Any]) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="tqserve bench-prefix", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="tqserve bench-prefix", description=__doc__.splitlines()[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", default=DEFAULT_MODEL, help="model dir (relative to the repo)")
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
-    p.add_argument("--prompt-tokens", type=int, default=2048)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                   help="model dtype")
+    p.add_argument("--prompt-tokens", type=int, default=2048, help="tokens of the prompt")
+    p.add_argument("--repeats", type=int, default=3, help="runs per figure (median)")
     add_blas_flag(p)
-    p.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON results file")
     p.add_argument("--quick", action="store_true", help="64-token prompts, 1 repeat (smoke)")
     p.add_argument("--index", action="store_true",
                    help="benchmark the PrefixIndex alone (no model): publish/lookup p50/p99")

@@ -309,9 +309,11 @@ def _ints(text: str) -> list[int]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the evaluation, write the --out JSON and --plot PNG, print the table."""
-    p = argparse.ArgumentParser(prog="tqserve eval-kv", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="tqserve eval-kv", description=__doc__.split("\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", default=DEFAULT_MODEL, help="model dir, relative to the repo root")
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                   help="model dtype")
     p.add_argument("--contexts", type=_ints, default=[512, 2048], help="scoring depths")
     p.add_argument("--score-tokens", type=int, default=256, help="scored positions per depth")
     p.add_argument("--windows", type=int, default=4, help="text windows scored")
@@ -319,9 +321,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--turboquant", default="k8v8,k8v3,k4v4,k3v3", help="TurboQuant specs")
     p.add_argument("--affine", type=_ints, default=[8, 4, 3], help="affine bit widths")
     p.add_argument("--codec-vectors", type=int, default=16384, help="unit vectors, codec table")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=Path, default=Path("bench-out/eval_kv.json"))
-    p.add_argument("--plot", type=Path, default=Path("bench-out/eval_kv_kl.png"))
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the TurboQuant rotations and codec-table vectors")
+    p.add_argument("--out", type=Path, default=Path("bench-out/eval_kv.json"),
+                   help="JSON results file")
+    p.add_argument("--plot", type=Path, default=Path("bench-out/eval_kv_kl.png"),
+                   help="PNG plot of KL by bits")
     args = p.parse_args(argv)
 
     loaded = load_model(REPO_ROOT / args.model, args.dtype)

@@ -117,7 +117,7 @@ def cache_factory_for(model: Any, turboquant: str | None, quantized_kv_start: in
         if kv_quant is None:
             return None
         if quantized_kv_start > 0:
-            raise ValueError("quantized-kv-start applies to TurboQuant only; kv-quant "
+            raise ValueError("--quantized-kv-start applies to TurboQuant only; --kv-quant "
                              "quantizes from the first token")
         factory = make_affine_cache_factory(kv_quant, kv_group_size)
         check_affine_head_dims(model, kv_group_size)

@@ -174,3 +174,80 @@ async def test_untokenizable_prompt_and_bad_ids_are_errors_not_exceptions(draft_
         assert bad_id[0].code == "invalid_request" and "request id" in bad_id[0].message
         assert bad_id[0].request_id is None
         assert [type(e) for e in await drain(engine, request(max_tokens=2))][-1] is Done
+
+
+LOOPING_PROMPT = "import os\n"  # greedy output loops on imports: no EOS for hundreds of tokens
+
+
+async def test_break_cancels_at_once_while_the_generation_is_still_referenced(draft_model):
+    async with open_engine(Config(), loaded=draft_model) as engine:
+        generation = engine.generate(request(max_tokens=2000, prompt=LOOPING_PROMPT), "kept")
+        async for event in generation:
+            if isinstance(event, Token) and event.index == 2:
+                steps_at_break = engine.statistics().steps
+                break
+        # `generation` is still referenced: nothing was garbage-collected or finalized
+        with trio.fail_after(60):  # a hang guard: without the cancel this waits ~2000 steps
+            await engine.wait_idle()
+        assert engine.statistics().steps - steps_at_break <= 2
+        assert engine.statistics().streams_open == 0
+        assert generation.request_id == "kept"
+
+
+@pytest.mark.parametrize("leave", ["break", "scope"])
+async def test_a_reused_id_gets_its_own_output_only(draft_model, leave):
+    async with open_engine(Config(), loaded=draft_model) as engine:
+        reference = await drain(engine, request(max_tokens=6), request_id="ref")
+        generation = engine.generate(request(max_tokens=2000, prompt=LOOPING_PROMPT), "x")
+        with trio.CancelScope() as scope:
+            async for event in generation:
+                if isinstance(event, Token) and event.index == 2:
+                    if leave == "break":
+                        break
+                    scope.cancel()
+        again = await drain(engine, request(max_tokens=6), request_id="x")
+        assert [type(e) for e in again] == [Queued] + [Token] * 6 + [Done], again
+        assert all(e.request_id == "x" for e in again)
+        assert [e.index for e in again if isinstance(e, Token)] == list(range(6))
+        assert [e.token_id for e in again if isinstance(e, Token)] == \
+            [e.token_id for e in reference if isinstance(e, Token)]
+        assert again[-1].finish_reason == "length" and again[-1].completion_tokens == 6
+        await engine.wait_idle()
+        assert engine.statistics().streams_open == 0
+
+
+async def test_shutdown_refuses_new_requests_and_ends_the_running_ones(draft_model):
+    async with open_engine(Config(), loaded=draft_model) as engine:
+        long, short = [], []
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(drain, engine, request(max_tokens=2000, prompt=LOOPING_PROMPT),
+                               long, "long")
+            assert await wait_until(lambda: any(isinstance(e, Token) for e in long))
+            report = await engine.shutdown(timeout=0)
+            refused = await drain(engine, request(), request_id="late")
+            nursery.start_soon(drain, engine, request(), short, "later")
+        assert (report.num_in_flight, report.num_ended) == (1, 1)
+        assert isinstance(long[-1], Done) and long[-1].finish_reason == "shutdown"
+        assert long[-1].completion_tokens == len([e for e in long if isinstance(e, Token)])
+        for events in (refused, short):
+            assert [type(e) for e in events] == [Error] and events[0].code == "shutting_down"
+        await engine.wait_idle()
+        assert engine.statistics().streams_open == 0
+
+
+def test_admission_control_refuses_everything_after_stop_admitting():
+    from actors.admission import SHUTTING_DOWN, AdmissionControl
+
+    control = AdmissionControl(max_queued_requests=4, max_queued_tokens=100)
+    assert control.try_admit("a", 5) is None
+    control.stop_admitting()
+    assert control.try_admit("b", 5) == SHUTTING_DOWN
+    assert control.statistics().num_queued == 1 and control.requests_rejected == 1
+
+
+async def test_a_generation_is_iterated_once(draft_model):
+    async with open_engine(Config(), loaded=draft_model) as engine:
+        generation = engine.generate(request(max_tokens=2))
+        assert isinstance([e async for e in generation][-1], Done)
+        with pytest.raises(RuntimeError, match="iterated once"):
+            [e async for e in generation]

@@ -48,10 +48,18 @@ async def test_stats_while_a_request_runs(server):
                          streams_open=0)
 
 
-async def test_unknown_paths(server):
+def assert_json_error(response: httpx.Response, status: int, code: str) -> None:
+    assert response.status_code == status, (response.url, response.status_code)
+    assert response.headers["content-type"].startswith("application/json"), response.text
+    error = response.json()["error"]
+    assert error["code"] == code and isinstance(error["message"], str) and error["message"]
+
+
+async def test_unknown_paths_and_methods_answer_json(server):
     async with httpx.AsyncClient() as client:
         for path in ("/nope", "/v1/statsx", "/v1/stream/x"):
-            response = await client.get(server.url + path)
-            assert response.status_code == 404, (path, response.status_code)
-        response = await client.post(server.url + "/health")
-        assert response.status_code == 405
+            assert_json_error(await client.get(server.url + path), 404, "not_found")
+        assert_json_error(await client.post(server.url + "/health"), 405,
+                          "method_not_allowed")
+        assert_json_error(await client.delete(server.url + "/v1/stats"), 405,
+                          "method_not_allowed")

@@ -5,11 +5,10 @@ A's, and B's prompt snapshot (published when B's prefill completed, before B con
 from __future__ import annotations
 
 import pytest
-import trio
 
 from actors.engine import open_engine
 from engine.config import Config
-from tests.e2e.test_prefix_cache import run_all
+from tests.e2e.test_prefix_cache import run_all, settle
 from engine.sampling import SamplingParams
 
 A = tuple(range(100, 110))                       # 10 tokens: stays plain (start 16)
@@ -29,7 +28,7 @@ async def test_boundary_respected_plain_donor_used(draft_model, tmp_path, tier):
                     cache_dir=str(tmp_path), ram_cache_bytes=1 if tier == "ssd" else 1 << 30)
     async with open_engine(config, loaded=draft_model) as engine:
         first = await run_all(engine, [(A, params(3)), (B, params(3))], 1)
-        await trio.sleep(0.3)  # the last spill is ordered on the step after B's release
+        await settle(engine)  # the last spill is ordered on the step after B's release
     if tier == "ram":  # (with a 1-byte budget A may still be on its way to disk)
         assert first[1][2].cached_tokens == 10  # B reused A's plain prefix
     async with open_engine(config, loaded=draft_model) as engine:

@@ -65,6 +65,30 @@ async def run_all(engine, requests, concurrency):
     return results
 
 
+SETTLE_POLLS = 2000  # bounded polling of the index while async writes land (a hang guard)
+BARRIER = (5, 6)    # a 2-token prompt no test request shares
+
+
+async def settle(engine) -> None:
+    """Wait until every spill ordered for the rows that finished so far is on disk.
+
+    An event wait, not a clock: a 2-token barrier request takes two engine steps: the first
+    releases and snapshots the finished rows, the second carries their spill orders, which
+    are written (or queued, --ssd-flush async) before its second token is sent. Queued
+    writes are then awaited by polling the index until nothing is SPILLING."""
+    from engine.prefix import Tier
+
+    barrier = GenerateRequest(prompt_tokens=BARRIER,
+                              params=SamplingParams(max_tokens=2, temperature=0.0))
+    events = [event async for event in engine.generate(barrier)]
+    assert isinstance(events[-1], Done) and events[-1].completion_tokens == 2, events[-1]
+    for _ in range(SETTLE_POLLS):
+        if not engine.prefix.index.keys(Tier.SPILLING) and not engine.prefix.has_orders():
+            return
+        await trio.sleep(0.005)
+    raise AssertionError("spills still in flight")
+
+
 def assert_same(got, want):
     for i, ((tokens, logprobs, _), (ref_tokens, ref_logprobs, _)) in enumerate(zip(got, want)):
         assert tokens == ref_tokens, i
@@ -109,7 +133,7 @@ async def _cold_ram_ssd_identical(draft_model, tmp_path, kv, flush, concurrency)
                     ssd_flush=flush, **kv)
     async with open_engine(config, loaded=draft_model) as engine:
         first = await run_all(engine, requests, concurrency)
-        await trio.sleep(0.2)  # let async spills land
+        await settle(engine)
         stats = engine.statistics().prefix_cache
     assert_same(first, want)
     assert stats.hits_ram > 0 and stats.spills > 0, stats

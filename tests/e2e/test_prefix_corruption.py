@@ -15,14 +15,13 @@ import struct
 from pathlib import Path
 
 import pytest
-import trio
 
 from actors.engine import open_engine
 from engine.config import Config
 from engine.model import DEFAULT_MODEL, load_model
 from storage import SnapshotError, SsdTier
 from storage.snapshot import CHECKSUM_BYTES, MAGIC
-from tests.e2e.test_prefix_cache import assert_same, build_prompts, cold, run_all
+from tests.e2e.test_prefix_cache import assert_same, build_prompts, cold, run_all, settle
 
 
 async def test_corrupt_files_quarantined_answers_unchanged(draft_model, tmp_path):
@@ -31,7 +30,7 @@ async def test_corrupt_files_quarantined_answers_unchanged(draft_model, tmp_path
     config = Config(max_batch=8, ram_cache_bytes=1, cache_dir=str(tmp_path))
     async with open_engine(config, loaded=draft_model) as engine:
         await run_all(engine, requests, 1)
-        await trio.sleep(0.3)
+        await settle(engine)
     files = sorted(tmp_path.glob("*.tqsnap"))
     assert len(files) >= 5
     header = bytearray(files[0].read_bytes())
@@ -67,7 +66,7 @@ async def _written(loaded, directory: Path, count: int) -> list[Path]:
     config = Config(max_batch=8, ram_cache_bytes=1, cache_dir=str(directory))
     async with open_engine(config, loaded=loaded) as engine:
         await run_all(engine, build_prompts(loaded.tokenizer)[:count], 1)
-        await trio.sleep(0.3)
+        await settle(engine)
     return sorted(directory.glob("*.tqsnap"))
 
 

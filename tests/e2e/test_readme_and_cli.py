@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import subprocess
@@ -49,14 +50,22 @@ def test_cli_generate_streams_text():
 
 @pytest.mark.parametrize("args,needle", [
     (["generate"], "--prompt"),
-    (["generate", "--prompt", "x", "--max-batch", "0"], "max-batch"),
+    (["generate", "--prompt", "x", "--max-batch", "0"], "--max-batch must"),
     (["generate", "--prompt", "x", "--max-tokens", "lots"], "--max-tokens"),
-    (["generate", "--prompt", "x", "--temperature", "-1"], "temperature"),
+    (["generate", "--prompt", "x", "--temperature", "-1"], "--temperature must"),
     (["generate", "--prompt", "x", "--model", "no/such/dir/anywhere"], "model"),
     (["generate", "--prompt", "x", "--dtype", "int4"], "--dtype"),
-    (["serve", "--port", "70000"], "port"),
-    (["generate", "--prompt", "x", "--cache-dir", "README.md"], "cache-dir"),
-    (["generate", "--prompt", "x", "--ram-cache-bytes", "-5"], "ram-cache-bytes"),
+    (["serve", "--port", "70000"], "--port must"),
+    (["generate", "--prompt", "x", "--cache-dir", "README.md"], "--cache-dir"),
+    (["generate", "--prompt", "x", "--ram-cache-bytes", "-5"], "--ram-cache-bytes must"),
+    (["serve", "--shutdown-timeout", "-1"], "--shutdown-timeout must"),
+    (["generate", "--prompt", "x", "--default-max-tokens", "5000"],
+     "--default-max-tokens (5000) exceeds --max-tokens-cap (4096)"),
+    (["generate", "--prompt", "x", "--kv-quant", "4", "--quantized-kv-start", "8"],
+     "--quantized-kv-start applies to TurboQuant only; --kv-quant"),
+    # checked before the model loads: the missing model is never reached
+    (["generate", "--prompt", "x", "--max-tokens", "5000", "--model", "no/such/dir"],
+     "--max-tokens (5000) exceeds --max-tokens-cap (4096)"),
     (["frobnicate"], "invalid choice"),
 ])
 def test_cli_bad_arguments_exit_2_with_one_line(args, needle):
@@ -65,6 +74,36 @@ def test_cli_bad_arguments_exit_2_with_one_line(args, needle):
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and needle in lines[0], result.stderr
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("command", ["serve", "generate"])
+def test_cli_help_describes_every_flag_with_its_default(command):
+    from api.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    result = run([sys.executable, "-m", "api.cli", command, "--help"])
+    assert result.returncode == 0, result.stderr
+    entries = {e.split()[0]: " ".join(e.split())
+               for e in re.split(r"\n  (?=-)", result.stdout.split("options:")[1]) if e.strip()}
+    numeric = [a for a in sub.choices[command]._actions if a.type in (int, float)]
+    assert len(numeric) >= 10
+    for action in numeric:
+        flag = action.option_strings[0]
+        assert action.help, f"{flag} has no description"
+        default = "off" if action.default is None else str(action.default)
+        assert f"(default: {default})" in entries[flag], entries[flag]
+    assert "--max-tokens-cap" in entries and "(default: 4096)" in entries["--max-tokens-cap"]
+
+
+@pytest.mark.parametrize("command", ["bench", "bench-kv", "bench-prefix", "bench-gpu", "eval-kv"])
+def test_tool_help_shows_every_default(command):
+    result = run([sys.executable, "-m", "api.cli", command, "--help"])
+    assert result.returncode == 0, result.stderr
+    entries = [" ".join(e.split())
+               for e in re.split(r"\n  (?=-)", result.stdout.split("options:")[1]) if e.strip()]
+    valued = [e for e in entries if re.match(r"--[\w-]+ [A-Z_{]", e)]  # flags taking a value
+    assert valued and all("(default:" in e for e in valued), \
+        [e for e in valued if "(default:" not in e]
 
 
 def test_serve_on_a_taken_port_is_a_one_line_error():

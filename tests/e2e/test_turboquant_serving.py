@@ -432,16 +432,17 @@ def test_cli_refuses_head_dim_96(tmp_path):
 
 @pytest.mark.parametrize("head_dim", [64, 256, 512])
 async def test_supported_head_dims_serve(tmp_path, head_dim):
+    """k8v8, two rows batched, serves the plain cache's greedy tokens (a divergence only at
+    a proven near tie of the plain run; measured: identical at 64/256/512, while k4v4
+    differs); k4v4 serves valid ids."""
     loaded = load_model(make_qwen3_dir(tmp_path, head_dim=head_dim), "float32")
     assert set(loaded.head_dims) == {head_dim}
     prompts = [PROMPTS[1], PROMPTS[2]]
-    async with open_engine(Config(turboquant="k4v4"), loaded=loaded) as engine:
-        outs: list[list[Token]] = [[], []]
-        async with trio.open_nursery() as nursery:
-            for prompt, out in zip(prompts, outs):
-                nursery.start_soon(collect, engine, prompt, greedy(12), out)
-        await engine.wait_idle()
-    for prompt, out in zip(prompts, outs):
-        tokens = [t.token_id for t in out]
+    plain = await run_alone(loaded, prompts, 12)
+    assert all(len(t) == 12 or t[-1] in loaded.eos_token_ids for t, _ in plain)
+    outcomes = judge(await run_batch(loaded, prompts, [12, 12], turboquant="k8v8"), plain,
+                     [12, 12])
+    assert outcomes["near_tie"] <= 1, outcomes
+    for tokens in await run_batch(loaded, prompts, [12, 12], turboquant="k4v4"):
         assert tokens and all(0 <= t < loaded.vocab_size for t in tokens)
         assert len(tokens) == 12 or tokens[-1] in loaded.eos_token_ids

@@ -45,3 +45,62 @@ def test_flush_releases_held_back_text_when_no_stop_completes(draft_model):
     stream = TextStream(tok, stop=("\n\nEND",))
     out = "".join(stream.add(t) for t in ids) + stream.flush()
     assert out == "abc\n" and not stream.stopped
+
+
+def released_by_spec(tok, ids, stops):
+    """The README's rule, computed from whole decodes: after token i the released text is
+    decode(ids[:i+1]) minus the longest suffix that is a proper prefix of a stop string;
+    a token whose text ends in an incomplete character releases nothing new; a stop
+    string ends the output before it."""
+    released = []
+    for i in range(len(ids)):
+        text = tok.decode(ids[: i + 1])
+        if text.endswith("\ufffd"):
+            released.append(released[-1] if released else "")
+            continue
+        hits = [text.find(s) for s in stops if s in text]
+        if hits:
+            released.append(text[: min(hits)])
+            break
+        hold = max((n for s in stops for n in range(1, len(s))
+                    if text.endswith(s[:n])), default=0)
+        released.append(text[: len(text) - hold])
+    return released
+
+
+STOP_SETS = [("\n\n",), ("return",), ("xyz", "+ 2"), ("ö", "日本語x"), ("\t\tq", "blank")]
+
+
+@pytest.mark.parametrize("stops", STOP_SETS)
+@pytest.mark.parametrize("text", TEXTS)
+def test_each_delta_is_its_own_tokens_text_unless_held(draft_model, text, stops):
+    tok = draft_model.tokenizer
+    ids = tok.encode(text)
+    stream = TextStream(tok, stop=stops)
+    deltas = []
+    for t in ids:
+        deltas.append(stream.add(t))
+        if stream.stopped:
+            break
+    if not stream.stopped:
+        deltas[-1] += stream.flush()
+    spec = released_by_spec(tok, ids, stops)
+    final = spec[-1] if stream.stopped else tok.decode(ids)
+    assert "".join(deltas) == final
+    for i, delta in enumerate(deltas[:-1]):
+        assert "".join(deltas[: i + 1]) == spec[i], (i, deltas[: i + 1])
+        own = tok.decode(ids[: i + 1]).removeprefix(tok.decode(ids[:i]))
+        held_before = len(spec[i - 1]) if i else 0
+        if held_before == len(tok.decode(ids[:i])) and spec[i] == tok.decode(ids[: i + 1]):
+            assert delta == own == tok.decode([ids[i]]), (i, delta, own)  # nothing held
+
+
+def test_stop_prefix_text_is_released_with_the_token_that_rules_it_out(draft_model):
+    tok = draft_model.tokenizer
+    stream = TextStream(tok, stop=("\n\n",))
+    a, newline, b = tok.encode("x")[0], tok.encode("\n")[0], tok.encode("y")[0]
+    assert stream.add(a) == "x"
+    assert stream.add(newline) == ""      # "\n" could start "\n\n": held
+    assert stream.add(b) == "\ny"         # ruled out: released with the token after it
+    assert stream.add(newline) == ""
+    assert stream.add(newline) == "" and stream.stopped

@@ -16,6 +16,7 @@ EXAMPLES = [
     m.Submit(request_id="r2", prompt_tokens=(4,), params=SamplingParams(),
              response_format=validate_response_format({"type": "regex", "pattern": "a|b"})),
     m.Cancel(request_id="r1"),
+    m.Cancel(request_id="r1", reason="shutdown"),
     m.Dequeued(request_id="r1", num_prompt_tokens=3),
     m.Lease(request_id="r1", row_id=0),
     m.Release(request_id="r1", row_id=0, reason="stop"),

@@ -119,3 +119,74 @@ def test_logprob_is_finite_and_negative():
                                             SamplingParams(logprobs=False, seed=2)))
     assert out.logprobs[0] <= 0 and math.isfinite(out.logprobs[0])
     assert out.logprobs[1] is None and out.top_logprobs == [None, None]
+
+
+# ---------------------------------------------- filtered and tempered distributions
+
+DIST_LOGITS = np.array([2.0, 1.6, 1.2, 0.9, 0.5, 0.2, -0.3, -0.8, -1.5, -2.5, -4.0, -6.0])
+CHI2_999 = [10.83, 13.82, 16.27, 18.47, 20.52, 22.46, 24.32, 26.12, 27.88, 29.59, 31.26]
+DRAWS_PER_ROW = 8   # one row draws this many tokens (its keys), ...
+ROWS = 500          # ... and this many seeded rows share one batched call: 4000 draws
+
+
+def exact_distribution(logits, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0):
+    """The engine's documented sampling distribution, computed here in float64: temper,
+    then keep the top_k largest, then the smallest prefix (by probability) whose mass
+    before each kept token is < top_p, then tokens with probability >= min_p * the
+    largest; renormalize after each step."""
+    z = logits / temperature
+    keep = np.ones(len(z), bool)
+    if top_k:
+        keep &= z >= np.sort(z)[::-1][top_k - 1]
+    p = np.where(keep, np.exp(z - z.max()), 0.0)
+    p /= p.sum()
+    if top_p < 1.0:
+        order = np.argsort(-p)
+        before = np.cumsum(p[order]) - p[order]
+        keep[order[before >= top_p]] = False
+        p = np.where(keep, p, 0.0)
+        p /= p.sum()
+    if min_p > 0.0:
+        keep &= p >= min_p * p.max()
+        p = np.where(keep, p, 0.0)
+        p /= p.sum()
+    return p
+
+
+def draw_counts(params_kw, seed_base):
+    logits = mx.array(np.tile(DIST_LOGITS.astype(np.float32), (ROWS, 1)))
+    batch = [RowSampler.create(SamplingParams(max_tokens=DRAWS_PER_ROW, seed=seed_base + i,
+                                              **params_kw), prompt=(1,)) for i in range(ROWS)]
+    counts = np.zeros(len(DIST_LOGITS))
+    for _ in range(DRAWS_PER_ROW):
+        for token in sample_rows(logits, batch).tokens:
+            counts[token] += 1
+    return counts
+
+
+@pytest.mark.parametrize("params_kw", [
+    dict(temperature=0.7),
+    dict(temperature=0.7, top_p=0.8),
+    dict(temperature=1.3, top_k=4),
+    dict(temperature=0.7, min_p=0.1),
+    dict(temperature=0.9, top_k=8, top_p=0.9, min_p=0.05),
+], ids=lambda kw: ",".join(f"{k}={v}" for k, v in kw.items()))
+def test_sampling_follows_the_exact_filtered_tempered_distribution(params_kw):
+    probs = exact_distribution(DIST_LOGITS, **params_kw)
+    counts = draw_counts(params_kw, seed_base=1000)
+    n = counts.sum()
+    assert n == ROWS * DRAWS_PER_ROW
+    assert counts[probs == 0].sum() == 0, (counts, probs)  # nothing outside the support
+    expected = n * probs
+    big = expected >= 5  # bins expecting fewer than 5 draws are pooled into one
+    observed = list(counts[big]) + ([counts[~big & (probs > 0)].sum()]
+                                    if (~big & (probs > 0)).any() else [])
+    wanted = list(expected[big]) + ([expected[~big & (probs > 0)].sum()]
+                                    if (~big & (probs > 0)).any() else [])
+    observed, wanted = np.array(observed), np.array(wanted)
+    assert len(wanted) >= 2
+    chi2 = (((observed - wanted) ** 2) / wanted).sum()
+    assert chi2 < CHI2_999[len(wanted) - 2], (chi2, observed, wanted)  # p = 0.001
+    # the test can tell: the same draws against the untempered, unfiltered softmax fail
+    plain = exact_distribution(DIST_LOGITS)
+    assert (((counts - n * plain) ** 2) / (n * plain)).sum() > CHI2_999[len(plain) - 2]
