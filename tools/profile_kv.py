@@ -3,8 +3,8 @@ affine KV, timed in isolation on the current device.
 
     python -m tools.profile_kv --contexts 8192,32768 --out bench-out/profile_kv.json
 
-Each piece is called `--layers` times (independent calls, like a model's layers) inside
-ONE evaluated graph, and that is repeated; the median per-call time (host graph building,
+Each piece is called `--layers` times (independent calls on distinct caches, like a
+model's layers) inside ONE evaluated graph, and that is repeated; the median per-call time (host graph building,
 launches and device time together) is reported in microseconds. Shapes are one Qwen3-8B
 layer: 32 query heads, 8 KV heads, head dim 128, bf16 queries, one row (--rows more).
 Needs only MLX and engine/.
@@ -20,14 +20,14 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 
-def _time(fn: Callable[[], Any], layers: int, repeats: int) -> float:
+def _time(fn: Callable[[int], Any], layers: int, repeats: int) -> float:
     import mlx.core as mx
 
-    mx.eval([fn() for _ in range(layers)])  # warm (JIT compiles)
+    mx.eval([fn(i) for i in range(layers)])  # warm (JIT compiles)
     runs = []
     for _ in range(repeats):
         tic = time.perf_counter()
-        mx.eval([fn() for _ in range(layers)])
+        mx.eval([fn(i) for i in range(layers)])
         runs.append((time.perf_counter() - tic) / layers * 1e6)
     return statistics.median(runs)
 
@@ -42,40 +42,48 @@ def profile(context: int, rows: int, layers: int, repeats: int) -> dict[str, flo
 
     heads, kv_heads, d, dt = 32, 8, 128, mx.bfloat16
     scale = d ** -0.5
-    key = mx.random.key(0)
-    k = mx.random.normal((rows, kv_heads, context, d), key=key).astype(dt)
+    ks = [mx.random.normal((rows, kv_heads, context, d), key=mx.random.key(i)).astype(dt)
+          for i in range(layers)]
+    mx.eval(ks)
     q = mx.random.normal((rows, heads, 1, d), key=mx.random.key(1)).astype(dt)
     new = mx.random.normal((rows, kv_heads, 1, d), key=mx.random.key(2)).astype(dt)
     out: dict[str, float] = {}
-    out["plain sdpa"] = _time(lambda: mx.fast.scaled_dot_product_attention(
-        q, k, k, scale=scale), layers, repeats)
-    cache = TurboQuantKVCache(4, 4, d, fused_decode=True)
-    cache.update_and_fetch(k, k)
-    fetched, _ = cache.update_and_fetch(new, new)
-    mx.eval(fetched.key_codes, fetched.key_norms, fetched.value_codes, fetched.value_norms)
-    codec = fetched.key_codec
+    out["plain sdpa"] = _time(lambda i: mx.fast.scaled_dot_product_attention(
+        q, ks[i], ks[i], scale=scale), layers, repeats)
+    caches, fetched = [], []
+    for k in ks:
+        cache = TurboQuantKVCache(4, 4, d, fused_decode=True)
+        cache.update_and_fetch(k, k)
+        caches.append(cache)
+        fetched.append(cache.update_and_fetch(new, new)[0])
+        mx.eval(fetched[-1].key_codes, fetched[-1].key_norms, fetched[-1].value_codes,
+                fetched[-1].value_norms)
+    del ks
+    codec, vcodec = fetched[0].key_codec, fetched[0].value_codec
     out["tq encode, codec graph (K+V)"] = _time(
-        lambda: (codec.encode(new), fetched.value_codec.encode(new)), layers, repeats)
+        lambda i: (codec.encode(new), vcodec.encode(new)), layers, repeats)
     out["tq rotate q + unrotate out (mx ops)"] = _time(
-        lambda: fetched.value_codec.unrotate(codec.rotate(q.astype(mx.float32))).astype(dt),
+        lambda i: vcodec.unrotate(codec.rotate(q.astype(mx.float32))).astype(dt),
         layers, repeats)
     out["tq attention, compiled ops"] = _with_env(
         cuda_decode.KERNEL_ENV, "0", lambda: _time(
-            lambda: attention._fused_attention(q, fetched, scale), layers, repeats))
+            lambda i: attention._fused_attention(q, fetched[i], scale), layers, repeats))
     if cuda_decode.available(d, heads // kv_heads):
         out["tq encode kernel (K+V)"] = _time(
-            lambda: cuda_decode.encode(new, new, codec, fetched.value_codec), layers, repeats)
-        out["tq attention kernels (attend + combine)"] = _time(
-            lambda: cuda_decode.decode_attention(q, fetched, scale), layers, repeats)
+            lambda i: cuda_decode.encode(new, new, codec, vcodec), layers, repeats)
+        out["tq attention kernel"] = _time(
+            lambda i: cuda_decode.decode_attention(q, fetched[i], scale), layers, repeats)
         out["tq layer: encode + append + attention"] = _time(
-            lambda: attention._fused_attention(q, cache.update_and_fetch(new, new)[0], scale),
-            layers, repeats)
+            lambda i: attention._fused_attention(
+                q, caches[i].update_and_fetch(new, new)[0], scale), layers, repeats)
+    del caches, fetched
     affine = AffineKVCache(8, 64)
-    affine.update_and_fetch(k, k)
+    filler = mx.random.normal((rows, kv_heads, context, d), key=mx.random.key(3)).astype(dt)
+    affine.update_and_fetch(filler, filler)
     ak, av = affine.update_and_fetch(new, new)
     mx.eval(ak, av)
     out["affine8 dequantize + sdpa"] = _time(
-        lambda: attention.affine_sdpa(q, ak, av, scale, None, 64, 8), layers, repeats)
+        lambda i: attention.affine_sdpa(q, ak, av, scale, None, 64, 8), layers, repeats)
     return out
 
 

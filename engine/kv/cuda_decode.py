@@ -1,20 +1,22 @@
 """TurboQuant encode and decode attention as CUDA kernels (mx.fast.cuda_kernel).
 
-Per layer and decode step the CUDA path launches three kernels, whatever the context:
+Per layer and decode step the CUDA path launches two kernels, whatever the context:
 
 * encode (`encode`): one block per new vector, keys and values in the same launch:
   normalize, randomized Hadamard rotation (shared-memory butterfly), nearest Lloyd-Max
   centroid (binary search over the boundaries), norm correction, bit packing. It replaces
   the codec's compiled graph (a dozen kernels per tensor on MLX-CUDA).
 * attention (`decode_attention`): flash-decoding over the packed planes. Grid: (row x KV
-  head, split); a block of 128 threads walks its split's positions in tiles of 128. Phase
-  one: each thread takes one position, reads its key codes once and scores it against ALL
-  query heads of the GQA group (queries in shared memory, so no cross-lane reduction per
-  position); a block max per tile keeps the online softmax. Phase two: each thread owns
-  output coordinates and sums the tile's values (codes unpacked in registers, centroids
-  in shared memory). The query rotation (Hadamard) is done once per block before the loop.
-* combine: one block per (row, query head) merges the splits' (max, sum, output) and
-  applies the inverse rotation, writing the output in the query dtype.
+  head, split); a block of 128 threads walks its split's positions in tiles of 128. The
+  query rotation (Hadamard butterfly in shared memory) is done once per block, before the
+  loop. Phase one: each thread takes one position, reads its key codes once and scores
+  it against ALL query heads of the GQA group (queries in shared memory, so no
+  cross-lane reduction per position); a block max per tile keeps the online softmax.
+  Phase two: each thread owns output coordinates and sums the tile's values (codes
+  unpacked in registers, centroids in shared memory). Each block writes its split's
+  (max, sum, output); the last block of a (row, KV head) to finish (an atomic counter
+  per (row, KV head), left at zero) merges the splits, applies the inverse rotation and
+  writes the output in the query dtype, so no separate combine step runs.
 
 The split count follows the context: about `_TARGET_BLOCKS` blocks in all, at least one
 tile per split. Kernels compile once per (head dim, group, bits, dtype): positions, splits
@@ -43,8 +45,8 @@ logger = logging.getLogger(__name__)
 
 KERNEL_ENV = "TQSERVE_TURBOQUANT_CUDA_KERNEL"  # "0": use the compiled mx ops on CUDA too
 _THREADS = 128  # threads per attention block = positions per tile
-_TARGET_BLOCKS = 528  # ~4 blocks per SM on an H100/H200 (132 SMs)
-_SHARED_LIMIT = 40 * 1024  # bytes of static shared memory the attention block may use
+_TARGET_BLOCKS = 1024  # ~8 blocks of 4 warps per SM on an H100/H200 (132 SMs)
+_SHARED_LIMIT = 46 * 1024  # bytes of static shared memory the attention block may use
 
 _HEADER = """
 #define TQ_INF __int_as_float(0x7f800000)
@@ -157,10 +159,12 @@ _ATTEND_SOURCE = """
     const int t_begin = max(meta[3 + row], split * split_len);
     const int t_end = min(meta[2], (split + 1) * split_len);
     __shared__ float qs[R][D];
-    __shared__ float ps[R][NT];
+    __shared__ __align__(16) float qt[D * R];  // qs transposed: one vector load per coord
+    __shared__ __align__(16) float ps[NT * R];  // p * norm_v of the tile, position-major
     __shared__ float kc[1 << KB];
     __shared__ float vc[1 << VB];
     __shared__ float red[NW];
+    __shared__ float redr[R * NW];
     for (int i = tid; i < (1 << KB); i += NT) kc[i] = key_cents[i];
     for (int i = tid; i < (1 << VB); i += NT) vc[i] = value_cents[i];
     const float qscale = params[0];
@@ -183,7 +187,7 @@ _ATTEND_SOURCE = """
     }
     __syncthreads();
     const float qmul = ROT ? qscale * rsqrtf((float)D) : qscale;
-    for (int i = tid; i < R * D; i += NT) qs[i / D][i % D] *= qmul;
+    for (int i = tid; i < R * D; i += NT) qt[(i % D) * R + i / D] = qs[i / D][i % D] * qmul;
     __syncthreads();
     float m[R], lsum[R], acc[R][NC];
     for (int r = 0; r < R; ++r) {
@@ -209,22 +213,28 @@ _ATTEND_SOURCE = """
                 for (int j = 0; j < 32; ++j) {
                     const float kv = kc[tq_code<KB>(w, j)];
                     #pragma unroll
-                    for (int r = 0; r < R; ++r) s[r] += qs[r][g * 32 + j] * kv;
+                    for (int r = 0; r < R; ++r) s[r] += qt[(g * 32 + j) * R + r] * kv;
                 }
             }
             const float kn = __half2float(key_norms[base + t]);
             for (int r = 0; r < R; ++r) s[r] *= kn;
             vn = __half2float(value_norms[base + t]);
         }
+        float wmax[R];  // one block-wide max per query head, all heads in one pass
+        for (int r = 0; r < R; ++r) wmax[r] = tq_warp_max(valid ? s[r] : -TQ_INF);
+        if ((tid & 31) == 0)
+            for (int r = 0; r < R; ++r) redr[r * NW + (tid >> 5)] = wmax[r];
+        __syncthreads();
         for (int r = 0; r < R; ++r) {
-            const float tile_max = tq_block_max<NW>(valid ? s[r] : -TQ_INF, red);
+            float tile_max = -TQ_INF;
+            for (int w = 0; w < NW; ++w) tile_max = fmaxf(tile_max, redr[r * NW + w]);
             const float mn = fmaxf(m[r], tile_max);
             const float corr = __expf(m[r] - mn);
             const float p = valid ? __expf(s[r] - mn) : 0.f;
             lsum[r] = lsum[r] * corr + p;
             for (int k = 0; k < NC; ++k) acc[r][k] *= corr;
             m[r] = mn;
-            ps[r][tid] = p * vn;
+            ps[tid * R + r] = p * vn;
         }
         __syncthreads();
         const int j_begin = max(t_begin, t0) - t0;
@@ -240,12 +250,13 @@ _ATTEND_SOURCE = """
                 uint32_t x = vw[(size_t)j * WV] >> sh;
                 if (two) x |= vw[(size_t)j * WV + 1] << (32 - sh);
                 const float v = vc[x & ((1u << VB) - 1u)];
-                for (int r = 0; r < R; ++r) acc[r][k] += ps[r][j] * v;
+                for (int r = 0; r < R; ++r) acc[r][k] += ps[j * R + r] * v;
             }
         }
         __syncthreads();
     }
-    const size_t out_base = ((size_t)bh * gridDim.y + split) * R;
+    const int nsplit = gridDim.y;
+    const size_t out_base = ((size_t)bh * nsplit + split) * R;
     for (int r = 0; r < R; ++r) {
         const float total = tq_block_sum<NW>(lsum[r], red);
         if (tid == 0) { part_max[out_base + r] = m[r]; part_sum[out_base + r] = total; }
@@ -254,30 +265,51 @@ _ATTEND_SOURCE = """
             if (c < D) part_acc[(out_base + r) * D + c] = acc[r][k];
         }
     }
-"""
-
-_COMBINE_SOURCE = """
-    // block (row x KV head, r); D threads; splits from the partials' shape
-    const int bhr = blockIdx.x;
-    const int c = threadIdx.x;
-    const int nsplit = (meta[2] + meta[1] - 1) / meta[1];
-    const int bh = bhr / R, r = bhr % R;
-    __shared__ float buf[D];
-    float top = -TQ_INF;
-    for (int s = 0; s < nsplit; ++s) top = fmaxf(top, part_max[((size_t)bh * nsplit + s) * R + r]);
-    float a = 0.f, l = 0.f;
-    for (int s = 0; s < nsplit; ++s) {
-        const size_t i = ((size_t)bh * nsplit + s) * R + r;
-        const float w = __expf(part_max[i] - top);
-        l += part_sum[i] * w;
-        a += part_acc[i * D + c] * w;
+    // The last block of this (row, KV head) to finish merges the splits (threadFenceReduction
+    // pattern). counters[bh] is zero between calls: that block resets it.
+    __shared__ bool is_last;
+    __threadfence();
+    __syncthreads();
+    if (tid == 0) {
+        unsigned int* cnt = const_cast<unsigned int*>(counters);
+        is_last = atomicAdd(&cnt[bh], 1u) == (unsigned int)(nsplit - 1);
     }
-    buf[c] = a / l;
+    __syncthreads();
+    if (!is_last) return;
+    __threadfence();
+    for (int i = tid; i < R * D; i += NT) {
+        const int r = i / D, c = i % D;
+        const size_t first = (size_t)bh * nsplit * R + r;
+        float top = -TQ_INF;
+        for (int sp = 0; sp < nsplit; ++sp) top = fmaxf(top, __ldcg(&part_max[first + sp * R]));
+        float a = 0.f, l = 0.f;
+        for (int sp = 0; sp < nsplit; ++sp) {
+            const size_t j = first + sp * R;
+            const float w = __expf(__ldcg(&part_max[j]) - top);
+            l += __ldcg(&part_sum[j]) * w;
+            a += __ldcg(&part_acc[j * D + c]) * w;
+        }
+        qs[r][c] = a / l;
+    }
     if (ROT) {
-        tq_hadamard<D>(buf, c);
-        buf[c] *= value_signs[c];
+        for (int h = 1; h < D; h <<= 1) {
+            __syncthreads();
+            for (int i = tid; i < R * D / 2; i += NT) {
+                const int r = i / (D / 2), j = i % (D / 2);
+                const int lo = (j / h) * 2 * h + (j % h);
+                const float a = qs[r][lo], b = qs[r][lo + h];
+                qs[r][lo] = a + b;
+                qs[r][lo + h] = a - b;
+            }
+        }
     }
-    out[(size_t)bhr * D + c] = static_cast<T>(buf[c]);
+    __syncthreads();
+    for (int i = tid; i < R * D; i += NT) {
+        const int r = i / D, c = i % D;
+        const float v = ROT ? qs[r][c] * rsqrtf((float)D) * value_signs[c] : qs[r][c];
+        out[((size_t)bh * R + r) * D + c] = static_cast<T>(v);
+    }
+    if (tid == 0) const_cast<unsigned int*>(counters)[bh] = 0u;
 """
 
 
@@ -285,7 +317,7 @@ def available(head_dim: int, group: int) -> bool:
     """True on MLX's CUDA backend (where mx.fast.cuda_kernel runs) for shapes that fit,
     unless TQSERVE_TURBOQUANT_CUDA_KERNEL=0."""
     cuda = getattr(mx, "cuda", None)
-    fits = group * (head_dim + _THREADS) * 4 + 2 * 256 * 4 <= _SHARED_LIMIT
+    fits = group * (2 * head_dim + _THREADS) * 4 + 2 * 256 * 4 <= _SHARED_LIMIT
     wanted = os.environ.get(KERNEL_ENV, "1").strip() != "0"
     return bool(wanted and fits and cuda is not None and cuda.is_available()
                 and mx.default_device() == mx.gpu)
@@ -294,13 +326,13 @@ def available(head_dim: int, group: int) -> bool:
 @functools.cache
 def _kernels() -> dict[str, Any]:
     outputs = {"encode": ["key_codes", "key_norms", "value_codes", "value_norms"],
-               "attend": ["part_max", "part_sum", "part_acc"], "combine": ["out"]}
+               "attend": ["part_max", "part_sum", "part_acc", "out"]}
     inputs = {"encode": ["keys", "values", "key_signs", "value_signs", "key_bounds",
                          "key_cents", "value_bounds", "value_cents"],
-              "attend": ["q", "key_signs", "params", "key_codes", "key_norms", "value_codes",
-                         "value_norms", "key_cents", "value_cents", "meta"],
-              "combine": ["part_max", "part_sum", "part_acc", "value_signs", "meta"]}
-    sources = {"encode": _ENCODE_SOURCE, "attend": _ATTEND_SOURCE, "combine": _COMBINE_SOURCE}
+              "attend": ["q", "key_signs", "value_signs", "params", "key_codes", "key_norms",
+                         "value_codes", "value_norms", "key_cents", "value_cents", "meta",
+                         "counters"]}
+    sources = {"encode": _ENCODE_SOURCE, "attend": _ATTEND_SOURCE}
     return {name: mx.fast.cuda_kernel(name=f"tqserve_turboquant_{name}",
                                       input_names=inputs[name], output_names=outputs[name],
                                       source=sources[name], header=_HEADER)
@@ -378,27 +410,42 @@ def decode_attention(queries: mx.array, kv: Any, scale: float) -> mx.array:
     num_splits = -(-end // split_len)
     starts = list(kv.left_padding) + [0] * (batch - len(kv.left_padding))
     kb, vb = kv.key_codec.bits, kv.value_codec.bits
-    meta = mx.array([span, split_len, end, *starts], dtype=mx.int32)
-    part_max, part_sum, part_acc = _kernels()["attend"](
-        inputs=[q, key_signs if rot else _ones(head_dim), _scalar(float(scale)),
-                kv.key_codes, kv.key_norms, kv.value_codes, kv.value_norms,
-                _tables(head_dim, kb)[1], _tables(head_dim, vb)[1], meta],
+    out_dtype = queries.dtype if rot else mx.float32
+    ones = _ones(head_dim)
+    *_, out = _kernels()["attend"](
+        inputs=[q, key_signs if rot else ones, value_signs if rot else ones,
+                _scalar(float(scale)), kv.key_codes, kv.key_norms, kv.value_codes,
+                kv.value_norms, _tables(head_dim, kb)[1], _tables(head_dim, vb)[1],
+                _meta(span, split_len, end, tuple(starts)), _counters(blocks)],
         template=[("D", head_dim), ("R", group), ("KB", kb), ("VB", vb),
                   ("WK", kv.key_codes.shape[-1]), ("WV", kv.value_codes.shape[-1]),
-                  ("HKV", num_kv_heads), ("NT", _THREADS), ("ROT", int(rot))],
+                  ("HKV", num_kv_heads), ("NT", _THREADS), ("ROT", int(rot)),
+                  ("T", out_dtype)],
         grid=(blocks * _THREADS, num_splits, 1), threadgroup=(_THREADS, 1, 1),
         output_shapes=[(blocks, num_splits, group), (blocks, num_splits, group),
-                       (blocks, num_splits, group, head_dim)],
-        output_dtypes=[mx.float32, mx.float32, mx.float32])
-    out_dtype = queries.dtype if rot else mx.float32
-    (out,) = _kernels()["combine"](
-        inputs=[part_max, part_sum, part_acc, value_signs if rot else _ones(head_dim), meta],
-        template=[("D", head_dim), ("R", group), ("ROT", int(rot)), ("T", out_dtype)],
-        grid=(blocks * group * head_dim, 1, 1), threadgroup=(head_dim, 1, 1),
-        output_shapes=[(batch, num_heads, 1, head_dim)], output_dtypes=[out_dtype])
+                       (blocks, num_splits, group, head_dim), (batch, num_heads, 1, head_dim)],
+        output_dtypes=[mx.float32, mx.float32, mx.float32, out_dtype])
     if rot:
         return out
     return kv.value_codec.unrotate(out).astype(queries.dtype)
+
+
+@functools.lru_cache(maxsize=16)
+def _meta(span: int, split_len: int, end: int, starts: tuple[int, ...]) -> mx.array:
+    """The attention kernel's int32 scalars; every layer of a step shares one array."""
+    return mx.array([span, split_len, end, *starts], dtype=mx.int32)
+
+
+@functools.cache
+def _counters_of(size: int) -> mx.array:
+    counters = mx.zeros((size,), dtype=mx.uint32)
+    mx.eval(counters)
+    return counters
+
+
+def _counters(blocks: int) -> mx.array:
+    """A zeroed uint32 array of >= `blocks` split counters; the kernel leaves it zeroed."""
+    return _counters_of(1 << max(blocks - 1, 0).bit_length())
 
 
 def warm_up(head_dims: dict[int, int], group: int, k_bits: int, v_bits: int,
