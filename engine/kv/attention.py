@@ -14,14 +14,16 @@ pair mlx-lm models pass on. `install_attention()` wraps mlx-lm's
 `scaled_dot_product_attention` and dispatches on that object, not on the `cache` argument:
 a Gemma-style KV-shared layer calls attention with its donor's (keys, values) and
 cache=None, and because the transform travels with the fetched object it still gets the
-rotated port. Everything else (plain arrays, affine-quantized caches) goes to the original.
+rotated port. On MLX's CUDA backend affine-quantized caches go to `affine_sdpa` (mlx-lm's
+quantized attention has no kernel there); everything else goes to the original.
 A delayed batch with plain and converted rows returns a `MixedRowsKV`: each group of rows
 is attended separately and the outputs are put back in batch order.
 
 Two implementations, selected per cache (see `fused_decode_from_env`):
 * plain: decode the rotated planes with the codec, `mx.fast.scaled_dot_product_attention`
   on the rotated query, unrotate. Used for every prefill (query length > 1).
-* fused (decode, query length 1): one `mx.compile`d function does unpack, centroid lookup,
+* fused (decode, query length 1): on MLX's CUDA backend the kernels of
+  engine/kv/cuda_decode.py; elsewhere one `mx.compile`d function does unpack, centroid lookup,
   scaled scores, mask, softmax and the value sum in float32. It is compiled per
   (bits, mask kind) and per shape (shapeless compile gave wrong results on MLX 0.32.4 when
   the key length changed); the CPU backend reuses its generated kernels across shapes.
