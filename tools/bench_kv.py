@@ -4,15 +4,17 @@
     python -m tools.bench_kv --shape qwen3-8b --contexts 8192,32768      # random weights (GPU)
 
 For each context length N: --rows rows (default 1) are prefilled with N random tokens
-(chunks of --prefill-chunk) for each scheme, then --steps greedy decode steps are timed
-(each step: forward of one token per row, argmax, mx.eval — the same loop for every
-scheme). Schemes (--schemes picks some): "plain", the mlx-lm cache (the baseline, in the
-model's dtype); TurboQuant --turboquant (default k4v4) "fused" (on CUDA the kernels of
-engine/kv/cuda_decode.py), "plain-ops", and on CUDA "fused-compiled-ops" (the compiled
-graph instead of the kernels); "affine8", --kv-quant 8 (TQSERVE_TURBOQUANT_FUSED_DECODE
-is read when a cache is built). Schemes run interleaved,
+(forwards of --prefill-chunk tokens over all rows) for each scheme, then --steps greedy
+decode steps are timed (each step: forward of one token per row, argmax, mx.eval — the
+same loop for every scheme). Schemes (--schemes picks some; plain always runs): "plain",
+the mlx-lm cache (the baseline, in the model's dtype); TurboQuant --turboquant (default
+k4v4) "fused" (on CUDA the kernels of engine/kv/cuda_decode.py), "plain-ops", and on CUDA
+"fused-compiled-ops" (the compiled graph instead of the kernels); "affine8", --kv-quant 8.
+TQSERVE_TURBOQUANT_FUSED_DECODE is read when a cache is built. Schemes run interleaved,
 --repeats times, median ms/step reported, with each scheme's ratio to the plain cache and
 its resident KV bytes. Needs only MLX and engine/ (no trio), so it runs on the lent GPU.
+On the H200 the 32-row figure of the README is
+`--shape qwen3-8b --contexts 16384 --rows 32 --schemes fused,fused-compiled-ops`.
 """
 
 from __future__ import annotations
@@ -91,9 +93,11 @@ def _measure(model: Any, cache_fn: Callable[[], list[Any]], context: int, steps:
 
     cache = cache_fn()
     tokens = mx.random.randint(0, vocab, (rows, context), key=mx.random.key(1))
-    for start in range(0, context, chunk):
-        model(tokens[:, start:start + chunk], cache=cache)
+    per_row = max(1, chunk // rows)  # a forward of ~`chunk` tokens over all rows
+    for start in range(0, context, per_row):
+        model(tokens[:, start:start + per_row], cache=cache)
         mx.eval([c.state for c in cache])
+        mx.clear_cache()  # growing caches leave buffers MLX-CUDA does not reuse
     y = mx.ones((rows, 1), dtype=mx.int32)
     for _ in range(3):  # warm the decode shapes
         y = mx.argmax(model(y, cache=cache)[:, -1, :], axis=-1, keepdims=True)
@@ -175,7 +179,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="comma-separated subset (plain always runs), e.g. fused,affine8")
     p.add_argument("--steps", type=int, default=32)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--prefill-chunk", type=int, default=2048)
+    p.add_argument("--prefill-chunk", type=int, default=2048,
+                   help="tokens per prefill forward, all rows together")
     p.add_argument("--out", type=Path, default=Path("bench-out/bench_kv.json"))
     args = p.parse_args(argv)
     if args.steps < 1 or args.repeats < 1 or args.rows < 1 or min(args.contexts) < 1:
