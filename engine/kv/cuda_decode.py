@@ -16,7 +16,9 @@ Per layer and decode step the CUDA path launches two kernels, whatever the conte
   unpacked in registers, centroids in shared memory). Each block writes its split's
   (max, sum, output); the last block of a (row, KV head) to finish (an atomic counter
   per (row, KV head), left at zero) merges the splits, applies the inverse rotation and
-  writes the output in the query dtype, so no separate combine step runs.
+  writes the output in the query dtype, so no separate combine step runs. The counters
+  are one module-level array per size, so attention kernels must not run on two streams
+  at once (the engine runs every MLX op on its one runner thread).
 
 The split count follows the context: about `_TARGET_BLOCKS` blocks in all, at least one
 tile per split. Kernels compile once per (head dim, group, bits, dtype): positions, splits
