@@ -3,14 +3,18 @@
     python -m tools.bench_kv --model ../shared/models/pycoder-29m --contexts 1024,4096
     python -m tools.bench_kv --shape qwen3-8b --contexts 8192,32768      # random weights (GPU)
 
-For each context length N: one row is prefilled with N random tokens (chunks of
---prefill-chunk) for each scheme, then --steps greedy decode steps are timed (each step:
-forward of one token, argmax, mx.eval — the same loop for every scheme). Schemes: the
-plain mlx-lm cache (the baseline, in the model's dtype), and TurboQuant --turboquant
-(default k4v4) with fused decode and with the plain operations
-(TQSERVE_TURBOQUANT_FUSED_DECODE is read when a cache is built). Schemes run interleaved,
+For each context length N: --rows rows (default 1) are prefilled with N random tokens
+(forwards of --prefill-chunk tokens over all rows) for each scheme, then --steps greedy
+decode steps are timed (each step: forward of one token per row, argmax, mx.eval — the
+same loop for every scheme). Schemes (--schemes picks some; plain always runs): "plain",
+the mlx-lm cache (the baseline, in the model's dtype); TurboQuant --turboquant (default
+k4v4) "fused" (on CUDA the kernels of engine/kv/cuda_decode.py), "plain-ops", and on CUDA
+"fused-compiled-ops" (the compiled graph instead of the kernels); "affine8", --kv-quant 8.
+TQSERVE_TURBOQUANT_FUSED_DECODE is read when a cache is built. Schemes run interleaved,
 --repeats times, median ms/step reported, with each scheme's ratio to the plain cache and
 its resident KV bytes. Needs only MLX and engine/ (no trio), so it runs on the lent GPU.
+On the H200 the 32-row figure of the README is
+`--shape qwen3-8b --contexts 16384 --rows 32 --schemes fused,fused-compiled-ops`.
 """
 
 from __future__ import annotations
@@ -49,18 +53,27 @@ def _random_model(shape: str, dtype: str) -> Any:
     return model
 
 
-def _schemes(turboquant: str) -> dict[str, tuple[str | None, str, str]]:
-    """scheme -> (turboquant, fused decode env, CUDA kernel env)."""
+def _schemes(turboquant: str, wanted: Sequence[str] | None) -> dict[str, tuple[Any, ...]]:
+    """scheme -> (turboquant, fused decode env, CUDA kernel env, affine bits)."""
     from engine.kv import cuda_decode
 
-    schemes = {"plain": (None, "1", "1"), f"{turboquant}-fused": (turboquant, "1", "1"),
-               f"{turboquant}-plain-ops": (turboquant, "0", "1")}
+    schemes: dict[str, tuple[Any, ...]] = {
+        "plain": (None, "1", "1", None), f"{turboquant}-fused": (turboquant, "1", "1", None),
+        f"{turboquant}-plain-ops": (turboquant, "0", "1", None),
+        "affine8": (None, "1", "1", 8)}
     if cuda_decode.available(128, 1):
-        schemes[f"{turboquant}-fused-compiled-ops"] = (turboquant, "1", "0")
+        schemes[f"{turboquant}-fused-compiled-ops"] = (turboquant, "1", "0", None)
+    if wanted:
+        unknown = [w for w in wanted if w not in schemes and f"{turboquant}-{w}" not in schemes]
+        if unknown:
+            raise ValueError(f"unknown schemes {unknown}; choose from {sorted(schemes)}")
+        schemes = {k: v for k, v in schemes.items()
+                   if k == "plain" or k in wanted or k.split("-", 1)[-1] in wanted}
     return schemes
 
 
-def _make_cache(model: Any, turboquant: str | None, fused: str, kernel: str) -> list[Any]:
+def _make_cache(model: Any, turboquant: str | None, fused: str, kernel: str,
+                affine: int | None = None) -> list[Any]:
     from mlx_lm.models.cache import make_prompt_cache
 
     from engine.kv.cuda_decode import KERNEL_ENV
@@ -68,21 +81,24 @@ def _make_cache(model: Any, turboquant: str | None, fused: str, kernel: str) -> 
 
     os.environ[FUSED_ENV] = fused
     os.environ[KERNEL_ENV] = kernel
-    factory = cache_factory_for(model, turboquant)
+    factory = cache_factory_for(model, turboquant, kv_quant=affine)
     return factory(model) if factory is not None else make_prompt_cache(model)
 
 
 def _measure(model: Any, cache_fn: Callable[[], list[Any]], context: int, steps: int,
-             chunk: int, vocab: int) -> tuple[float, int]:
-    """Prefill `context` random tokens, then time `steps` decode steps: (ms/step, kv bytes)."""
+             chunk: int, vocab: int, rows: int = 1) -> tuple[float, int]:
+    """Prefill `rows` x `context` random tokens, then time `steps` decode steps:
+    (ms/step, kv bytes)."""
     import mlx.core as mx
 
     cache = cache_fn()
-    tokens = mx.random.randint(0, vocab, (1, context), key=mx.random.key(1))
-    for start in range(0, context, chunk):
-        model(tokens[:, start:start + chunk], cache=cache)
+    tokens = mx.random.randint(0, vocab, (rows, context), key=mx.random.key(1))
+    per_row = max(1, chunk // rows)  # a forward of ~`chunk` tokens over all rows
+    for start in range(0, context, per_row):
+        model(tokens[:, start:start + per_row], cache=cache)
         mx.eval([c.state for c in cache])
-    y = mx.array([[1]])
+        mx.clear_cache()  # growing caches leave buffers MLX-CUDA does not reuse
+    y = mx.ones((rows, 1), dtype=mx.int32)
     for _ in range(3):  # warm the decode shapes
         y = mx.argmax(model(y, cache=cache)[:, -1, :], axis=-1, keepdims=True)
         mx.eval(y)
@@ -110,20 +126,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     else:
         loaded = load_model(args.model, args.dtype)
         model, name, vocab, dtype = loaded.model, loaded.path.name, loaded.vocab_size, loaded.dtype
-    schemes = _schemes(args.turboquant)
+    schemes = _schemes(args.turboquant, args.schemes)
     results: dict[str, Any] = {}
     for context in args.contexts:
         runs: dict[str, list[float]] = {s: [] for s in schemes}
         nbytes: dict[str, int] = {}
         for _ in range(args.repeats):
-            for scheme, (tq, fused, kernel) in schemes.items():
-                ms, nb = _measure(model, lambda: _make_cache(model, tq, fused, kernel), context,
-                                  args.steps, args.prefill_chunk, vocab)
+            for scheme, (tq, fused, kernel, affine) in schemes.items():
+                ms, nb = _measure(model, lambda: _make_cache(model, tq, fused, kernel, affine),
+                                  context, args.steps, args.prefill_chunk, vocab, args.rows)
                 runs[scheme].append(ms)
                 nbytes[scheme] = nb
         base = statistics.median(runs["plain"])
         results[str(context)] = {
-            scheme: {"ms_per_step": statistics.median(v), "tokens_per_s": 1000.0 / statistics.median(v),
+            scheme: {"ms_per_step": statistics.median(v), "tokens_per_s": args.rows * 1000.0 / statistics.median(v),
                      "ratio_vs_plain": base / statistics.median(v), "kv_bytes": nbytes[scheme],
                      "runs_ms": v}
             for scheme, v in runs.items()}
@@ -131,14 +147,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
                     "mlx": importlib.metadata.version("mlx"), "device": str(mx.default_device()),
                     "blas": os.environ.get("TQSERVE_BENCH_BLAS", "mlx default")},
-        "model": name, "dtype": dtype, "turboquant": args.turboquant, "steps": args.steps,
+        "model": name, "dtype": dtype, "turboquant": args.turboquant, "rows": args.rows,
+        "steps": args.steps,
         "repeats": args.repeats, "prefill_chunk": args.prefill_chunk, "results": results,
     }
 
 
 def _table(report: dict[str, Any]) -> str:
-    lines = [f"{report['model']} ({report['dtype']}, {report['machine']['device']}): "
-             "decode ms/step, tokens/s, ratio vs plain, KV MB",
+    lines = [f"{report['model']} ({report['dtype']}, {report['machine']['device']}, "
+             f"{report['rows']} rows): decode ms/step, tokens/s, ratio vs plain, KV MB",
              f"{'context':>8} {'scheme':<20} {'ms/step':>9} {'tok/s':>9} {'ratio':>7} {'KV MB':>9}"]
     for context, schemes in report["results"].items():
         for scheme, r in schemes.items():
@@ -161,16 +178,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--turboquant", default="k4v4", help="TurboQuant scheme kXvY")
     p.add_argument("--contexts", type=lambda s: [int(x) for x in s.split(",")],
                    default=[1024, 4096], help="context lengths, comma-separated")
+    p.add_argument("--rows", type=int, default=1, help="rows decoded together")
+    p.add_argument("--schemes", type=lambda s: [x for x in s.split(",") if x], default=None,
+                   help="comma-separated subset (plain always runs), e.g. fused,affine8")
     p.add_argument("--steps", type=int, default=32, help="timed decode steps per run")
     p.add_argument("--repeats", type=int, default=3, help="runs per figure (median)")
     p.add_argument("--prefill-chunk", type=int, default=2048,
-                   help="prompt tokens per forward while filling the context")
+                   help="tokens per prefill forward, all rows together")
     p.add_argument("--out", type=Path, default=Path("bench-out/bench_kv.json"),
                    help="JSON results file")
     args = p.parse_args(argv)
-    if args.steps < 1 or args.repeats < 1 or min(args.contexts) < 1:
-        p.error("--steps, --repeats and --contexts must be positive")
-    report = run(args)
+    if args.steps < 1 or args.repeats < 1 or args.rows < 1 or min(args.contexts) < 1:
+        p.error("--steps, --repeats, --rows and --contexts must be positive")
+    try:
+        report = run(args)
+    except ValueError as e:
+        p.error(str(e))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))
     print(_table(report))

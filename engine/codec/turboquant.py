@@ -266,6 +266,11 @@ class TurboQuantCodec:
             self._matrix = mx.array(matrix, dtype=mx.float32)
 
     @property
+    def hadamard_signs(self) -> mx.array | None:
+        """The +-1 diagonal D of a "hadamard" rotation R = H D (float32), else None."""
+        return self._signs if self.rotation == "hadamard" else None
+
+    @property
     def num_code_words(self) -> int:
         """uint32 words of codes per vector."""
         return self.head_dim * self.bits // 32

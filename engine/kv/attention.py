@@ -14,14 +14,16 @@ pair mlx-lm models pass on. `install_attention()` wraps mlx-lm's
 `scaled_dot_product_attention` and dispatches on that object, not on the `cache` argument:
 a Gemma-style KV-shared layer calls attention with its donor's (keys, values) and
 cache=None, and because the transform travels with the fetched object it still gets the
-rotated port. Everything else (plain arrays, affine-quantized caches) goes to the original.
+rotated port. On MLX's CUDA backend affine-quantized caches go to `affine_sdpa` (mlx-lm's
+quantized attention has no kernel there); everything else goes to the original.
 A delayed batch with plain and converted rows returns a `MixedRowsKV`: each group of rows
 is attended separately and the outputs are put back in batch order.
 
 Two implementations, selected per cache (see `fused_decode_from_env`):
 * plain: decode the rotated planes with the codec, `mx.fast.scaled_dot_product_attention`
   on the rotated query, unrotate. Used for every prefill (query length > 1).
-* fused (decode, query length 1): one `mx.compile`d function does unpack, centroid lookup,
+* fused (decode, query length 1): on MLX's CUDA backend the kernels of
+  engine/kv/cuda_decode.py; elsewhere one `mx.compile`d function does unpack, centroid lookup,
   scaled scores, mask, softmax and the value sum in float32. It is compiled per
   (bits, mask kind) and per shape (shapeless compile gave wrong results on MLX 0.32.4 when
   the key length changed); the CPU backend reuses its generated kernels across shapes.
@@ -161,23 +163,18 @@ def _fused_attention(queries: mx.array, kv: RotatedKV, scale: float) -> mx.array
     batch, num_heads, _, head_dim = queries.shape
     num_kv_heads = kv.key_codes.shape[1]
     repeats = num_heads // num_kv_heads
+    if cuda_decode.available(head_dim, repeats):
+        return cuda_decode.decode_attention(queries, kv, scale)
     rotated = kv.key_codec.rotate(queries.astype(mx.float32)) * scale
     rotated = rotated.reshape(batch, num_kv_heads, repeats, head_dim)
     span = min(kv.key_codes.shape[2], -(-kv.length // _FUSED_GRANULE) * _FUSED_GRANULE)
     key_codes, key_norms, value_codes, value_norms = (
         a[:, :, :span] for a in (kv.key_codes, kv.key_norms, kv.value_codes, kv.value_norms))
-    key_tables = _unpack_tables(head_dim, kv.key_codec.bits)
-    value_tables = _unpack_tables(head_dim, kv.value_codec.bits)
-    if cuda_decode.available(head_dim, repeats):
-        out = cuda_decode.decode_attention(
-            rotated, kv.key_codes, kv.key_norms, kv.value_codes, kv.value_norms, key_tables[0],
-            value_tables[0], kv.key_codec.bits,
-            kv.value_codec.bits, kv.left_padding, kv.length)
-    else:
-        attend = _fused_decode(kv.key_codec.bits, kv.value_codec.bits)
-        out = attend(rotated, key_codes, key_norms, value_codes, value_norms, key_tables,
-                     value_tables, mx.array(kv.left_padding, dtype=mx.int32),
-                     mx.array(kv.length, dtype=mx.int32))
+    attend = _fused_decode(kv.key_codec.bits, kv.value_codec.bits)
+    out = attend(rotated, key_codes, key_norms, value_codes, value_norms,
+                 _unpack_tables(head_dim, kv.key_codec.bits),
+                 _unpack_tables(head_dim, kv.value_codec.bits),
+                 mx.array(kv.left_padding, dtype=mx.int32), mx.array(kv.length, dtype=mx.int32))
     out = out.reshape(batch, num_heads, 1, head_dim)
     return kv.value_codec.unrotate(out).astype(queries.dtype)
 
@@ -222,6 +219,25 @@ def turboquant_sdpa(queries: mx.array, cache_state: RotatedKV | MixedRowsKV, sca
     return _plain_attention(queries, cache_state, scale, mask)
 
 
+def on_cuda() -> bool:
+    """True when MLX's default device is a GPU of its CUDA backend."""
+    cuda = getattr(mx, "cuda", None)
+    return bool(cuda is not None and cuda.is_available() and mx.default_device() == mx.gpu)
+
+
+def affine_sdpa(queries: mx.array, keys: tuple[mx.array, ...], values: tuple[mx.array, ...],
+                scale: float, mask: Any, group_size: int, bits: int) -> mx.array:
+    """Attention over affine-quantized (wq, scales, biases) K/V by dequantizing them
+    transiently and calling the fused SDPA: what `--kv-quant` uses on MLX's CUDA backend,
+    whose `quantized_matmul` has no kernel for mlx-lm's quantized attention shapes
+    ("No implementation for problem shape"). Same math as mlx-lm's path."""
+    k = mx.dequantize(*keys, group_size=group_size, bits=bits)
+    v = mx.dequantize(*values, group_size=group_size, bits=bits)
+    return mx.fast.scaled_dot_product_attention(queries, k.astype(queries.dtype),
+                                                v.astype(queries.dtype), scale=scale,
+                                                mask=mask)
+
+
 def _dispatching(original: Callable[..., mx.array]) -> Callable[..., mx.array]:
     def scaled_dot_product_attention(queries: mx.array, keys: Any, values: Any, cache: Any,
                                      scale: float, mask: Any, sinks: Any = None) -> mx.array:
@@ -229,6 +245,9 @@ def _dispatching(original: Callable[..., mx.array]) -> Callable[..., mx.array]:
             if sinks is not None:
                 raise ValueError("TurboQuant attention does not support attention sinks")
             return turboquant_sdpa(queries, keys, scale, mask)
+        if sinks is None and hasattr(cache, "bits") and isinstance(keys, tuple) and on_cuda():
+            return affine_sdpa(queries, keys, values, scale, mask, cache.group_size,
+                               cache.bits)
         return original(queries, keys, values, cache=cache, scale=scale, mask=mask,
                         sinks=sinks)
 
@@ -237,7 +256,8 @@ def _dispatching(original: Callable[..., mx.array]) -> Callable[..., mx.array]:
 
 
 def install_attention() -> None:
-    """Route mlx-lm attention over TurboQuant state to `turboquant_sdpa` (idempotent).
+    """Route mlx-lm attention over TurboQuant state to `turboquant_sdpa`, and over affine
+    caches on MLX's CUDA backend to `affine_sdpa` (idempotent).
 
     Replaces `mlx_lm.models.base.scaled_dot_product_attention` (model modules imported
     later bind the wrapper) and the copy bound in every `mlx_lm.models.*` module already

@@ -1,162 +1,205 @@
-"""TurboQuant decode attention as one CUDA kernel (mx.fast.cuda_kernel), split over keys.
+"""TurboQuant encode and decode attention as CUDA kernels (mx.fast.cuda_kernel).
 
-On MLX's CUDA backend the compiled-ops fused decode materializes the decoded keys and
-values in float32 between its elementwise part and its matmuls; this kernel never does.
-Grid: one block of 4 warps per (row, KV head, split); each warp walks its positions,
-unpacks the key and value codes of its lanes' coordinates (head_dim / 32 per lane),
-looks them up in the codebooks, and keeps an online softmax per query head of the GQA
-group. A block writes its split's (max, sum, unnormalized output); `decode_attention`
-combines the splits with plain mx ops. The math is the plain path's: scores are
-<R q, norm_k * c[code_k]> (queries pre-scaled), values norm_v * c[code_v], rotated basis.
+Per layer and decode step the CUDA path launches two kernels, whatever the context:
 
-Used only where `available()` (CUDA backend); the compiled mx path stays the fallback
-and the reference it is tested against.
+* encode (`encode`): one block per new vector, keys and values in the same launch:
+  normalize, randomized Hadamard rotation (shared-memory butterfly), nearest Lloyd-Max
+  centroid (binary search over the boundaries), norm correction, bit packing. It replaces
+  the codec's compiled graph (a dozen kernels per tensor on MLX-CUDA).
+* attention (`decode_attention`): flash-decoding over the packed planes. Grid: (row x KV
+  head, split); a block of 128 threads walks its split's positions in tiles of 128. The
+  query rotation (Hadamard butterfly in shared memory) is done once per block, before the
+  loop. Phase one: each thread takes one position, reads its key codes once and scores
+  it against ALL query heads of the GQA group (queries in shared memory, so no
+  cross-lane reduction per position); a block max per tile keeps the online softmax.
+  Phase two: each thread owns output coordinates and sums the tile's values (codes
+  unpacked in registers, centroids in shared memory). Each block writes its split's
+  (max, sum, output); the last block of a (row, KV head) to finish (an atomic counter
+  per (row, KV head), left at zero) merges the splits, applies the inverse rotation and
+  writes the output in the query dtype, so no separate combine step runs. The counters
+  are one module-level array per size, so attention kernels must not run on two streams
+  at once (the engine runs every MLX op on its one runner thread).
+
+The split count follows the context: about `_TARGET_BLOCKS` blocks in all, at least one
+tile per split. Kernels compile once per (head dim, group, bits, dtype): positions, splits
+and row starts travel as one int32 array, so a growing context never recompiles;
+`warm_up` builds them at engine start. The math is the compiled path's (scores
+<R q, norm_k c[code_k]> * scale, values norm_v c[code_v] in the rotated basis, float32),
+which stays the fallback and the reference it is tested against (tests/unit/test_kv_cuda.py).
+Used only where `available()` (MLX's CUDA backend); the "qr" rotation keeps its rotations
+as mx matmuls outside the kernels.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 import os
+import time
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 
-_WARPS = 4
-_TARGET_BLOCKS = 512  # enough blocks to fill an H100/H200's 132 SMs several times
+from engine.codec.turboquant import EncodedVectors, TurboQuantCodec, lloyd_max_codebook
+from engine.kv.cuda_sources import ATTEND_SOURCE, ENCODE_SOURCE, HEADER
 
-_SOURCE = """
-    const int lane = threadIdx.x & 31;
-    const int warp = threadIdx.x >> 5;
-    const int bh = blockIdx.x;
-    const int split = blockIdx.y;
-    const int nsplit = gridDim.y;
-    const int row = bh / HKV;
-    const int TSPAN = meta[0];
-    const int SPLIT_LEN = meta[1];
-    const int t_begin = max(meta[3 + row], split * SPLIT_LEN);
-    const int t_end = min(meta[2], (split + 1) * SPLIT_LEN);
-    const float* qrow = q + (size_t)bh * R * D;
-    float qv[R][NC];
-    for (int r = 0; r < R; ++r)
-        for (int j = 0; j < NC; ++j) qv[r][j] = qrow[r * D + lane * NC + j];
-    float m[R], l[R], acc[R][NC];
-    for (int r = 0; r < R; ++r) {
-        m[r] = -1e30f; l[r] = 0.f;
-        for (int j = 0; j < NC; ++j) acc[r][j] = 0.f;
-    }
-    for (int t = t_begin + warp; t < t_end; t += NWARPS) {
-        const size_t pos = (size_t)bh * TSPAN + t;
-        const uint32_t* kw = key_codes + pos * WK;
-        const uint32_t* vw = value_codes + pos * WV;
-        float kval[NC], vval[NC];
-        for (int j = 0; j < NC; ++j) {
-            const int c = lane * NC + j;
-            const int kbit = c * KB, vbit = c * VB;
-            uint64_t kx = kw[kbit >> 5];
-            if ((kbit & 31) + KB > 32) kx |= ((uint64_t)kw[(kbit >> 5) + 1]) << 32;
-            uint64_t vx = vw[vbit >> 5];
-            if ((vbit & 31) + VB > 32) vx |= ((uint64_t)vw[(vbit >> 5) + 1]) << 32;
-            kval[j] = key_centroids[(kx >> (kbit & 31)) & ((1u << KB) - 1)];
-            vval[j] = value_centroids[(vx >> (vbit & 31)) & ((1u << VB) - 1)];
-        }
-        const float kn = key_norms[pos];
-        const float vn = value_norms[pos];
-        for (int r = 0; r < R; ++r) {
-            float s = 0.f;
-            for (int j = 0; j < NC; ++j) s += qv[r][j] * kval[j];
-            for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffff, s, o);
-            s *= kn;
-            const float mn = fmaxf(m[r], s);
-            const float corr = __expf(m[r] - mn);
-            const float p = __expf(s - mn);
-            l[r] = l[r] * corr + p;
-            for (int j = 0; j < NC; ++j) acc[r][j] = acc[r][j] * corr + p * vn * vval[j];
-            m[r] = mn;
-        }
-    }
-    __shared__ float sm[NWARPS][R];
-    __shared__ float sl[NWARPS][R];
-    __shared__ float sacc[NWARPS][R][D];
-    for (int r = 0; r < R; ++r) {
-        if (lane == 0) { sm[warp][r] = m[r]; sl[warp][r] = l[r]; }
-        for (int j = 0; j < NC; ++j) sacc[warp][r][lane * NC + j] = acc[r][j];
-    }
-    __syncthreads();
-    const size_t out_base = ((size_t)bh * nsplit + split) * R;
-    for (int i = threadIdx.x; i < R * D; i += blockDim.x) {
-        const int r = i / D, c = i % D;
-        float mm = -1e30f;
-        for (int w = 0; w < NWARPS; ++w) mm = fmaxf(mm, sm[w][r]);
-        float a = 0.f, ll = 0.f;
-        for (int w = 0; w < NWARPS; ++w) {
-            const float f = __expf(sm[w][r] - mm);
-            a += sacc[w][r][c] * f;
-            ll += sl[w][r] * f;
-        }
-        part_acc[(out_base + r) * D + c] = a;
-        if (c == 0) { part_max[out_base + r] = mm; part_sum[out_base + r] = ll; }
-    }
-"""
-
-
-_SHARED_LIMIT = 40 * 1024  # bytes of static shared memory the combine step may use
-
+logger = logging.getLogger(__name__)
 
 KERNEL_ENV = "TQSERVE_TURBOQUANT_CUDA_KERNEL"  # "0": use the compiled mx ops on CUDA too
-
+_THREADS = 128  # threads per attention block = positions per tile
+_TARGET_BLOCKS = 1024  # ~8 blocks of 4 warps per SM on an H100/H200 (132 SMs)
+_SHARED_LIMIT = 46 * 1024  # bytes of static shared memory the attention block may use
 
 def available(head_dim: int, group: int) -> bool:
     """True on MLX's CUDA backend (where mx.fast.cuda_kernel runs) for shapes that fit,
     unless TQSERVE_TURBOQUANT_CUDA_KERNEL=0."""
     cuda = getattr(mx, "cuda", None)
-    fits = _WARPS * group * (head_dim + 2) * 4 <= _SHARED_LIMIT
+    fits = group * (2 * head_dim + _THREADS) * 4 + 2 * 256 * 4 <= _SHARED_LIMIT
     wanted = os.environ.get(KERNEL_ENV, "1").strip() != "0"
     return bool(wanted and fits and cuda is not None and cuda.is_available()
                 and mx.default_device() == mx.gpu)
 
 
 @functools.cache
-def _kernel() -> Any:
-    return mx.fast.cuda_kernel(
-        name="tqserve_turboquant_decode",
-        input_names=["q", "key_codes", "key_norms", "value_codes", "value_norms",
-                     "key_centroids", "value_centroids", "meta"],
-        output_names=["part_max", "part_sum", "part_acc"],
-        source=_SOURCE)
+def _kernels() -> dict[str, Any]:
+    outputs = {"encode": ["key_codes", "key_norms", "value_codes", "value_norms"],
+               "attend": ["part_max", "part_sum", "part_acc", "out"]}
+    inputs = {"encode": ["keys", "values", "key_signs", "value_signs", "key_bounds",
+                         "key_cents", "value_bounds", "value_cents"],
+              "attend": ["q", "key_signs", "value_signs", "params", "key_codes", "key_norms",
+                         "value_codes", "value_norms", "key_cents", "value_cents", "meta",
+                         "counters"]}
+    sources = {"encode": ENCODE_SOURCE, "attend": ATTEND_SOURCE}
+    return {name: mx.fast.cuda_kernel(name=f"tqserve_turboquant_{name}",
+                                      input_names=inputs[name], output_names=outputs[name],
+                                      source=sources[name], header=HEADER)
+            for name in sources}
 
 
-def decode_attention(q: mx.array, key_codes: mx.array, key_norms: mx.array,
-                     value_codes: mx.array, value_norms: mx.array, key_centroids: mx.array,
-                     value_centroids: mx.array, key_bits: int, value_bits: int,
-                     start: tuple[int, ...], end: int) -> mx.array:
-    """(B, Hkv, R, D) pre-scaled rotated queries over packed planes -> (B, Hkv, R, D).
+@functools.cache
+def _tables(head_dim: int, bits: int) -> tuple[mx.array, mx.array]:
+    """(boundaries, centroids) of the codebook as float32 device arrays."""
+    book = lloyd_max_codebook(head_dim, bits)
+    return (mx.array(book.boundaries, dtype=mx.float32),
+            mx.array(book.centroids, dtype=mx.float32))
 
-    Row b attends positions [start[b], end); the few scalars travel as one int32 array."""
-    batch, num_kv_heads, group, head_dim = q.shape
-    span = key_codes.shape[2]  # the whole allocation: contiguous, so nothing is copied
+
+@functools.cache
+def _ones(head_dim: int) -> mx.array:
+    return mx.ones((head_dim,), dtype=mx.float32)
+
+
+@functools.cache
+def _scalar(value: float) -> mx.array:
+    return mx.array([value], dtype=mx.float32)
+
+
+def _signs(codec: TurboQuantCodec) -> mx.array | None:
+    """The Hadamard rotation's +-1 diagonal, or None for a "qr" codec."""
+    return codec.hadamard_signs
+
+
+def can_encode(key_codec: TurboQuantCodec, value_codec: TurboQuantCodec) -> bool:
+    """Whether `encode` serves these codecs (Hadamard rotation, norm correction)."""
+    return (key_codec.hadamard_signs is not None and value_codec.hadamard_signs is not None
+            and key_codec.norm_correction and value_codec.norm_correction
+            and key_codec.head_dim == value_codec.head_dim
+            and available(key_codec.head_dim, 1))
+
+
+def encode(keys: mx.array, values: mx.array, key_codec: TurboQuantCodec,
+           value_codec: TurboQuantCodec) -> tuple[EncodedVectors, EncodedVectors]:
+    """Encode (..., D) keys and values in one launch: (codes, fp16 norms) of each, shaped
+    (..., W) and (..., 1) like the codec's `encode` (see `can_encode`)."""
+    lead = keys.shape[:-1]
+    d = key_codec.head_dim
+    n = int(np.prod(lead)) if lead else 1
+    kb, vb = key_codec.bits, value_codec.bits
+    outs = _kernels()["encode"](
+        inputs=[keys, values, key_codec.hadamard_signs, value_codec.hadamard_signs,
+                *_tables(d, kb), *_tables(d, vb)],
+        template=[("D", d), ("KB", kb), ("VB", vb)],
+        grid=(n * d, 2, 1), threadgroup=(d, 1, 1),
+        output_shapes=[(*lead, d * kb // 32), (*lead, 1), (*lead, d * vb // 32), (*lead, 1)],
+        output_dtypes=[mx.uint32, mx.float16, mx.uint32, mx.float16])
+    return EncodedVectors(outs[0], outs[1]), EncodedVectors(outs[2], outs[3])
+
+
+def _num_splits(blocks: int, end: int) -> int:
+    """Splits per (row, KV head): ~_TARGET_BLOCKS blocks in all, >= one tile each."""
+    return max(1, min(-(-_TARGET_BLOCKS // blocks), -(-max(end, 1) // _THREADS)))
+
+
+def decode_attention(queries: mx.array, kv: Any, scale: float) -> mx.array:
+    """(B, n_heads, 1, D) queries over a RotatedKV's planes -> (B, n_heads, 1, D) in the
+    queries' dtype, original basis. Row b attends positions [left_padding[b], length)."""
+    batch, num_heads, _, head_dim = queries.shape
+    num_kv_heads = kv.key_codes.shape[1]
+    group = num_heads // num_kv_heads
+    span = kv.key_codes.shape[2]  # the whole allocation: contiguous, so nothing is copied
+    key_signs, value_signs = _signs(kv.key_codec), _signs(kv.value_codec)
+    rot = key_signs is not None and value_signs is not None
+    q = queries if rot else kv.key_codec.rotate(queries.astype(mx.float32))
+    end = kv.length
     blocks = batch * num_kv_heads
-    num_splits = max(1, min(-(-_TARGET_BLOCKS // blocks), -(-max(end, 1) // 64)))
-    split_len = -(-end // num_splits)
-    part_max, part_sum, part_acc = _kernel()(
-        inputs=[q.astype(mx.float32), key_codes, key_norms.astype(mx.float32).reshape(
-            batch, num_kv_heads, span), value_codes, value_norms.astype(mx.float32).reshape(
-            batch, num_kv_heads, span), key_centroids, value_centroids,
-            mx.array([span, split_len, end, *start], dtype=mx.int32)],
-        template=[("D", head_dim), ("NC", head_dim // 32), ("R", group), ("KB", key_bits),
-                  ("VB", value_bits), ("WK", key_codes.shape[-1]), ("WV", value_codes.shape[-1]),
-                  ("HKV", num_kv_heads), ("NWARPS", _WARPS)],
-        grid=(blocks * 32 * _WARPS, num_splits, 1),
-        threadgroup=(32 * _WARPS, 1, 1),
+    num_splits = _num_splits(blocks, end)
+    split_len = -(-(-(-end // num_splits)) // _THREADS) * _THREADS
+    num_splits = -(-end // split_len)
+    starts = list(kv.left_padding) + [0] * (batch - len(kv.left_padding))
+    kb, vb = kv.key_codec.bits, kv.value_codec.bits
+    out_dtype = queries.dtype if rot else mx.float32
+    ones = _ones(head_dim)
+    *_, out = _kernels()["attend"](
+        inputs=[q, key_signs if rot else ones, value_signs if rot else ones,
+                _scalar(float(scale)), kv.key_codes, kv.key_norms, kv.value_codes,
+                kv.value_norms, _tables(head_dim, kb)[1], _tables(head_dim, vb)[1],
+                _meta(span, split_len, end, tuple(starts)), _counters(blocks)],
+        template=[("D", head_dim), ("R", group), ("KB", kb), ("VB", vb),
+                  ("WK", kv.key_codes.shape[-1]), ("WV", kv.value_codes.shape[-1]),
+                  ("HKV", num_kv_heads), ("NT", _THREADS), ("ROT", int(rot)),
+                  ("T", out_dtype)],
+        grid=(blocks * _THREADS, num_splits, 1), threadgroup=(_THREADS, 1, 1),
         output_shapes=[(blocks, num_splits, group), (blocks, num_splits, group),
-                       (blocks, num_splits, group, head_dim)],
-        output_dtypes=[mx.float32, mx.float32, mx.float32])
-    return _combine(part_max, part_sum, part_acc).reshape(batch, num_kv_heads, group, head_dim)
+                       (blocks, num_splits, group, head_dim), (batch, num_heads, 1, head_dim)],
+        output_dtypes=[mx.float32, mx.float32, mx.float32, out_dtype])
+    if rot:
+        return out
+    return kv.value_codec.unrotate(out).astype(queries.dtype)
 
 
-@mx.compile
-def _combine(part_max: mx.array, part_sum: mx.array, part_acc: mx.array) -> mx.array:
-    """Merge the splits' online-softmax partials: (blocks, splits, R[, D]) -> (blocks, R, D)."""
-    top = mx.max(part_max, axis=1, keepdims=True)
-    weight = mx.exp(part_max - top)
-    total = mx.sum(part_sum * weight, axis=1)
-    return mx.sum(part_acc * weight[..., None], axis=1) / total[..., None]
+@functools.lru_cache(maxsize=16)
+def _meta(span: int, split_len: int, end: int, starts: tuple[int, ...]) -> mx.array:
+    """The attention kernel's int32 scalars; every layer of a step shares one array."""
+    return mx.array([span, split_len, end, *starts], dtype=mx.int32)
+
+
+@functools.cache
+def _counters_of(size: int) -> mx.array:
+    counters = mx.zeros((size,), dtype=mx.uint32)
+    mx.eval(counters)
+    return counters
+
+
+def _counters(blocks: int) -> mx.array:
+    """A zeroed uint32 array of >= `blocks` split counters; the kernel leaves it zeroed."""
+    return _counters_of(1 << max(blocks - 1, 0).bit_length())
+
+
+def warm_up(head_dims: dict[int, int], group: int, k_bits: int, v_bits: int,
+            dtype: mx.Dtype, seed: int = 0) -> float:
+    """Build (JIT-compile) the kernels for these shapes now, so no request pays for it:
+    one encode and one decode step per distinct head dim. Returns the seconds spent."""
+    from engine.kv.turboquant import TurboQuantKVCache
+
+    tic = time.perf_counter()
+    for head_dim in sorted(set(head_dims.values())):
+        if not available(head_dim, group):
+            continue
+        cache = TurboQuantKVCache(k_bits, v_bits, head_dim, seed=seed, fused_decode=True)
+        kv = mx.zeros((1, 1, 2, head_dim), dtype=dtype) + 1
+        cache.update_and_fetch(kv, kv)
+        fetched, _ = cache.update_and_fetch(kv[:, :, :1], kv[:, :, :1])
+        q = mx.ones((1, group, 1, head_dim), dtype=dtype)
+        mx.eval(decode_attention(q, fetched, 1.0))
+    return time.perf_counter() - tic

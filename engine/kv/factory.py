@@ -27,9 +27,11 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+import mlx.core as mx
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from engine.codec.turboquant import MAX_BITS, MIN_BITS, SUPPORTED_HEAD_DIMS
+from engine.kv import cuda_decode
 from engine.kv.affine import AffineKVCache, check_affine_settings
 from engine.kv.attention import install_attention
 from engine.kv.delayed import DelayedTurboQuantKVCache
@@ -121,6 +123,7 @@ def cache_factory_for(model: Any, turboquant: str | None, quantized_kv_start: in
                              "quantizes from the first token")
         factory = make_affine_cache_factory(kv_quant, kv_group_size)
         check_affine_head_dims(model, kv_group_size)
+        install_attention()  # on MLX-CUDA affine attention dequantizes (affine_sdpa)
         return factory
     k_bits, v_bits = parse_turboquant(turboquant)
     check_head_dims(model)
@@ -128,7 +131,28 @@ def cache_factory_for(model: Any, turboquant: str | None, quantized_kv_start: in
     if kv_quant is not None:
         logger.warning("turboquant %s and kv-quant %d are mutually exclusive: using "
                        "TurboQuant, ignoring kv-quant", turboquant, kv_quant)
+    _warm_cuda_kernels(model, k_bits, v_bits)
     return make_turboquant_cache_factory(k_bits, v_bits, quantized_kv_start)
+
+
+def _warm_cuda_kernels(model: Any, k_bits: int, v_bits: int) -> None:
+    """On MLX's CUDA backend, build the TurboQuant kernels for this model's shapes now
+    (behind one log line), so that no request pays their JIT compile."""
+    if not cuda_decode.available(SUPPORTED_HEAD_DIMS[0], 1):
+        return
+    dims = check_head_dims(model)
+    if not dims:
+        return
+    attn = model.layers[next(iter(dims))].self_attn
+    heads, kv_heads = getattr(attn, "n_heads", None), getattr(attn, "n_kv_heads", None)
+    if not heads or not kv_heads:
+        return
+    proj = getattr(attn, "q_proj", None)
+    dtype = getattr(proj, "scales", getattr(proj, "weight", None))
+    dtype = dtype.dtype if dtype is not None else mx.bfloat16
+    seconds = cuda_decode.warm_up(dims, heads // kv_heads, k_bits, v_bits, dtype)
+    logger.info("TurboQuant k%dv%d CUDA kernels built in %.1f s (head dims %s, group %d, %s)",
+                k_bits, v_bits, seconds, sorted(set(dims.values())), heads // kv_heads, dtype)
 
 
 def _layer_replacing_factory(label: str, full_layers: Callable[[Any], dict[int, int]],

@@ -37,6 +37,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
 from engine.codec.turboquant import DEFAULT_ROTATION, TurboQuantCodec
+from engine.kv import cuda_decode
 from engine.kv.attention import RotatedKV, fused_decode_from_env
 from engine.kv.rows import (BatchRowsView, KvTensorRows, PlanesCache, SingleRowView,
                              row_indices)
@@ -118,8 +119,11 @@ class _TurboQuantCache(PlanesCache):
                              f"{keys.shape} and {values.shape}")
         if self.rows.empty and keys.shape[0] != self.rows.num_rows:
             self._reshape_empty(keys.shape[0])
-        k = self.config.key_codec.encode(keys)
-        v = self.config.value_codec.encode(values)
+        key_codec, value_codec = self.config.key_codec, self.config.value_codec
+        if cuda_decode.can_encode(key_codec, value_codec):
+            k, v = cuda_decode.encode(keys, values, key_codec, value_codec)
+        else:
+            k, v = key_codec.encode(keys), value_codec.encode(values)
         self.rows.append({"key_codes": k.codes, "key_norms": k.norms,
                           "value_codes": v.codes, "value_norms": v.norms})
         fetched = self.fetch()

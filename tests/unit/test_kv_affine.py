@@ -291,3 +291,22 @@ def test_cli_maps_kv_quant_flags() -> None:
         with pytest.raises(SystemExit) as exit_info:
             build_parser().parse_args(["serve", *bad])
         assert exit_info.value.code == 2
+
+
+@pytest.mark.parametrize("bits,group_size", [(8, 64), (4, 32), (8, 128)])
+@pytest.mark.parametrize("length,mask", [(1, None), (5, "causal")])
+def test_affine_sdpa_matches_mlx_lm_quantized_attention(bits, group_size, length, mask):
+    """affine_sdpa (what --kv-quant uses on MLX-CUDA) computes mlx-lm's quantized attention."""
+    from engine.kv.attention import affine_sdpa
+
+    cache = AffineKVCache(bits, group_size)
+    k = mx.random.normal((2, 2, 40, 128), key=mx.random.key(1))
+    v = mx.random.normal((2, 2, 40, 128), key=mx.random.key(2))
+    cache.update_and_fetch(k[:, :, :35], v[:, :, :35])
+    keys, values = cache.update_and_fetch(k[:, :, 35:35 + length], v[:, :, 35:35 + length])
+    queries = mx.random.normal((2, 8, length, 128), key=mx.random.key(3))
+    ours = affine_sdpa(queries, keys, values, 0.1, mask, group_size, bits)
+    reference = base.quantized_scaled_dot_product_attention(
+        queries, keys, values, scale=0.1, mask=mask, group_size=group_size, bits=bits)
+    assert ours.shape == reference.shape == queries.shape
+    assert np.max(np.abs(np.array(ours) - np.array(reference))) < 1e-4
