@@ -150,8 +150,9 @@ class Metrics:
         last = start
         tokens = 0
         end: Done | Error | None = None
+        stream = aiter(events)  # the loop's own iterator: closing it cancels an unfinished request
         try:
-            async for event in events:
+            async for event in stream:
                 now = trio.current_time()
                 if isinstance(event, Queued):
                     self._queued_at[engine_id] = now
@@ -169,7 +170,7 @@ class Metrics:
                 yield event
         finally:
             with trio.CancelScope(shield=True):
-                await events.aclose()  # type: ignore[attr-defined]  # cancels an unfinished request
+                await stream.aclose()  # type: ignore[attr-defined]
             self._queued_at.pop(engine_id, None)
             self.generation_tokens.inc(tokens)
             if isinstance(end, Done):

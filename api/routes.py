@@ -46,12 +46,13 @@ def register_http_apis(app: QuartTrio, engine: Engine) -> Metrics:
 
     @app.errorhandler(NotFound)
     async def not_found(exc: NotFound) -> Response:
-        return api_error(request.path, 404, f"no route {request.path}")
+        return api_error(request.path, 404, f"no route {request.path}", code="not_found")
 
     @app.errorhandler(MethodNotAllowed)
     async def not_allowed(exc: MethodNotAllowed) -> Response:
         response = api_error(request.path, 405,
-                             f"method {request.method} not allowed on {request.path}")
+                             f"method {request.method} not allowed on {request.path}",
+                             code="method_not_allowed")
         response.headers["Allow"] = ", ".join(sorted(exc.valid_methods or ()))
         return response
 

@@ -66,4 +66,6 @@ async def test_constrained_and_invalid_formats_on_one_socket(server, draft_model
         assert session.unrouted == []
         final = await wait_stats(client, server.url, rows_active=0, rows_queued=0, kv_bytes=0,
                                  streams_open=0)
-        assert (final["requests_total"], final["requests_rejected"]) == (4, 0)
+        refused = 2 * len(BAD)  # every invalid format is a counted refusal (issue 8)
+        assert (final["requests_total"], final["requests_rejected"]) == (4 + refused, refused)
+        assert final["rejections"] == {"invalid_request": refused}
