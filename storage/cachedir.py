@@ -45,14 +45,14 @@ def prepare_directory(directory: Path) -> None:
             pass
     info = os.stat(directory)
     if not stat.S_ISDIR(info.st_mode):
-        raise ValueError(f"cache-dir {str(directory)!r} is not a directory")
+        raise ValueError(f"--cache-dir {str(directory)!r} is not a directory")
     mode = stat.S_IMODE(info.st_mode)
     if mode & _UNSAFE_BITS:
         raise ValueError(
-            f"cache-dir {str(directory)!r} is group- or world-writable (mode {mode:04o}): "
+            f"--cache-dir {str(directory)!r} is group- or world-writable (mode {mode:04o}): "
             f"others could plant snapshot files; run chmod 700 on it")
     if info.st_uid != os.geteuid():
-        raise ValueError(f"cache-dir {str(directory)!r} belongs to uid {info.st_uid}, "
+        raise ValueError(f"--cache-dir {str(directory)!r} belongs to uid {info.st_uid}, "
                          f"not to this process (uid {os.geteuid()})")
 
 

@@ -43,20 +43,25 @@ async def wait_for(predicate, what: str) -> None:
 
 
 async def written(loaded, directory: Path, requests) -> dict[tuple[int, ...], Path]:
-    """Serve `requests` with every snapshot spilled; map each prompt to its own file."""
-    config = Config(max_batch=8, ram_cache_bytes=1, cache_dir=str(directory))
+    """Serve `requests` (write-through, sync); map each prompt to a file of its own: the
+    snapshot of the finished row, published at its release (the engine runs a step for it)."""
+    config = Config(max_batch=8, ram_cache_bytes=1, cache_dir=str(directory), ssd_flush="sync")
+
+    def files() -> dict[tuple[int, ...], Path]:
+        out = {}
+        for path in directory.glob("*.tqsnap"):
+            tokens = decode_header(path.read_bytes()).token_ids
+            for prompt, _ in requests:
+                if len(tokens) > len(prompt) and tokens[:len(prompt)] == prompt:
+                    out[prompt] = path
+        return out
+
     async with open_engine(config, loaded=loaded) as engine:
         await run_all(engine, requests, 1)
-        await wait_for(lambda: engine.statistics().prefix_cache.spills >= len(requests),
-                       "the spills")
-    files = {}
-    for path in directory.glob("*.tqsnap"):
-        tokens = decode_header(path.read_bytes()).token_ids
-        for prompt, _ in requests:
-            if tokens[:len(prompt)] == prompt:
-                files[prompt] = path
-    assert len(files) == len(requests)
-    return files
+        await wait_for(lambda: len(files()) == len(requests), "a file for every prompt")
+    found = files()
+    assert len(found) == len(requests)
+    return found
 
 
 def rewrite(path: Path, change) -> None:
@@ -147,7 +152,8 @@ async def test_forged_file_at_load_runs_cold_and_spares_its_batch_mate(draft_mod
     want = await cold(draft_model, requests)
     directory = tmp_path / "cache"
     files = await written(draft_model, directory, requests[:4] + requests[6:])
-    config = Config(max_batch=8, cache_dir=str(directory))  # new snapshots stay in RAM
+    # write-back: new snapshots stay in RAM, so the tier holds only the files written above
+    config = Config(max_batch=8, cache_dir=str(directory), ssd_write="back")
     async with open_engine(config, loaded=draft_model) as engine:
         assert engine.statistics().prefix_cache.ssd_entries == 6
         prompts = [prompt for prompt, _ in requests]
@@ -244,7 +250,7 @@ async def test_a_file_that_fails_to_restore_is_quarantined(draft_model, tmp_path
     """A load failure of any kind quarantines the file and the request runs cold: here a
     tier without the header validator, so the runner's own restore (a TurboQuant runner,
     for a plain-cache file) is what refuses it. Real files, real Runner, real PrefixCache."""
-    from actors.prefix_cache import PrefixCache
+    from actors.prefix_cache import LOADING, PrefixCache
     from engine.kv.factory import cache_factory_for
     from engine.runner import Runner
     from storage import SsdTier
@@ -263,7 +269,10 @@ async def test_a_file_that_fails_to_restore_is_quarantined(draft_model, tmp_path
                          runner_call=restore)
     await prefix.recover()
     assert prefix.statistics().ssd_entries == 1
-    assert await prefix.lookup("r1", requests[0][0]) is None  # runs cold
+    assert prefix.lookup("r1", requests[0][0]) == LOADING  # an SSD hit: load it
+    for key in prefix.loads_to_start():
+        await prefix.load(key)
+    assert prefix.take_ready() == [("r1", None)]  # the load failed: r1 runs cold
     stats = prefix.statistics()
     assert (stats.quarantined, stats.ssd_entries) == (1, 0), stats
     assert (directory / QUARANTINE_DIR / path.name).is_file() and not path.exists()
