@@ -16,8 +16,8 @@ from typing import Callable
 import attrs
 import trio
 
-from actors.mailbox import Inbox, Outbox
-from actors.messages import Cancel, Dequeued, Error, Queued, Submit
+from tqserve.actors.mailbox import Inbox, Outbox
+from tqserve.actors.messages import Cancel, Dequeued, Error, Queued, Submit
 
 SHUTTING_DOWN = "the server is shutting down; no new requests"
 

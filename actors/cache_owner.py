@@ -11,8 +11,8 @@ from __future__ import annotations
 import attrs
 import trio
 
-from actors.mailbox import Inbox
-from actors.messages import KvUsage, Lease, Release
+from tqserve.actors.mailbox import Inbox
+from tqserve.actors.messages import KvUsage, Lease, Release
 
 
 @attrs.frozen(kw_only=True)

@@ -35,28 +35,28 @@ from typing import AsyncIterator, Callable
 import attrs
 import trio
 
-from actors.admission import SHUTTING_DOWN, AdmissionControl, run_admission
-from actors.cache_owner import RowBooks, run_cache_owner
-from actors.generation import Generation
-from actors.hub import Hub, run_hub, run_overflow_cancels
-from actors.mailbox import Outbox, Recorder, open_mailbox
-from actors.messages import Cancel, Error, Event, Submit
-from actors.prefix_cache import (PrefixCache, PrefixCacheStatistics, header_validator,
+from tqserve.actors.admission import SHUTTING_DOWN, AdmissionControl, run_admission
+from tqserve.actors.cache_owner import RowBooks, run_cache_owner
+from tqserve.actors.generation import Generation
+from tqserve.actors.hub import Hub, run_hub, run_overflow_cancels
+from tqserve.actors.mailbox import Outbox, Recorder, open_mailbox
+from tqserve.actors.messages import Cancel, Error, Event, Submit
+from tqserve.actors.prefix_cache import (PrefixCache, PrefixCacheStatistics, header_validator,
                                  run_writer)
-from actors.runner_thread import RunnerThread
-from actors.scheduler import run_scheduler
-from engine.config import Config
-from engine.detokenize import TextStream
-from engine.kv.factory import cache_factory_for
-from engine.codec.turboquant import DEFAULT_ROTATION
-from engine.model import LoadedModel, load_model
-from engine.prefix import cache_namespace
-from engine.request import GenerateRequest
-from engine.runner import Runner
-from engine.scheduler import SchedulerCore
-from engine.snapshot import PlaneLayout
-from engine.structured import GrammarMasks
-from storage import SsdTier
+from tqserve.actors.runner_thread import RunnerThread
+from tqserve.actors.scheduler import run_scheduler
+from tqserve.engine.config import Config
+from tqserve.engine.detokenize import TextStream
+from tqserve.engine.kv.factory import cache_factory_for
+from tqserve.engine.codec.turboquant import DEFAULT_ROTATION
+from tqserve.engine.model import LoadedModel, load_model
+from tqserve.engine.prefix import cache_namespace
+from tqserve.engine.request import GenerateRequest
+from tqserve.engine.runner import Runner
+from tqserve.engine.scheduler import SchedulerCore
+from tqserve.engine.snapshot import PlaneLayout
+from tqserve.engine.structured import GrammarMasks
+from tqserve.storage import SsdTier
 
 log = logging.getLogger("tqserve.engine")
 

@@ -23,11 +23,11 @@ from typing import TYPE_CHECKING
 import attrs
 import trio
 
-from actors.messages import Done, Error, Event, Submit
-from engine.request import GenerateRequest
+from tqserve.actors.messages import Done, Error, Event, Submit
+from tqserve.engine.request import GenerateRequest
 
 if TYPE_CHECKING:
-    from actors.engine import Engine
+    from tqserve.actors.engine import Engine
 
 log = logging.getLogger("tqserve.engine")
 

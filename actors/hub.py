@@ -17,8 +17,8 @@ from __future__ import annotations
 import attrs
 import trio
 
-from actors.mailbox import Inbox, Outbox
-from actors.messages import Cancel, Done, Error, Event
+from tqserve.actors.mailbox import Inbox, Outbox
+from tqserve.actors.messages import Cancel, Done, Error, Event
 
 
 @attrs.frozen(kw_only=True)

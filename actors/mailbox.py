@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 import trio
 
-from actors.messages import decode, encode
+from tqserve.actors.messages import decode, encode
 
 Recorder = Callable[[str, bytes], None]
 

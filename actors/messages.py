@@ -16,8 +16,8 @@ from typing import Any
 import attrs
 import msgpack
 
-from engine.sampling import SamplingParams
-from engine.structured import ResponseFormat
+from tqserve.engine.sampling import SamplingParams
+from tqserve.engine.structured import ResponseFormat
 
 
 def _tuple_of_pairs(value: Any) -> tuple[tuple[int, float], ...] | None:

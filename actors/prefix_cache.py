@@ -51,10 +51,10 @@ from typing import Any
 import attrs
 import trio
 
-from engine.prefix import PrefixEntry, PrefixIndex, Tier
-from engine.scheduler import Finished, SpillPayload, StepPlan, StepResult
-from engine.snapshot import PlaneLayout
-from storage import SnapshotError, SnapshotHeader, SsdTier, snapshot_key
+from tqserve.engine.prefix import PrefixEntry, PrefixIndex, Tier
+from tqserve.engine.scheduler import Finished, SpillPayload, StepPlan, StepResult
+from tqserve.engine.snapshot import PlaneLayout
+from tqserve.storage import SnapshotError, SnapshotHeader, SsdTier, snapshot_key
 
 log = logging.getLogger("tqserve.prefix")
 WRITE_QUEUE = 8  # snapshots waiting for the disk in async mode; beyond it writes drop

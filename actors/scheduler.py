@@ -23,13 +23,13 @@ import logging
 
 import trio
 
-from actors.mailbox import Inbox, Outbox
-from actors.prefix_cache import LOADING, PrefixCache
-from actors.messages import (Cancel, Dequeued, Done, Error, KvUsage, Lease, Release,
+from tqserve.actors.mailbox import Inbox, Outbox
+from tqserve.actors.prefix_cache import LOADING, PrefixCache
+from tqserve.actors.messages import (Cancel, Dequeued, Done, Error, KvUsage, Lease, Release,
                              Submit, Token)
-from actors.runner_thread import RunnerThread
-from engine.runner import Runner
-from engine.scheduler import Event, Finished, SchedulerCore, Started, TokenOut
+from tqserve.actors.runner_thread import RunnerThread
+from tqserve.engine.runner import Runner
+from tqserve.engine.scheduler import Event, Finished, SchedulerCore, Started, TokenOut
 
 log = logging.getLogger("tqserve.scheduler")
 

@@ -24,10 +24,10 @@ from typing import Any, AsyncIterator
 from quart import Response, g, jsonify, request
 from quart_trio import QuartTrio
 
-from actors.engine import Engine
-from api.httpcommon import (SSE_HEADERS, ApiError, Body, Run, build_request, new_id,
+from tqserve.actors.engine import Engine
+from tqserve.api.httpcommon import (SSE_HEADERS, ApiError, Body, Run, build_request, new_id,
                             param_of, sse, start_run, text_of_content)
-from api.metrics import Metrics
+from tqserve.api.metrics import Metrics
 
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
                 403: "permission_error", 404: "not_found_error", 405: "invalid_request_error",

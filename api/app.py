@@ -28,13 +28,13 @@ from quart import jsonify, websocket
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
-from actors.engine import Engine
-from actors.messages import Error
-from api.playground import add_playground
-from api.metrics import Metrics
-from api.protocol import (CancelCommand, GenerateCommand, ProtocolError, decode_frame,
+from tqserve.actors.engine import Engine
+from tqserve.actors.messages import Error
+from tqserve.api.playground import add_playground
+from tqserve.api.metrics import Metrics
+from tqserve.api.protocol import (CancelCommand, GenerateCommand, ProtocolError, decode_frame,
                           encode_frame, parse_command)
-from api.routes import register_http_apis
+from tqserve.api.routes import register_http_apis
 
 log = logging.getLogger("tqserve.api")
 OUTGOING_FRAMES = 64  # frames waiting for the socket writer; a full queue backs up requests

@@ -23,8 +23,8 @@ from typing import Any, Callable
 from quart import Response, g, request, websocket
 from quart_trio import QuartTrio
 
-from api.httpcommon import new_id
-from api.metrics import Metrics
+from tqserve.api.httpcommon import new_id
+from tqserve.api.metrics import Metrics
 
 OPEN_PATHS = frozenset({"/health"})
 

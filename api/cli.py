@@ -21,11 +21,11 @@ from typing import TYPE_CHECKING, NoReturn, Sequence
 
 import trio
 
-from engine import blas
+from tqserve.engine import blas
 
 if TYPE_CHECKING:
-    from engine.config import Config
-    from engine.sampling import SamplingParams
+    from tqserve.engine.config import Config
+    from tqserve.engine.sampling import SamplingParams
 
 _INT_FLAGS = {  # Config field -> help; every one maps 1:1 onto engine.config.Config
     "max_batch": "rows decoding together in one batched forward",
@@ -67,9 +67,9 @@ class _Parser(argparse.ArgumentParser):
 
 def _config_flags(p: argparse.ArgumentParser, *, server: bool) -> None:
     # engine imports MLX: imported here, so that `tqserve bench --blas` can preload a BLAS
-    from engine.config import Config
-    from engine.kv.affine import KV_BITS, KV_GROUP_SIZES
-    from engine.model import DTYPES
+    from tqserve.engine.config import Config
+    from tqserve.engine.kv.affine import KV_BITS, KV_GROUP_SIZES
+    from tqserve.engine.model import DTYPES
 
     defaults = Config()
     p.add_argument("--model", default=defaults.model,
@@ -156,7 +156,7 @@ def _check_cache_dir(path: str) -> None:
     """Refuse an unusable or shared --cache-dir before the model loads (storage.cachedir)."""
     from pathlib import Path
 
-    from storage.cachedir import prepare_directory
+    from tqserve.storage.cachedir import prepare_directory
 
     try:
         prepare_directory(Path(path))
@@ -167,7 +167,7 @@ def _check_cache_dir(path: str) -> None:
 def _config(args: argparse.Namespace) -> Config:
     import attrs
 
-    from engine.config import Config
+    from tqserve.engine.config import Config
 
     fields = {f.name for f in attrs.fields(Config)}
     return Config(**{k: v for k, v in vars(args).items() if k in fields})
@@ -178,7 +178,7 @@ _GENERATE_FLAGS = ("max_tokens", "temperature", "seed")  # SamplingParams fields
 
 def _sampling(config: Config, args: argparse.Namespace) -> SamplingParams:
     """generate's sampling flags, checked before the model loads; errors name the flag."""
-    from engine.sampling import SamplingParams
+    from tqserve.engine.sampling import SamplingParams
 
     if args.max_tokens > config.max_tokens_cap:
         raise ValueError(f"--max-tokens ({args.max_tokens}) exceeds --max-tokens-cap "
@@ -202,9 +202,9 @@ def _report(line: str | None) -> None:
 
 async def _generate(config: Config, params: SamplingParams, args: argparse.Namespace,
                     blas_line: str | None = None) -> int:
-    from actors.engine import open_engine
-    from actors.messages import Error, Token
-    from engine.request import GenerateRequest
+    from tqserve.actors.engine import open_engine
+    from tqserve.actors.messages import Error, Token
+    from tqserve.engine.request import GenerateRequest
 
     request = GenerateRequest(prompt=args.prompt, params=params)
     async with open_engine(config) as engine:
@@ -226,7 +226,7 @@ async def _serve(config: Config, blas_line: str | None = None, record: str | Non
 
     Both signals go to a trio signal receiver for the whole run, so Ctrl-C never lands
     as a KeyboardInterrupt inside a request handler; a repeated signal changes nothing."""
-    from api.server import listen, serve
+    from tqserve.api.server import listen, serve
 
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
     logging.getLogger("tqserve.prefix").setLevel(logging.INFO)
@@ -271,9 +271,9 @@ def _leaves(group: BaseExceptionGroup) -> list[BaseException]:
     return out
 
 
-_TOOLS = {"replay": "tools.replay.cli", "bench": "tools.bench", "bench-kv": "tools.bench_kv",
-          "eval-kv": "tools.eval_kv", "bench-prefix": "tools.bench_prefix",
-          "bench-gpu": "tools.bench_gpu", "attack": "tools.attack"}
+_TOOLS = {"replay": "tqserve.tools.replay.cli", "bench": "tqserve.tools.bench", "bench-kv": "tqserve.tools.bench_kv",
+          "eval-kv": "tqserve.tools.eval_kv", "bench-prefix": "tqserve.tools.bench_prefix",
+          "bench-gpu": "tqserve.tools.bench_gpu", "attack": "tqserve.tools.attack"}
 
 
 def _blas_line(choice: str) -> str | None:

@@ -15,9 +15,9 @@ from typing import Any, AsyncIterator, Callable
 
 import attrs
 
-from actors.engine import Engine
-from actors.messages import Done, Error, Event, Queued, Token
-from engine.request import GenerateRequest
+from tqserve.actors.engine import Engine
+from tqserve.actors.messages import Done, Error, Event, Queued, Token
+from tqserve.engine.request import GenerateRequest
 
 RETRY_AFTER_SECONDS = 1  # what a 429 tells clients to wait: admission frees within a step or so
 # engine error codes -> HTTP status (anything else is our fault: 500)
@@ -135,7 +135,7 @@ def text_of_content(content: Any, where: str) -> str:
 
 def build_request(params: dict[str, Any], **prompt: Any) -> GenerateRequest:
     """GenerateRequest from checked fields; the engine's own ValueErrors become 400s."""
-    from engine.sampling import SamplingParams
+    from tqserve.engine.sampling import SamplingParams
 
     response_format = prompt.pop("response_format", None)
     try:

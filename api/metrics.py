@@ -21,9 +21,9 @@ from prometheus_client import (CollectorRegistry, Counter, Histogram, disable_cr
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from actors.engine import Engine
-from actors.messages import Done, Error, Event, Queued, Token
-from api.httpcommon import STATUS_BY_CODE
+from tqserve.actors.engine import Engine
+from tqserve.actors.messages import Done, Error, Event, Queued, Token
+from tqserve.api.httpcommon import STATUS_BY_CODE
 
 access_log = logging.getLogger("tqserve.access")
 disable_created_metrics()  # no `_created` series next to each counter/histogram (as vLLM)

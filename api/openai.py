@@ -22,13 +22,13 @@ from typing import Any, AsyncIterator, Callable
 from quart import Response, g, jsonify, request
 from quart_trio import QuartTrio
 
-from actors.engine import Engine
-from actors.messages import Token
-from api.httpcommon import (SSE_HEADERS, ApiError, Body, Run, build_request,
+from tqserve.actors.engine import Engine
+from tqserve.actors.messages import Token
+from tqserve.api.httpcommon import (SSE_HEADERS, ApiError, Body, Run, build_request,
                             new_id, sse, start_run, text_of_content,
                             token_text)
-from api.metrics import Metrics
-from engine.sampling import MAX_TOP_LOGPROBS
+from tqserve.api.metrics import Metrics
+from tqserve.engine.sampling import MAX_TOP_LOGPROBS
 
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
                 403: "permission_error", 404: "not_found_error", 405: "invalid_request_error",

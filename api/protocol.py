@@ -23,8 +23,8 @@ from typing import Any
 import attrs
 import msgpack
 
-from engine.request import GenerateRequest
-from engine.sampling import SamplingParams
+from tqserve.engine.request import GenerateRequest
+from tqserve.engine.sampling import SamplingParams
 
 MAX_ID_LENGTH = 128
 _SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p",

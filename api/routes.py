@@ -11,10 +11,10 @@ from quart import Response, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import MethodNotAllowed, NotFound
 
-from actors.engine import Engine
-from api import anthropic, auth, openai
-from api.httpcommon import ApiError
-from api.metrics import Metrics
+from tqserve.actors.engine import Engine
+from tqserve.api import anthropic, auth, openai
+from tqserve.api.httpcommon import ApiError
+from tqserve.api.metrics import Metrics
 
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 

@@ -19,11 +19,11 @@ from hypercorn.trio.run import worker_serve
 from hypercorn.utils import wrap_app
 import trio
 
-from actors.engine import ShutdownReport, open_engine
-from api.app import Connections, create_app
-from api.hardening import LimitedConfig, install
-from engine.config import Config
-from engine.model import LoadedModel
+from tqserve.actors.engine import ShutdownReport, open_engine
+from tqserve.api.app import Connections, create_app
+from tqserve.api.hardening import LimitedConfig, install
+from tqserve.engine.config import Config
+from tqserve.engine.model import LoadedModel
 
 # hypercorn's own hard cap: twice --max-message-bytes (at least 64 KiB over it). The app's
 # check (an error frame, the socket goes on) fires first; over this the socket closes, 1009.
@@ -80,7 +80,7 @@ async def serve(config: Config, *, loaded: LoadedModel | None = None,
     async with AsyncExitStack() as stack:
         recorder = None
         if record is not None:
-            from tools.replay.recorder import open_recorder
+            from tqserve.tools.replay.recorder import open_recorder
             recorder, _ = await stack.enter_async_context(open_recorder(
                 record, {"model": config.model, "config": attrs.asdict(config)}))
         engine = await stack.enter_async_context(

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import attrs
 
-from engine.kv.affine import KV_BITS, KV_GROUP_SIZES
-from engine.kv.factory import parse_turboquant
-from engine.model import DEFAULT_MODEL, DTYPES
+from tqserve.engine.kv.affine import KV_BITS, KV_GROUP_SIZES
+from tqserve.engine.kv.factory import parse_turboquant
+from tqserve.engine.model import DEFAULT_MODEL, DTYPES
 
 
 def _flag(attr: attrs.Attribute) -> str:

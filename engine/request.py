@@ -17,8 +17,8 @@ from typing import Any, Iterable
 
 import attrs
 
-from engine.sampling import MAX_TOKEN_ID, SamplingParams
-from engine.structured import ResponseFormat, validate_response_format
+from tqserve.engine.sampling import MAX_TOKEN_ID, SamplingParams
+from tqserve.engine.structured import ResponseFormat, validate_response_format
 
 ROLES = ("system", "user", "assistant", "tool")
 

@@ -46,12 +46,12 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 
-from engine.sampling import LazySample, RowSampler, build_sample, finalize_sample
-from engine.scheduler import RowOutput, SnapshotMade, SpillPayload, StepPlan, StepResult
-from engine.snapshot import (PlaneLayout, Snapshot, describe, extract_snapshot, from_planes,
+from tqserve.engine.sampling import LazySample, RowSampler, build_sample, finalize_sample
+from tqserve.engine.scheduler import RowOutput, SnapshotMade, SpillPayload, StepPlan, StepResult
+from tqserve.engine.snapshot import (PlaneLayout, Snapshot, describe, extract_snapshot, from_planes,
                              layer_kinds_text, plane_layout, row_from_snapshot, snapshot_kinds,
                              snapshot_of_row, to_planes)
-from engine.structured import GrammarMasks, RowGrammar
+from tqserve.engine.structured import GrammarMasks, RowGrammar
 
 CacheFactory = Callable[[Any], list[Any]]
 

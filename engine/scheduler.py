@@ -25,9 +25,9 @@ from typing import Callable, Iterable
 
 import attrs
 
-from engine.detokenize import TextStream
-from engine.sampling import SamplingParams
-from engine.structured import ResponseFormat
+from tqserve.engine.detokenize import TextStream
+from tqserve.engine.sampling import SamplingParams
+from tqserve.engine.structured import ResponseFormat
 
 
 class RowState(enum.Enum):

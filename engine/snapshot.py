@@ -38,12 +38,12 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
-from engine.kv.affine import AffineKVCache
-from engine.kv.affine import PLANES as AFFINE_PLANES
-from engine.kv.delayed import DelayedTurboQuantKVCache
-from engine.kv.rows import KvTensorRows
-from engine.kv.turboquant import PLANES as TQ_PLANES
-from engine.kv.turboquant import TurboQuantKVCache
+from tqserve.engine.kv.affine import AffineKVCache
+from tqserve.engine.kv.affine import PLANES as AFFINE_PLANES
+from tqserve.engine.kv.delayed import DelayedTurboQuantKVCache
+from tqserve.engine.kv.rows import KvTensorRows
+from tqserve.engine.kv.turboquant import PLANES as TQ_PLANES
+from tqserve.engine.kv.turboquant import TurboQuantKVCache
 
 PLAIN_PLANES = ("keys", "values")
 _DTYPES = {mx.float32: "float32", mx.float16: "float16", mx.bfloat16: "bfloat16",

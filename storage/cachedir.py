@@ -23,9 +23,9 @@ import stat
 from pathlib import Path
 from typing import BinaryIO
 
-from storage.snapshot import SnapshotError
+from tqserve.storage.snapshot import SnapshotError
 
-logger = logging.getLogger("storage.tier")
+logger = logging.getLogger("tqserve.storage.tier")
 
 QUARANTINE_DIR = "quarantine"
 DIRECTORY_MODE = 0o700

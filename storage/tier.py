@@ -31,11 +31,11 @@ from typing import Any
 import attrs
 import trio
 
-from storage.cachedir import (QUARANTINE_DIR, entry_is_regular, open_regular, prepare_directory,
+from tqserve.storage.cachedir import (QUARANTINE_DIR, entry_is_regular, open_regular, prepare_directory,
                               quarantine_entry)
-from storage.snapshot import (Plane, SnapshotError, SnapshotHeader, check_sizes, decode_header,
+from tqserve.storage.snapshot import (Plane, SnapshotError, SnapshotHeader, check_sizes, decode_header,
                               decode_snapshot, encode_snapshot, read_header)
-from storage.writer import (SNAPSHOT_SUFFIX, fsync_directory, is_temporary_name, snapshot_key,
+from tqserve.storage.writer import (SNAPSHOT_SUFFIX, fsync_directory, is_temporary_name, snapshot_key,
                             snapshot_path, validate_key, write_snapshot_file)
 
 logger = logging.getLogger(__name__)

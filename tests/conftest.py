@@ -8,8 +8,8 @@ from typing import Any, AsyncIterator
 import pytest
 import trio
 
-from engine.config import Config
-from engine.model import DEFAULT_MODEL, LoadedModel, load_model
+from tqserve.engine.config import Config
+from tqserve.engine.model import DEFAULT_MODEL, LoadedModel, load_model
 
 REPO = Path(__file__).resolve().parent.parent
 SHARED_MODELS = REPO.parent / "shared" / "models"
@@ -41,7 +41,7 @@ class Server:
 
 async def start_server(nursery: trio.Nursery, loaded: LoadedModel, **config: Any) -> Server:
     """Start a real hypercorn server with the given Config fields on port 0."""
-    from api.server import serve
+    from tqserve.api.server import serve
 
     cfg = Config(port=0, **config)
     url = await nursery.start(lambda task_status: serve(cfg, loaded=loaded,

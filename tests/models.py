@@ -16,7 +16,7 @@ from typing import Any
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from engine.model import DEFAULT_MODEL
+from tqserve.engine.model import DEFAULT_MODEL
 
 VOCAB = 8192  # the bundled tokenizer's vocabulary
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")

@@ -1,7 +1,7 @@
 """A bounded attack run against a tqserve on loopback; writes the figures as JSON.
 
-    python -m tools.attack --out bench-out/attack.json            # spawns its own server
-    python -m tools.attack --fuzz 200 --bombs 10 --oversize 10    # smaller
+    python -m tqserve.tools.attack --out bench-out/attack.json            # spawns its own server
+    python -m tqserve.tools.attack --fuzz 200 --bombs 10 --oversize 10    # smaller
 
 It starts `tqserve serve` (bundled model, default limits, except --ws-message-timeout,
 which the run shortens so that its waits stay short) as a subprocess on a loopback port,
@@ -34,7 +34,7 @@ from typing import Any
 
 import trio
 
-from tools.attack_phases import (Server, phase_cancels, phase_fuzz, phase_held, phase_memory,
+from tqserve.tools.attack_phases import (Server, phase_cancels, phase_fuzz, phase_held, phase_memory,
                                  phase_overload, phase_pings, phase_slow, phase_stall)
 
 PHASE_TIMEOUT = 120.0       # seconds any one phase may take before the run fails

@@ -19,7 +19,7 @@ from typing import Any
 import msgpack
 import trio
 
-from tools.rawws import (OP_BINARY, OP_CLOSE, OP_PING, OP_TEXT, FrameReader, connect,
+from tqserve.tools.rawws import (OP_BINARY, OP_CLOSE, OP_PING, OP_TEXT, FrameReader, connect,
                          deflate_bomb, frame, http_get, read_close, send_quietly)
 
 REPO = Path(__file__).resolve().parent.parent
@@ -40,7 +40,7 @@ class Server:
 
     def __init__(self, extra: list[str]) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "api.cli", "serve", "--port", "0", *extra], cwd=REPO,
+            [sys.executable, "-m", "tqserve.api.cli", "serve", "--port", "0", *extra], cwd=REPO,
             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         line = self.proc.stdout.readline() if self.proc.stdout else ""
         if " on http://" not in line:

@@ -1,6 +1,6 @@
 """tqserve vs mlx-lm on one model, dtype and BLAS, side by side in one process.
 
-    python -m tools.bench [--model PATH] [--dtype float32] [--blas PATH] [--quick] [--out FILE]
+    python -m tqserve.tools.bench [--model PATH] [--dtype float32] [--blas PATH] [--quick] [--out FILE]
 
 Figures, each per side and as the ratio tqserve / mlx-lm (DESIGN.md §5); t = token arrival:
   single           one request: (n - 1) / (t_last - t_first)
@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Sequence
 
-from engine import blas
+from tqserve.engine import blas
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_MODEL = "../shared/models/pycoder-29m"
@@ -145,9 +145,9 @@ def mlx_batch(loaded: Any, prompts: list[list[int]], n: int) -> list[Trace]:
 
 async def tq_request(engine: Any, prompt: list[int], n: int, trace: Trace) -> None:
     """One greedy request through Engine.generate, recording into `trace`."""
-    from actors.messages import Error, Token
-    from engine.request import GenerateRequest
-    from engine.sampling import SamplingParams
+    from tqserve.actors.messages import Error, Token
+    from tqserve.engine.request import GenerateRequest
+    from tqserve.engine.sampling import SamplingParams
 
     request = GenerateRequest(prompt_tokens=prompt,
                               params=SamplingParams(max_tokens=n, temperature=0.0))
@@ -215,8 +215,8 @@ def machine(settings: Settings) -> dict[str, Any]:
 async def _measure(settings: Settings, loaded: Any) -> dict[str, Any]:
     import attrs
 
-    from actors.engine import open_engine
-    from engine.config import Config
+    from tqserve.actors.engine import open_engine
+    from tqserve.engine.config import Config
 
     n, c = settings.new_tokens, settings.concurrency
     prompts = make_prompts(loaded.tokenizer, c, settings.decode_prompt_tokens)
@@ -246,7 +246,7 @@ def run_bench(settings: Settings) -> dict[str, Any]:
     """Load the model once and measure every figure; return the JSON report."""
     import trio
 
-    from engine.model import load_model
+    from tqserve.engine.model import load_model
 
     in_repo = REPO_ROOT / settings.model
     loaded = load_model(in_repo if in_repo.exists() else settings.model, settings.dtype)

@@ -1,7 +1,7 @@
 """tqserve vs mlx-lm at GPU scale: random-weight Qwen3 shapes, B1..B64, one process.
 
-    python -m tools.bench_gpu --shape qwen3-8b --concurrency 1,8,32,64 --out bench-out/gpu.json
-    python -m tools.bench_gpu --shape bundled --concurrency 1,8     # real weights: same tokens?
+    python -m tqserve.tools.bench_gpu --shape qwen3-8b --concurrency 1,8,32,64 --out bench-out/gpu.json
+    python -m tqserve.tools.bench_gpu --shape bundled --concurrency 1,8     # real weights: same tokens?
 
 For each concurrency C (prompts of --prompt-tokens ids, --new-tokens greedy tokens, EOS
 ignored), tools.bench's drivers run tqserve embedded (open_engine) against mlx-lm's
@@ -23,7 +23,7 @@ import json
 from pathlib import Path
 from typing import Any, Sequence
 
-from tools.bench import (Settings, Trace, compare, decode_rate, machine, make_prompts, mlx_batch,
+from tqserve.tools.bench import (Settings, Trace, compare, decode_rate, machine, make_prompts, mlx_batch,
                          mlx_stream, tq_batch)
 
 
@@ -36,8 +36,8 @@ def _loaded(shape: str, model: str | None, dtype: str) -> Any:
     import attrs
     import mlx.core as mx
 
-    from engine.model import DEFAULT_MODEL, load_model
-    from tools.bench_kv import SHAPES, _random_model
+    from tqserve.engine.model import DEFAULT_MODEL, load_model
+    from tqserve.tools.bench_kv import SHAPES, _random_model
 
     if model is not None:
         return load_model(model, dtype)
@@ -56,8 +56,8 @@ async def _measure(loaded: Any, levels: list[int], prompt_tokens: int, n: int,
                    repeats: int) -> dict[str, Any]:
     import attrs
 
-    from actors.engine import open_engine
-    from engine.config import Config
+    from tqserve.actors.engine import open_engine
+    from tqserve.engine.config import Config
 
     top = max(levels)
     prompts = make_prompts(loaded.tokenizer, top, prompt_tokens)

@@ -1,6 +1,6 @@
 """Structured output cost: grammar mask time per decode step next to the step time.
 
-    python -m tools.bench_grammar [--model PATH] [--batch 1 8] [--steps N] [--blas PATH] [--out FILE]
+    python -m tqserve.tools.bench_grammar [--model PATH] [--batch 1 8] [--steps N] [--blas PATH] [--out FILE]
 
 For each batch size B, B rows decode `steps` steps after joining, three ways, interleaved
 per repeat (medians over repeats):
@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from tools.bench import REPO_ROOT, Settings, add_blas_flag, load_blas, machine, make_prompts
+from tqserve.tools.bench import REPO_ROOT, Settings, add_blas_flag, load_blas, machine, make_prompts
 
 DEFAULT_MODEL = "../shared/models/pycoder-29m"
 MODES = ("free", "json", "json_inline")
@@ -40,11 +40,11 @@ SCHEMA = {"type": "object", "properties": {"items": {
 
 def _run(loaded: Any, batch: int, steps: int, mode: str, prompts: list[list[int]],
          seed: int) -> dict[str, Any]:
-    from engine.detokenize import TextStream
-    from engine.runner import Runner
-    from engine.sampling import SamplingParams
-    from engine.scheduler import SchedulerCore
-    from engine.structured import GrammarMasks, validate_response_format
+    from tqserve.engine.detokenize import TextStream
+    from tqserve.engine.runner import Runner
+    from tqserve.engine.sampling import SamplingParams
+    from tqserve.engine.scheduler import SchedulerCore
+    from tqserve.engine.structured import GrammarMasks, validate_response_format
 
     masks = GrammarMasks(loaded.tokenizer, loaded.vocab_size, loaded.eos_token_ids,
                          inline=mode == "json_inline")
@@ -86,7 +86,7 @@ def _run(loaded: Any, batch: int, steps: int, mode: str, prompts: list[list[int]
 def run_bench(model: str, dtype: str, batches: Sequence[int], steps: int, repeats: int,
               blas: str) -> dict[str, Any]:
     """Measure every mode at every batch size; return the JSON report."""
-    from engine.model import load_model
+    from tqserve.engine.model import load_model
 
     in_repo = REPO_ROOT / model
     loaded = load_model(in_repo if in_repo.exists() else model, dtype)
@@ -130,7 +130,7 @@ def format_table(report: dict[str, Any]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse flags, load --blas, run, write JSON to --out and print the table."""
-    p = argparse.ArgumentParser(prog="python -m tools.bench_grammar",
+    p = argparse.ArgumentParser(prog="python -m tqserve.tools.bench_grammar",
                                 description=__doc__.splitlines()[0])
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))

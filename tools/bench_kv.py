@@ -1,7 +1,7 @@
 """Decode speed with a TurboQuant KV cache vs the plain cache, side by side in one run.
 
-    python -m tools.bench_kv --model ../shared/models/pycoder-29m --contexts 1024,4096
-    python -m tools.bench_kv --shape qwen3-8b --contexts 8192,32768      # random weights (GPU)
+    python -m tqserve.tools.bench_kv --model ../shared/models/pycoder-29m --contexts 1024,4096
+    python -m tqserve.tools.bench_kv --shape qwen3-8b --contexts 8192,32768      # random weights (GPU)
 
 For each context length N: --rows rows (default 1) are prefilled with N random tokens
 (forwards of --prefill-chunk tokens over all rows) for each scheme, then --steps greedy
@@ -55,7 +55,7 @@ def _random_model(shape: str, dtype: str) -> Any:
 
 def _schemes(turboquant: str, wanted: Sequence[str] | None) -> dict[str, tuple[Any, ...]]:
     """scheme -> (turboquant, fused decode env, CUDA kernel env, affine bits)."""
-    from engine.kv import cuda_decode
+    from tqserve.engine.kv import cuda_decode
 
     schemes: dict[str, tuple[Any, ...]] = {
         "plain": (None, "1", "1", None), f"{turboquant}-fused": (turboquant, "1", "1", None),
@@ -76,8 +76,8 @@ def _make_cache(model: Any, turboquant: str | None, fused: str, kernel: str,
                 affine: int | None = None) -> list[Any]:
     from mlx_lm.models.cache import make_prompt_cache
 
-    from engine.kv.cuda_decode import KERNEL_ENV
-    from engine.kv.factory import cache_factory_for
+    from tqserve.engine.kv.cuda_decode import KERNEL_ENV
+    from tqserve.engine.kv.factory import cache_factory_for
 
     os.environ[FUSED_ENV] = fused
     os.environ[KERNEL_ENV] = kernel
@@ -116,7 +116,7 @@ def _measure(model: Any, cache_fn: Callable[[], list[Any]], context: int, steps:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import mlx.core as mx
 
-    from engine.model import load_model
+    from tqserve.engine.model import load_model
 
     if args.shape:
         dtype = "float32" if mx.default_device() == mx.cpu and args.dtype == "auto" else (

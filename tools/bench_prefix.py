@@ -1,8 +1,8 @@
 """Prefix cache speed and size: TTFT cold vs RAM hit vs SSD hit, snapshot bytes on disk vs RAM.
 
-    python -m tools.bench_prefix [--model PATH] [--dtype float32] [--blas PATH]
+    python -m tqserve.tools.bench_prefix [--model PATH] [--dtype float32] [--blas PATH]
                                  [--prompt-tokens 2048] [--repeats 3] [--quick] [--out FILE]
-    python -m tools.bench_prefix --index [--entries 10000] [--prompt-tokens 2048] [--out FILE]
+    python -m tqserve.tools.bench_prefix --index [--entries 10000] [--prompt-tokens 2048] [--out FILE]
 
 TTFT = seconds from submit to the first token of one greedy request (embedded engine,
 open_engine), for R distinct prompts of --prompt-tokens ids (windows of mlx-lm's generate.py):
@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from tools.bench import REPO_ROOT, add_blas_flag, load_blas, machine, make_prompts, Settings
+from tqserve.tools.bench import REPO_ROOT, add_blas_flag, load_blas, machine, make_prompts, Settings
 
 DEFAULT_MODEL = "../shared/models/pycoder-29m"
 WARMUP_TOKENS = 16
@@ -47,9 +47,9 @@ SETTLE_S = 0.1  # idle time before each request (not timed)
 
 async def _ttft(engine: Any, prompt: list[int], n: int = 2) -> dict[str, Any]:
     """One greedy request: TTFT, its tokens and where its reused prefix came from."""
-    from actors.messages import Done, Error, Token
-    from engine.request import GenerateRequest
-    from engine.sampling import SamplingParams
+    from tqserve.actors.messages import Done, Error, Token
+    from tqserve.engine.request import GenerateRequest
+    from tqserve.engine.sampling import SamplingParams
 
     import trio
 
@@ -72,7 +72,7 @@ async def _ttft(engine: Any, prompt: list[int], n: int = 2) -> dict[str, Any]:
 
 
 def _snapshot_sizes(directory: Path) -> dict[str, Any]:
-    from storage import read_snapshot
+    from tqserve.storage import read_snapshot
 
     files = sorted(directory.glob("*.tqsnap"))
     if not files:
@@ -88,8 +88,8 @@ def _snapshot_sizes(directory: Path) -> dict[str, Any]:
 async def _measure(loaded: Any, prompt_tokens: int, repeats: int, workdir: Path) -> dict:
     import attrs
 
-    from actors.engine import open_engine
-    from engine.config import Config
+    from tqserve.actors.engine import open_engine
+    from tqserve.engine.config import Config
 
     prompts = make_prompts(loaded.tokenizer, repeats + 1, prompt_tokens)
     warmup = make_prompts(loaded.tokenizer, 1, WARMUP_TOKENS, skip=(repeats + 2) * prompt_tokens)
@@ -145,7 +145,7 @@ INDEX_SUFFIX = 64
 
 def run_index_bench(entries: int, prompt_tokens: int) -> dict[str, Any]:
     """Publish and lookup latency of the sans-io PrefixIndex with `entries` donors."""
-    from engine.prefix import PrefixEntry, PrefixIndex, Tier, cache_namespace
+    from tqserve.engine.prefix import PrefixEntry, PrefixIndex, Tier, cache_namespace
 
     namespace = cache_namespace("bench", "plain:float32")
     system = tuple(range(100_000, 100_000 + prompt_tokens))
@@ -203,7 +203,7 @@ def format_index_table(report: dict[str, Any]) -> str:
 def run_bench(model: str, dtype: str, blas: str, prompt_tokens: int, repeats: int) -> dict:
     import trio
 
-    from engine.model import load_model
+    from tqserve.engine.model import load_model
 
     in_repo = REPO_ROOT / model
     loaded = load_model(in_repo if in_repo.exists() else model, dtype)

@@ -1,6 +1,6 @@
 """Start-up recovery of the SSD tier: seconds and bytes read for N snapshot files.
 
-    python -m tools.bench_recovery [--files 1000] [--file-kb 850] [--repeats 3] [--out FILE]
+    python -m tqserve.tools.bench_recovery [--files 1000] [--file-kb 850] [--repeats 3] [--out FILE]
 
 Writes N snapshot files of about --file-kb KiB each (random, incompressible planes: KV
 bytes compress little) with SsdTier.put into a fresh private directory, then times
@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from storage import SsdTier, snapshot_key
+from tqserve.storage import SsdTier, snapshot_key
 
 PLANE_NAMES = ("0.keys", "0.values", "1.keys", "1.values")
 

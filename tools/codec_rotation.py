@@ -5,7 +5,7 @@ plain KV cache, takes every layer's keys and values, and reports per rotation an
 the relative MSE of encode/decode (mean ||x - x^||^2 / ||x||^2, the paper's D_mse) beside
 the codebook's expected value, and encode+decode throughput on the default device.
 
-    python -m tools.codec_rotation --out rotation.json [--model PATH] [--tokens 512]
+    python -m tqserve.tools.codec_rotation --out rotation.json [--model PATH] [--tokens 512]
 
 The CPU backend's speed depends on the BLAS MLX finds (the "qr" rotation is a matmul); the
 JSON records LD_PRELOAD so figures with and without an optimized BLAS are not confused.
@@ -27,7 +27,7 @@ import mlx.core as mx
 import mlx_lm
 from mlx_lm.models.cache import make_prompt_cache
 
-from engine.codec.turboquant import DEFAULT_ROTATION, ROTATIONS, TurboQuantCodec
+from tqserve.engine.codec.turboquant import DEFAULT_ROTATION, ROTATIONS, TurboQuantCodec
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_MODEL = "../shared/models/pycoder-29m"

@@ -1,6 +1,6 @@
 """Quality of quantized KV caches: perplexity and KL of next-token distributions.
 
-    python -m tools.eval_kv [--model ../shared/models/pycoder-29m] [--dtype float32]
+    python -m tqserve.tools.eval_kv [--model ../shared/models/pycoder-29m] [--dtype float32]
         [--contexts 512,2048] [--score-tokens 256] [--windows 4] [--out FILE] [--plot FILE]
 
 Reference: the plain mlx-lm KVCache in the model dtype of the run (float32 by default; the
@@ -52,9 +52,9 @@ import mlx_lm
 import numpy as np
 from mlx_lm.models.cache import QuantizedKVCache, make_prompt_cache
 
-from engine.codec.turboquant import TurboQuantCodec
-from engine.kv import install_attention, make_turboquant_cache_factory, parse_turboquant
-from engine.model import load_model
+from tqserve.engine.codec.turboquant import TurboQuantCodec
+from tqserve.engine.kv import install_attention, make_turboquant_cache_factory, parse_turboquant
+from tqserve.engine.model import load_model
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_MODEL = "../shared/models/pycoder-29m"

@@ -1,6 +1,6 @@
 """Screenshot the playground page in headless Chromium (the README's picture).
 
-    python -m tools.playground_shot [--model PATH] [--out docs/playground.png]
+    python -m tqserve.tools.playground_shot [--model PATH] [--out docs/playground.png]
                                     [--prompt TEXT] [--max-tokens 96] [--seed 3]
 
 Starts a real server (float32) on a loopback port, opens `/` in Debian's `chromium`
@@ -89,9 +89,9 @@ async def _serve_and_shoot(args: argparse.Namespace) -> None:
     import trio
     from playwright.sync_api import sync_playwright
 
-    from api.server import serve
-    from engine.config import Config
-    from engine.model import load_model
+    from tqserve.api.server import serve
+    from tqserve.engine.config import Config
+    from tqserve.engine.model import load_model
 
     def shoot(url: str) -> None:
         with tempfile.TemporaryDirectory() as profile, sync_playwright() as playwright:
@@ -112,9 +112,9 @@ async def _serve_and_shoot(args: argparse.Namespace) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Take the screenshot; exit 2 with one line when the browser is missing."""
-    from engine.model import DEFAULT_MODEL
+    from tqserve.engine.model import DEFAULT_MODEL
 
-    parser = argparse.ArgumentParser(prog="python -m tools.playground_shot",
+    parser = argparse.ArgumentParser(prog="python -m tqserve.tools.playground_shot",
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=str(DEFAULT_MODEL))
     parser.add_argument("--out", type=Path, default=Path("docs/playground.png"))

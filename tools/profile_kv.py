@@ -1,7 +1,7 @@
 """Where one decode layer's time goes: each piece of attention with plain, TurboQuant and
 affine KV, timed in isolation on the current device.
 
-    python -m tools.profile_kv --contexts 8192,32768 --out bench-out/profile_kv.json
+    python -m tqserve.tools.profile_kv --contexts 8192,32768 --out bench-out/profile_kv.json
 
 Each piece is called `--layers` times (independent calls on distinct caches, like a
 model's layers) inside ONE evaluated graph, and that is repeated; the median per-call time (host graph building,
@@ -36,9 +36,9 @@ def profile(context: int, rows: int, layers: int, repeats: int) -> dict[str, flo
     """Microseconds per call of each piece at `context` positions."""
     import mlx.core as mx
 
-    from engine.kv import attention, cuda_decode
-    from engine.kv.affine import AffineKVCache
-    from engine.kv.turboquant import TurboQuantKVCache
+    from tqserve.engine.kv import attention, cuda_decode
+    from tqserve.engine.kv.affine import AffineKVCache
+    from tqserve.engine.kv.turboquant import TurboQuantKVCache
 
     heads, kv_heads, d, dt = 32, 8, 128, mx.bfloat16
     scale = d ** -0.5

@@ -2,8 +2,8 @@
 delayed), affine (single, batched), the rotated attention port and the per-model cache
 factory."""
 
-from engine.kv.affine import AffineKVCache, BatchedAffineKVCache
-from engine.kv.attention import (
+from tqserve.engine.kv.affine import AffineKVCache, BatchedAffineKVCache
+from tqserve.engine.kv.attention import (
     FUSED_DECODE_ENV,
     MixedRowsKV,
     RotatedKV,
@@ -11,8 +11,8 @@ from engine.kv.attention import (
     install_attention,
     turboquant_sdpa,
 )
-from engine.kv.delayed import BatchedDelayedTurboQuantKVCache, DelayedTurboQuantKVCache
-from engine.kv.factory import (
+from tqserve.engine.kv.delayed import BatchedDelayedTurboQuantKVCache, DelayedTurboQuantKVCache
+from tqserve.engine.kv.factory import (
     cache_factory_for,
     check_affine_head_dims,
     check_head_dims,
@@ -20,8 +20,8 @@ from engine.kv.factory import (
     make_turboquant_cache_factory,
     parse_turboquant,
 )
-from engine.kv.rows import KvTensorRows
-from engine.kv.turboquant import (
+from tqserve.engine.kv.rows import KvTensorRows
+from tqserve.engine.kv.turboquant import (
     BatchedTurboQuantKVCache,
     TurboQuantConfig,
     TurboQuantKVCache,

@@ -29,7 +29,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
-from engine.kv.rows import (BatchRowsView, KvTensorRows, PlanesCache, SingleRowView,
+from tqserve.engine.kv.rows import (BatchRowsView, KvTensorRows, PlanesCache, SingleRowView,
                              row_indices)
 
 KV_BITS = (4, 8)

@@ -44,8 +44,8 @@ import attrs
 import mlx.core as mx
 import numpy as np
 
-from engine.codec.turboquant import EncodedVectors, TurboQuantCodec, lloyd_max_codebook
-from engine.kv import cuda_decode
+from tqserve.engine.codec.turboquant import EncodedVectors, TurboQuantCodec, lloyd_max_codebook
+from tqserve.engine.kv import cuda_decode
 
 FUSED_DECODE_ENV = "TQSERVE_TURBOQUANT_FUSED_DECODE"
 _ORIGINAL = "_tqserve_original"

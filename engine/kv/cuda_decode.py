@@ -41,8 +41,8 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from engine.codec.turboquant import EncodedVectors, TurboQuantCodec, lloyd_max_codebook
-from engine.kv.cuda_sources import ATTEND_SOURCE, ENCODE_SOURCE, HEADER
+from tqserve.engine.codec.turboquant import EncodedVectors, TurboQuantCodec, lloyd_max_codebook
+from tqserve.engine.kv.cuda_sources import ATTEND_SOURCE, ENCODE_SOURCE, HEADER
 
 logger = logging.getLogger(__name__)
 
@@ -190,7 +190,7 @@ def warm_up(head_dims: dict[int, int], group: int, k_bits: int, v_bits: int,
             dtype: mx.Dtype, seed: int = 0) -> float:
     """Build (JIT-compile) the kernels for these shapes now, so no request pays for it:
     one encode and one decode step per distinct head dim. Returns the seconds spent."""
-    from engine.kv.turboquant import TurboQuantKVCache
+    from tqserve.engine.kv.turboquant import TurboQuantKVCache
 
     tic = time.perf_counter()
     for head_dim in sorted(set(head_dims.values())):

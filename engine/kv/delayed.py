@@ -33,10 +33,10 @@ import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import KVCache, _BaseCache, create_attention_mask
 
-from engine.codec.turboquant import DEFAULT_ROTATION
-from engine.kv.attention import MixedRowsKV, RotatedKV
-from engine.kv.rows import KvTensorRows, row_indices
-from engine.kv.turboquant import (
+from tqserve.engine.codec.turboquant import DEFAULT_ROTATION
+from tqserve.engine.kv.attention import MixedRowsKV, RotatedKV
+from tqserve.engine.kv.rows import KvTensorRows, row_indices
+from tqserve.engine.kv.turboquant import (
     BatchedTurboQuantKVCache,
     TurboQuantConfig,
     TurboQuantKVCache,

@@ -30,12 +30,12 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
-from engine.codec.turboquant import MAX_BITS, MIN_BITS, SUPPORTED_HEAD_DIMS
-from engine.kv import cuda_decode
-from engine.kv.affine import AffineKVCache, check_affine_settings
-from engine.kv.attention import install_attention
-from engine.kv.delayed import DelayedTurboQuantKVCache
-from engine.kv.turboquant import TurboQuantConfig, TurboQuantKVCache
+from tqserve.engine.codec.turboquant import MAX_BITS, MIN_BITS, SUPPORTED_HEAD_DIMS
+from tqserve.engine.kv import cuda_decode
+from tqserve.engine.kv.affine import AffineKVCache, check_affine_settings
+from tqserve.engine.kv.attention import install_attention
+from tqserve.engine.kv.delayed import DelayedTurboQuantKVCache
+from tqserve.engine.kv.turboquant import TurboQuantConfig, TurboQuantKVCache
 
 logger = logging.getLogger(__name__)
 

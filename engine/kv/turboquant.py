@@ -36,10 +36,10 @@ import attrs
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
-from engine.codec.turboquant import DEFAULT_ROTATION, TurboQuantCodec
-from engine.kv import cuda_decode
-from engine.kv.attention import RotatedKV, fused_decode_from_env
-from engine.kv.rows import (BatchRowsView, KvTensorRows, PlanesCache, SingleRowView,
+from tqserve.engine.codec.turboquant import DEFAULT_ROTATION, TurboQuantCodec
+from tqserve.engine.kv import cuda_decode
+from tqserve.engine.kv.attention import RotatedKV, fused_decode_from_env
+from tqserve.engine.kv.rows import (BatchRowsView, KvTensorRows, PlanesCache, SingleRowView,
                              row_indices)
 
 PLANES = ("key_codes", "key_norms", "value_codes", "value_norms")

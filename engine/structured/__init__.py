@@ -5,9 +5,9 @@
 and computes its next-token masks on a worker thread, off the runner's critical path.
 """
 
-from engine.structured.formats import (ResponseFormat, ResponseFormatError,
+from tqserve.engine.structured.formats import (ResponseFormat, ResponseFormatError,
                                        validate_response_format)
-from engine.structured.masks import GrammarMasks, GrammarStatistics, RowGrammar
+from tqserve.engine.structured.masks import GrammarMasks, GrammarStatistics, RowGrammar
 
 __all__ = ["GrammarMasks", "GrammarStatistics", "ResponseFormat", "ResponseFormatError",
            "RowGrammar", "validate_response_format"]

@@ -34,7 +34,7 @@ import attrs
 import llguidance
 import numpy as np
 
-from engine.structured.formats import ResponseFormat
+from tqserve.engine.structured.formats import ResponseFormat
 
 log = logging.getLogger("tqserve.grammar")
 

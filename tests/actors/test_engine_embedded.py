@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import trio
 
-from actors.engine import open_engine
-from actors.messages import Done, Error, Queued, Token, decode
-from engine.config import Config
-from engine.request import GenerateRequest
-from engine.sampling import SamplingParams
+from tqserve.actors.engine import open_engine
+from tqserve.actors.messages import Done, Error, Queued, Token, decode
+from tqserve.engine.config import Config
+from tqserve.engine.request import GenerateRequest
+from tqserve.engine.sampling import SamplingParams
 
 
 def request(max_tokens=8, prompt="def f(x):\n", **kw):
@@ -236,7 +236,7 @@ async def test_shutdown_refuses_new_requests_and_ends_the_running_ones(draft_mod
 
 
 def test_admission_control_refuses_everything_after_stop_admitting():
-    from actors.admission import SHUTTING_DOWN, AdmissionControl
+    from tqserve.actors.admission import SHUTTING_DOWN, AdmissionControl
 
     control = AdmissionControl(max_queued_requests=4, max_queued_tokens=100)
     assert control.try_admit("a", 5) is None

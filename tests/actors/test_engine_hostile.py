@@ -7,11 +7,11 @@ from collections import Counter
 
 import trio
 
-from actors.engine import ADMISSION_MAILBOX, open_engine
-from actors.messages import Done, Error, Token
-from engine.config import Config
-from engine.request import GenerateRequest
-from engine.sampling import SamplingParams
+from tqserve.actors.engine import ADMISSION_MAILBOX, open_engine
+from tqserve.actors.messages import Done, Error, Token
+from tqserve.engine.config import Config
+from tqserve.engine.request import GenerateRequest
+from tqserve.engine.sampling import SamplingParams
 
 LONG_PROMPT = "import os\n"
 HUGE_CHARS = 250_000  # under --max-prompt-chars; tokenizing it takes a noticeable while

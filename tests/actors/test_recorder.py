@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import trio.testing
 
-import tools.replay.recorder as recorder_mod
-from actors.messages import Done, Error, Queued, Submit, Token, encode
-from engine.sampling import SamplingParams
-from tools.replay.recording import read_recording
+import tqserve.tools.replay.recorder as recorder_mod
+from tqserve.actors.messages import Done, Error, Queued, Submit, Token, encode
+from tqserve.engine.sampling import SamplingParams
+from tqserve.tools.replay.recording import read_recording
 
 WRITE_POLLS = 10_000  # bounded polls for the worker thread's write
 

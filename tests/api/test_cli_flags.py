@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from api.cli import _config, build_parser, main
+from tqserve.api.cli import _config, build_parser, main
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -44,7 +44,7 @@ def test_a_blank_or_unprintable_key_is_a_one_line_error(key, capsys, monkeypatch
 
 def test_serve_takes_the_key_from_the_environment_and_prints_the_access_log():
     env = dict(os.environ, PYTHONPATH=str(REPO), TQSERVE_API_KEY="env-key")
-    proc = subprocess.Popen([sys.executable, "-m", "api.cli", "serve", "--port", "0"], cwd=REPO,
+    proc = subprocess.Popen([sys.executable, "-m", "tqserve.api.cli", "serve", "--port", "0"], cwd=REPO,
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         line = proc.stdout.readline()  # printed once the server listens

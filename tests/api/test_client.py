@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import trio
 
-from api.server import serve
-from engine.config import Config
+from tqserve.api.server import serve
+from tqserve.engine.config import Config
 from tests.conftest import start_server
 from tqserve.client import (Client, ConnectionLost, DoneEvent, ErrorEvent, QueuedEvent,
                             TokenEvent)

@@ -21,7 +21,7 @@ import trio
 
 from tests.api.wsclient import LONG_PROMPT, STATS_POLL_SLEEP, STATS_POLLS, run_alone, stats
 from tests.conftest import start_server
-from tools.playground_shot import chromium_missing, launch_chromium, run_in_page, take_screenshot
+from tqserve.tools.playground_shot import chromium_missing, launch_chromium, run_in_page, take_screenshot
 
 PROMPT = "def fibonacci(n):"
 OTHER_PROMPT = "class Stack:"  # shares no first token with PROMPT: a prefix-cache miss

@@ -14,7 +14,7 @@ from trio_websocket import open_websocket_url
 
 from tests.api.wsclient import FRAME_TIMEOUT, Session, assert_well_formed
 from tests.conftest import start_server
-from tools.rawws import (OP_BINARY, OP_TEXT, connect, deflate_bomb, frame, read_close,
+from tqserve.tools.rawws import (OP_BINARY, OP_TEXT, connect, deflate_bomb, frame, read_close,
                          send_quietly)
 
 SHORT = dict(prompt="def add(a, b):", max_tokens=4, temperature=0)

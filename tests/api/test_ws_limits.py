@@ -15,11 +15,11 @@ import httpx
 import trio
 from trio_websocket import open_websocket_url
 
-from engine.sampling import MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
+from tqserve.engine.sampling import MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
 from tests.api.wsclient import (LONG_PROMPT, STATS_POLL_SLEEP, Session, assert_well_formed,
                                 stats)
 from tests.conftest import start_server
-from tools.rawws import OP_TEXT, frame
+from tqserve.tools.rawws import OP_TEXT, frame
 
 INT_EDGES = (-2**64, -2**63 - 1, -2**63, -1, 0, 1, 8191, 8192, 2**31 - 1, 2**31, 2**32,
              2**53 + 1, 2**63 - 1, 2**63, 2**64 - 1, 2**64, 10**30)

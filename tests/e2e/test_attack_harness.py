@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 
-from tools.attack import main
+from tqserve.tools.attack import main
 
 
 def test_attack_harness_invariants(tmp_path):

@@ -21,12 +21,12 @@ import msgpack
 import trio
 import zstandard
 
-from actors.engine import open_engine
-from engine.config import Config
-from storage import read_snapshot
-from storage.snapshot import CHECKSUM_BYTES, MAGIC, decode_header, encode_snapshot
-from storage.tier import QUARANTINE_DIR
-from storage.writer import snapshot_key
+from tqserve.actors.engine import open_engine
+from tqserve.engine.config import Config
+from tqserve.storage import read_snapshot
+from tqserve.storage.snapshot import CHECKSUM_BYTES, MAGIC, decode_header, encode_snapshot
+from tqserve.storage.tier import QUARANTINE_DIR
+from tqserve.storage.writer import snapshot_key
 from tests.e2e.test_prefix_cache import assert_same, build_prompts, cold, run_all
 from tests.e2e.test_readme_and_cli import run
 
@@ -217,7 +217,7 @@ def test_cli_refuses_a_shared_cache_dir(tmp_path):
     shared = tmp_path / "shared"
     shared.mkdir()
     shared.chmod(0o777)
-    result = run([sys.executable, "-m", "api.cli", "generate", "--prompt", "x",
+    result = run([sys.executable, "-m", "tqserve.api.cli", "generate", "--prompt", "x",
                   "--cache-dir", str(shared)])
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
@@ -239,7 +239,7 @@ def test_cli_starts_over_a_huge_plane_and_a_sparse_30_gib_file(tmp_path):
                  "raw_len": 1 << 40}, blob))
     sparse = directory / f"{snapshot_key('x', (1,))}.tqsnap"
     subprocess.run(["truncate", "-s", "30G", str(sparse)], check=True)
-    result = run([sys.executable, "-m", "api.cli", "generate", "--prompt", "def f(x):",
+    result = run([sys.executable, "-m", "tqserve.api.cli", "generate", "--prompt", "def f(x):",
                   "--max-tokens", "4", "--cache-dir", str(directory)])
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("def f(x):")
@@ -250,10 +250,10 @@ async def test_a_file_that_fails_to_restore_is_quarantined(draft_model, tmp_path
     """A load failure of any kind quarantines the file and the request runs cold: here a
     tier without the header validator, so the runner's own restore (a TurboQuant runner,
     for a plain-cache file) is what refuses it. Real files, real Runner, real PrefixCache."""
-    from actors.prefix_cache import LOADING, PrefixCache
-    from engine.kv.factory import cache_factory_for
-    from engine.runner import Runner
-    from storage import SsdTier
+    from tqserve.actors.prefix_cache import LOADING, PrefixCache
+    from tqserve.engine.kv.factory import cache_factory_for
+    from tqserve.engine.runner import Runner
+    from tqserve.storage import SsdTier
 
     requests = build_prompts(draft_model.tokenizer)[:1]
     directory = tmp_path / "cache"

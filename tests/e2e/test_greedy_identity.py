@@ -9,11 +9,11 @@ from __future__ import annotations
 import pytest
 import trio
 
-from actors.engine import open_engine
-from actors.messages import Done, Token
-from engine.config import Config
-from engine.request import GenerateRequest
-from engine.sampling import SamplingParams
+from tqserve.actors.engine import open_engine
+from tqserve.actors.messages import Done, Token
+from tqserve.engine.config import Config
+from tqserve.engine.request import GenerateRequest
+from tqserve.engine.sampling import SamplingParams
 from tests.e2e.reference import PROMPTS, classify, reference
 
 MAX_TOKENS = 24

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from actors.engine import open_engine
-from engine.config import Config
+from tqserve.actors.engine import open_engine
+from tqserve.engine.config import Config
 from tests.e2e.test_prefix_cache import run_all, settle
-from engine.sampling import SamplingParams
+from tqserve.engine.sampling import SamplingParams
 
 A = tuple(range(100, 110))                       # 10 tokens: stays plain (start 16)
 B = A + tuple(range(200, 220))                   # 30 tokens: converts at 29

@@ -9,12 +9,12 @@ from __future__ import annotations
 import pytest
 import trio
 
-from actors.engine import open_engine
-from actors.messages import Done, Token
-from engine.config import Config
-from engine.model import DEFAULT_MODEL, load_model
-from engine.request import GenerateRequest
-from engine.sampling import SamplingParams
+from tqserve.actors.engine import open_engine
+from tqserve.actors.messages import Done, Token
+from tqserve.engine.config import Config
+from tqserve.engine.model import DEFAULT_MODEL, load_model
+from tqserve.engine.request import GenerateRequest
+from tqserve.engine.sampling import SamplingParams
 from tests.e2e.reference import PROMPTS
 
 MAX_TOKENS = 8
@@ -76,7 +76,7 @@ async def settle(engine) -> None:
     releases and snapshots the finished rows, the second carries their spill orders, which
     are written (or queued, --ssd-flush async) before its second token is sent. Queued
     writes are then awaited by polling the index until nothing is SPILLING."""
-    from engine.prefix import Tier
+    from tqserve.engine.prefix import Tier
 
     barrier = GenerateRequest(prompt_tokens=BARRIER,
                               params=SamplingParams(max_tokens=2, temperature=0.0))

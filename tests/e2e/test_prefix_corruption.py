@@ -18,11 +18,11 @@ from pathlib import Path
 import pytest
 import trio
 
-from actors.engine import open_engine
-from engine.config import Config
-from engine.model import DEFAULT_MODEL, load_model
-from storage import SnapshotError, SsdTier
-from storage.snapshot import CHECKSUM_BYTES, MAGIC
+from tqserve.actors.engine import open_engine
+from tqserve.engine.config import Config
+from tqserve.engine.model import DEFAULT_MODEL, load_model
+from tqserve.storage import SnapshotError, SsdTier
+from tqserve.storage.snapshot import CHECKSUM_BYTES, MAGIC
 from tests.e2e.test_prefix_cache import assert_same, build_prompts, cold, run_all, settle
 
 

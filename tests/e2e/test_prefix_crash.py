@@ -35,9 +35,9 @@ import httpx
 import trio
 from trio_websocket import ConnectionClosed, HandshakeError, open_websocket_url
 
-from storage.snapshot import read_snapshot
-from storage.tier import QUARANTINE_DIR
-from storage.writer import SNAPSHOT_SUFFIX, is_temporary_name
+from tqserve.storage.snapshot import read_snapshot
+from tqserve.storage.tier import QUARANTINE_DIR
+from tqserve.storage.writer import SNAPSHOT_SUFFIX, is_temporary_name
 from tests.api.wsclient import Session
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -52,7 +52,7 @@ EVENT = re.compile(r"tqserve\.prefix: snapshot (acknowledged|removed) ([0-9a-f]{
 
 
 def server_command(directory: Path) -> list[str]:
-    return [sys.executable, "-u", "-m", "api.cli", "serve", "--port", "0", "--dtype", "float32",
+    return [sys.executable, "-u", "-m", "tqserve.api.cli", "serve", "--port", "0", "--dtype", "float32",
             "--cache-dir", str(directory), "--ssd-flush", "sync", "--ram-cache-bytes", "1",
             "--max-batch", "4", "--max-tokens-cap", "16", "--default-max-tokens", "4"]
 

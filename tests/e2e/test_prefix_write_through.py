@@ -15,13 +15,14 @@ import pytest
 import trio
 import trio.testing
 
-import storage.tier
-from actors.engine import open_engine
-from actors.messages import Done, Error, Token
-from engine.config import Config
-from engine.request import GenerateRequest
-from engine.sampling import SamplingParams
-from storage import SsdTier
+import tqserve.storage.tier  # noqa: F401  (loads storage.tier)
+from tqserve import storage
+from tqserve.actors.engine import open_engine
+from tqserve.actors.messages import Done, Error, Token
+from tqserve.engine.config import Config
+from tqserve.engine.request import GenerateRequest
+from tqserve.engine.sampling import SamplingParams
+from tqserve.storage import SsdTier
 
 GUARD_S = 120  # a hang guard only (never a measurement): a broken engine fails, not hangs
 
@@ -174,7 +175,7 @@ async def test_slow_ssd_read_never_stalls_the_decoding_rows(draft_model, tmp_pat
             await run(engine, p)
     SlowTier.reading.clear()
     SlowTier.release.clear()
-    monkeypatch.setattr("actors.engine.SsdTier", SlowTier)
+    monkeypatch.setattr("tqserve.actors.engine.SsdTier", SlowTier)
     during = []
     results = {}
     started = trio.Event()
@@ -249,7 +250,7 @@ async def test_failed_step_gives_internal_error_and_leaves_nothing_behind(draft_
     assert after[2][1].cached_tokens_by_tier["ram"] == len(a) - 1
     assert stats.rows_active == 0 and stats.kv_bytes == 0
     assert runner.num_rows == 0 and runner.kv_bytes == 0
-    from engine.prefix import Tier
+    from tqserve.engine.prefix import Tier
     assert index.keys(Tier.SPILLING) == []
     assert runner.num_snapshots == stats.prefix_cache.ram_entries
 

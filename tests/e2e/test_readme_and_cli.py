@@ -42,7 +42,7 @@ def test_readme_keeps_exactly_the_two_setup_commands():
 
 
 def test_cli_generate_streams_text():
-    result = run([sys.executable, "-m", "api.cli", "generate", "--prompt", "def f(x):",
+    result = run([sys.executable, "-m", "tqserve.api.cli", "generate", "--prompt", "def f(x):",
                   "--max-tokens", "12"])
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("def f(x):") and len(result.stdout) > len("def f(x):")
@@ -69,7 +69,7 @@ def test_cli_generate_streams_text():
     (["frobnicate"], "invalid choice"),
 ])
 def test_cli_bad_arguments_exit_2_with_one_line(args, needle):
-    result = run([sys.executable, "-m", "api.cli", *args])
+    result = run([sys.executable, "-m", "tqserve.api.cli", *args])
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and needle in lines[0], result.stderr
@@ -78,10 +78,10 @@ def test_cli_bad_arguments_exit_2_with_one_line(args, needle):
 
 @pytest.mark.parametrize("command", ["serve", "generate"])
 def test_cli_help_describes_every_flag_with_its_default(command):
-    from api.cli import build_parser
+    from tqserve.api.cli import build_parser
 
     sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
-    result = run([sys.executable, "-m", "api.cli", command, "--help"])
+    result = run([sys.executable, "-m", "tqserve.api.cli", command, "--help"])
     assert result.returncode == 0, result.stderr
     entries = {e.split()[0]: " ".join(e.split())
                for e in re.split(r"\n  (?=-)", result.stdout.split("options:")[1]) if e.strip()}
@@ -97,7 +97,7 @@ def test_cli_help_describes_every_flag_with_its_default(command):
 
 @pytest.mark.parametrize("command", ["bench", "bench-kv", "bench-prefix", "bench-gpu", "eval-kv"])
 def test_tool_help_shows_every_default(command):
-    result = run([sys.executable, "-m", "api.cli", command, "--help"])
+    result = run([sys.executable, "-m", "tqserve.api.cli", command, "--help"])
     assert result.returncode == 0, result.stderr
     entries = [" ".join(e.split())
                for e in re.split(r"\n  (?=-)", result.stdout.split("options:")[1]) if e.strip()]
@@ -113,7 +113,7 @@ def test_serve_on_a_taken_port_is_a_one_line_error():
         taken.bind(("127.0.0.1", 0))
         taken.listen(1)
         port = taken.getsockname()[1]
-        result = run([sys.executable, "-m", "api.cli", "serve", "--port", str(port)])
+        result = run([sys.executable, "-m", "tqserve.api.cli", "serve", "--port", str(port)])
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and f"cannot listen on 127.0.0.1:{port}" in lines[0], result.stderr

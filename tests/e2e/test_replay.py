@@ -12,14 +12,14 @@ from pathlib import Path
 import pytest
 import trio
 
-from engine.config import Config
-from engine.model import DEFAULT_MODEL
+from tqserve.engine.config import Config
+from tqserve.engine.model import DEFAULT_MODEL
 from tests.conftest import REPO, start_server
-from tools.replay.cli import main
-from tools.replay.recording import read_recording
-from tools.replay.run import replay
-from tools.replay.targets import EngineTarget, UrlTarget
-from tools.replay.traces import (corpus_tokens, default_corpus_paths, load_azure,
+from tqserve.tools.replay.cli import main
+from tqserve.tools.replay.recording import read_recording
+from tqserve.tools.replay.run import replay
+from tqserve.tools.replay.targets import EngineTarget, UrlTarget
+from tqserve.tools.replay.traces import (corpus_tokens, default_corpus_paths, load_azure,
                                  load_mooncake)
 
 TRACES = REPO.parent / "shared" / "traces"
@@ -91,7 +91,7 @@ async def test_azure_slice_totals_on_server_and_embedded(draft_model, nursery):
 
 def _record(tmp_path: Path, draft_model) -> tuple[Path, list]:
     """Serve with --record and replay a Mooncake slice on it (odd requests seeded)."""
-    from api.server import serve
+    from tqserve.api.server import serve
 
     rec = tmp_path / "run.tqrec"
     reqs = load_mooncake(MOONCAKE, block_tokens=2, vocab_size=8192, max_output=6)[:N]
@@ -215,7 +215,7 @@ def test_bad_arguments_are_one_line_errors(tmp_path, capsys):
                        ([str(tmp_path / "missing.jsonl")], "missing"),
                        ([str(trace), "--goodput", "ttfb:3"], "ttfb"),
                        ([str(trace), "--spawn", "--cache-dir", str(trace)],
-                        "did not start: tqserve: error: cache-dir")):
+                        "did not start: tqserve: error: --cache-dir")):
         assert main(argv + ["--no-load-check", "--no-progress"]) == 2, argv
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and word in err and "Traceback" not in err

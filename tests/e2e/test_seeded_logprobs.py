@@ -6,11 +6,11 @@ import mlx.core as mx
 import pytest
 import trio
 
-from actors.engine import open_engine
-from actors.messages import Token
-from engine.config import Config
-from engine.request import GenerateRequest
-from engine.sampling import SamplingParams
+from tqserve.actors.engine import open_engine
+from tqserve.actors.messages import Token
+from tqserve.engine.config import Config
+from tqserve.engine.request import GenerateRequest
+from tqserve.engine.sampling import SamplingParams
 from tests.e2e.reference import PROMPTS, reference
 
 LOGPROB_TOLERANCE = 1e-4  # nats; float32 batch-shape rounding is ~1e-5

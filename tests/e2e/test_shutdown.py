@@ -35,7 +35,7 @@ class ServeProcess:
         self._stderr = tempfile.TemporaryFile(mode="w+")
         env = dict(os.environ, PYTHONPATH=str(REPO))
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "api.cli", "serve", "--port", "0", *flags], cwd=REPO,
+            [sys.executable, "-m", "tqserve.api.cli", "serve", "--port", "0", *flags], cwd=REPO,
             env=env, stdout=subprocess.PIPE, stderr=self._stderr, text=True)
         self.url = ""
 

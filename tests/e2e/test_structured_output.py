@@ -17,12 +17,12 @@ import mlx.core as mx
 import pytest
 import trio
 
-from actors.engine import open_engine
-from actors.messages import Done, Error, Token
-from engine.config import Config
-from engine.request import GenerateRequest
-from engine.sampling import SamplingParams
-from engine.structured import validate_response_format
+from tqserve.actors.engine import open_engine
+from tqserve.actors.messages import Done, Error, Token
+from tqserve.engine.config import Config
+from tqserve.engine.request import GenerateRequest
+from tqserve.engine.sampling import SamplingParams
+from tqserve.engine.structured import validate_response_format
 from tests.e2e.reference import PROMPTS
 
 SCHEMA_PETS = {

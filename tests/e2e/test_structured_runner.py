@@ -11,11 +11,11 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
-from engine.detokenize import TextStream
-from engine.runner import Runner
-from engine.sampling import SamplingParams
-from engine.scheduler import Finished, SchedulerCore, TokenOut
-from engine.structured import GrammarMasks, validate_response_format
+from tqserve.engine.detokenize import TextStream
+from tqserve.engine.runner import Runner
+from tqserve.engine.sampling import SamplingParams
+from tqserve.engine.scheduler import Finished, SchedulerCore, TokenOut
+from tqserve.engine.structured import GrammarMasks, validate_response_format
 
 MAX_STEPS = 200
 LOGPROB_TOLERANCE = 1e-4  # nats: one full forward vs step-by-step decode in float32
@@ -103,10 +103,10 @@ async def test_a_failed_matcher_is_an_invalid_request_event_through_the_engine(d
     import attrs
     import trio
 
-    from actors.engine import open_engine
-    from actors.messages import Done, Error
-    from engine.config import Config
-    from engine.request import GenerateRequest
+    from tqserve.actors.engine import open_engine
+    from tqserve.actors.messages import Done, Error
+    from tqserve.engine.config import Config
+    from tqserve.engine.request import GenerateRequest
 
     loaded = attrs.evolve(draft_model, tokenizer=_OpaqueTokenizer(draft_model.tokenizer))
     ends: dict[str, object] = {}

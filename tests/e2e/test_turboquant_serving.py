@@ -26,13 +26,13 @@ import trio
 from mlx_lm.generate import generate_step
 from trio_websocket import open_websocket_url
 
-from actors.engine import open_engine
-from actors.messages import Done, Error, Token
-from engine.config import Config
-from engine.kv.factory import cache_factory_for
-from engine.model import DEFAULT_MODEL, LoadedModel, load_model
-from engine.request import GenerateRequest
-from engine.sampling import SamplingParams
+from tqserve.actors.engine import open_engine
+from tqserve.actors.messages import Done, Error, Token
+from tqserve.engine.config import Config
+from tqserve.engine.kv.factory import cache_factory_for
+from tqserve.engine.model import DEFAULT_MODEL, LoadedModel, load_model
+from tqserve.engine.request import GenerateRequest
+from tqserve.engine.sampling import SamplingParams
 from tests.api.wsclient import LONG_PROMPT, Session, stats, wait_stats
 from tests.conftest import start_server
 from tests.e2e.reference import PROMPTS, classify
@@ -40,7 +40,7 @@ from tests.models import make_gemma3_dir, make_qwen3_dir
 
 REPO = Path(__file__).resolve().parents[2]
 MAX_TOKENS = 16
-FACTORY_LOGGER = "engine.kv.factory"
+FACTORY_LOGGER = "tqserve.engine.kv.factory"
 IDLE = dict(rows_active=0, rows_queued=0, kv_bytes=0, streams_open=0)
 KV_RATIO_LIMIT = 0.27  # k4v4 at head_dim 128: (64 + 2) * 2 bytes vs 2 * 128 * 2 (bf16): 0.258
 
@@ -352,7 +352,7 @@ def record_caches(monkeypatch: pytest.MonkeyPatch) -> list[list[Any]]:
 
         return make
 
-    monkeypatch.setattr("actors.engine.cache_factory_for", recording_factory)
+    monkeypatch.setattr("tqserve.actors.engine.cache_factory_for", recording_factory)
     return made
 
 
@@ -418,7 +418,7 @@ def test_cli_refuses_head_dim_96(tmp_path):
     path = make_qwen3_dir(tmp_path, head_dim=96)
     env = dict(os.environ, PYTHONPATH=str(REPO))
     result = subprocess.run(
-        [sys.executable, "-m", "api.cli", "generate", "--model", str(path), "--turboquant",
+        [sys.executable, "-m", "tqserve.api.cli", "generate", "--model", str(path), "--turboquant",
          "k4v4", "--prompt", "x"], cwd=REPO, env=env, capture_output=True, text=True,
         timeout=120)
     assert result.returncode == 2, result.stderr

@@ -2,7 +2,7 @@
 
 import json
 
-from tools import bench_gpu
+from tqserve.tools import bench_gpu
 
 
 def test_bench_gpu_bundled_tiny(tmp_path, capsys):

@@ -2,8 +2,8 @@
 
 import json
 
-from engine.model import DEFAULT_MODEL
-from tools.bench_grammar import MODES, main
+from tqserve.engine.model import DEFAULT_MODEL
+from tqserve.tools.bench_grammar import MODES, main
 
 
 def test_quick_bench_grammar_reports_every_mode(tmp_path, capsys):

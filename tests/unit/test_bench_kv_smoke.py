@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from engine.model import DEFAULT_MODEL
-from tools.bench_kv import main
+from tqserve.engine.model import DEFAULT_MODEL
+from tqserve.tools.bench_kv import main
 
 
 def test_bench_kv_rows_and_schemes(tmp_path, capsys):

@@ -5,8 +5,8 @@ No wall-clock assertions (DESIGN.md §5): only that each tier was hit and measur
 
 import json
 
-from engine.model import DEFAULT_MODEL
-from tools.bench_prefix import main
+from tqserve.engine.model import DEFAULT_MODEL
+from tqserve.tools.bench_prefix import main
 
 
 def test_quick_bench_prefix_hits_each_tier(tmp_path, capsys):

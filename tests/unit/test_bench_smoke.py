@@ -5,8 +5,8 @@ No wall-clock assertions (DESIGN.md §5): only that both sides ran and were meas
 
 import json
 
-from engine.model import DEFAULT_MODEL
-from tools.bench import FIGURES, QUICK, main
+from tqserve.engine.model import DEFAULT_MODEL
+from tqserve.tools.bench import FIGURES, QUICK, main
 
 
 def test_quick_bench_writes_every_figure(tmp_path, capsys):

@@ -5,8 +5,8 @@ import sys
 
 import pytest
 
-from api import cli
-from engine import blas
+from tqserve.api import cli
+from tqserve.engine import blas
 
 OPENBLAS = blas.find()
 
@@ -48,7 +48,7 @@ def test_no_blas_found_prints_the_hint(monkeypatch, capsys):
 
 
 def test_bad_blas_path_is_one_line_and_exit_2_before_the_model_loads():
-    result = subprocess.run([sys.executable, "-m", "api.cli", "generate", "--blas",
+    result = subprocess.run([sys.executable, "-m", "tqserve.api.cli", "generate", "--blas",
                              "/no/such/libblas.so", "--model", "/no/such/model", "--prompt", "x"],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 2

@@ -20,9 +20,9 @@ import msgpack
 import pytest
 import zstandard
 
-from storage.snapshot import CHECKSUM_BYTES, MAGIC, SnapshotError, decode_header
-from storage.tier import QUARANTINE_DIR, SsdTier
-from storage.writer import snapshot_key
+from tqserve.storage.snapshot import CHECKSUM_BYTES, MAGIC, SnapshotError, decode_header
+from tqserve.storage.tier import QUARANTINE_DIR, SsdTier
+from tqserve.storage.writer import snapshot_key
 from tests.unit.test_storage_snapshot import header_fields, header_region_length
 from tests.unit.test_storage_tier import store
 

@@ -2,8 +2,8 @@
 
 import pytest
 
-from api.cli import _config, build_parser
-from engine.config import Config
+from tqserve.api.cli import _config, build_parser
+from tqserve.engine.config import Config
 
 
 def test_defaults_are_write_through_async():

@@ -4,7 +4,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from engine.codec.affine import AffineCodec
+from tqserve.engine.codec.affine import AffineCodec
 
 
 def _vectors(num: int, head_dim: int = 128) -> mx.array:

@@ -6,7 +6,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from engine.codec.turboquant import (
+from tqserve.engine.codec.turboquant import (
     FP16_MAX,
     ROTATIONS,
     SUPPORTED_HEAD_DIMS,

@@ -2,7 +2,7 @@
 
 import pytest
 
-from engine.detokenize import TextStream
+from tqserve.engine.detokenize import TextStream
 
 TEXTS = [
     "def f(x):\n    return x + 1\n",

@@ -6,8 +6,8 @@ import math
 import mlx.core as mx
 import pytest
 
-from engine.model import DEFAULT_MODEL
-from tools.eval_kv import Scheme, main
+from tqserve.engine.model import DEFAULT_MODEL
+from tqserve.tools.eval_kv import Scheme, main
 
 SCHEMES = ["plain", "k8v8", "k8v3", "k4v4", "k3v3", "affine8", "affine4", "affine3"]
 

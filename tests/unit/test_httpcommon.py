@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from actors.messages import Error
-from api.httpcommon import ApiError, Body, param_of, sse, text_of_content
+from tqserve.actors.messages import Error
+from tqserve.api.httpcommon import ApiError, Body, param_of, sse, text_of_content
 
 
 def body(obj) -> Body:

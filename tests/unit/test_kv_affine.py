@@ -15,16 +15,16 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models import base, qwen3
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
-from api.cli import _config, build_parser
-from engine.config import Config
-from engine.detokenize import TextStream
-from engine.kv.affine import PLANES, AffineKVCache, BatchedAffineKVCache
-from engine.kv.factory import cache_factory_for, check_affine_head_dims, make_affine_cache_factory
-from engine.kv.turboquant import TurboQuantKVCache
-from engine.model import LoadedModel
-from engine.runner import Runner
-from engine.sampling import SamplingParams
-from engine.scheduler import SchedulerCore, TokenOut
+from tqserve.api.cli import _config, build_parser
+from tqserve.engine.config import Config
+from tqserve.engine.detokenize import TextStream
+from tqserve.engine.kv.affine import PLANES, AffineKVCache, BatchedAffineKVCache
+from tqserve.engine.kv.factory import cache_factory_for, check_affine_head_dims, make_affine_cache_factory
+from tqserve.engine.kv.turboquant import TurboQuantKVCache
+from tqserve.engine.model import LoadedModel
+from tqserve.engine.runner import Runner
+from tqserve.engine.sampling import SamplingParams
+from tqserve.engine.scheduler import SchedulerCore, TokenOut
 from tests.unit.test_kv_turboquant import HEADS, DIM, Mirror, Planes, run_batch_scenario
 
 PROMPTS = ("def fibonacci(n):\n    if n < 2:\n", "import os\nimport sys\n\nclass Config:\n",
@@ -297,7 +297,7 @@ def test_cli_maps_kv_quant_flags() -> None:
 @pytest.mark.parametrize("length,mask", [(1, None), (5, "causal")])
 def test_affine_sdpa_matches_mlx_lm_quantized_attention(bits, group_size, length, mask):
     """affine_sdpa (what --kv-quant uses on MLX-CUDA) computes mlx-lm's quantized attention."""
-    from engine.kv.attention import affine_sdpa
+    from tqserve.engine.kv.attention import affine_sdpa
 
     cache = AffineKVCache(bits, group_size)
     k = mx.random.normal((2, 2, 40, 128), key=mx.random.key(1))

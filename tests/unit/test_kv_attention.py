@@ -17,16 +17,16 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models import base, gemma3_text, qwen3
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
-from engine.codec.turboquant import EncodedVectors
-from engine.kv import attention
-from engine.kv.attention import FUSED_DECODE_ENV, install_attention, turboquant_sdpa
-from engine.kv.delayed import DelayedTurboQuantKVCache
-from engine.kv.factory import check_head_dims, make_turboquant_cache_factory
-from engine.kv.turboquant import BatchedTurboQuantKVCache, TurboQuantKVCache
-from engine.model import LoadedModel
-from engine.runner import Runner
-from engine.sampling import SamplingParams
-from engine.scheduler import NewRow, PrefillChunk, StepPlan
+from tqserve.engine.codec.turboquant import EncodedVectors
+from tqserve.engine.kv import attention
+from tqserve.engine.kv.attention import FUSED_DECODE_ENV, install_attention, turboquant_sdpa
+from tqserve.engine.kv.delayed import DelayedTurboQuantKVCache
+from tqserve.engine.kv.factory import check_head_dims, make_turboquant_cache_factory
+from tqserve.engine.kv.turboquant import BatchedTurboQuantKVCache, TurboQuantKVCache
+from tqserve.engine.model import LoadedModel
+from tqserve.engine.runner import Runner
+from tqserve.engine.sampling import SamplingParams
+from tqserve.engine.scheduler import NewRow, PrefillChunk, StepPlan
 
 DIM = 128
 KV_HEADS, Q_HEADS = 2, 4
@@ -271,7 +271,7 @@ def test_gemma3_sliding_layers_stay_plain_and_warn_once(
     install_attention()
     model = _gemma()
     factory = make_turboquant_cache_factory(8, 8)
-    with caplog.at_level(logging.WARNING, logger="engine.kv.factory"):
+    with caplog.at_level(logging.WARNING, logger="tqserve.engine.kv.factory"):
         caches = factory(model)
         factory(model)
     assert len([r for r in caplog.records if "keep plain" in r.message]) == 1

@@ -7,9 +7,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from engine.codec.turboquant import TurboQuantCodec
-from engine.kv import attention, cuda_decode
-from engine.kv.turboquant import TurboQuantKVCache
+from tqserve.engine.codec.turboquant import TurboQuantCodec
+from tqserve.engine.kv import attention, cuda_decode
+from tqserve.engine.kv.turboquant import TurboQuantKVCache
 
 pytestmark = pytest.mark.skipif(not cuda_decode.available(128, 1),
                                 reason="needs MLX's CUDA backend (mx.fast.cuda_kernel)")

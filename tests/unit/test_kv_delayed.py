@@ -9,8 +9,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from engine.kv.attention import MixedRowsKV, RotatedKV, turboquant_sdpa
-from engine.kv.delayed import BatchedDelayedTurboQuantKVCache, DelayedTurboQuantKVCache
+from tqserve.engine.kv.attention import MixedRowsKV, RotatedKV, turboquant_sdpa
+from tqserve.engine.kv.delayed import BatchedDelayedTurboQuantKVCache, DelayedTurboQuantKVCache
 from tests.unit.test_kv_turboquant import DIM, HEADS, Mirror, Planes, run_batch_scenario
 
 

@@ -4,7 +4,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from engine.kv.rows import STEP, KvTensorRows
+from tqserve.engine.kv.rows import STEP, KvTensorRows
 
 HEADS = 2
 

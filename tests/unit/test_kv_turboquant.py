@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import KVCache
 
-from engine.kv.factory import parse_turboquant
-from engine.kv.rows import STEP
-from engine.kv.turboquant import PLANES, BatchedTurboQuantKVCache, TurboQuantKVCache
+from tqserve.engine.kv.factory import parse_turboquant
+from tqserve.engine.kv.rows import STEP
+from tqserve.engine.kv.turboquant import PLANES, BatchedTurboQuantKVCache, TurboQuantKVCache
 
 HEADS = 2
 DIM = 64

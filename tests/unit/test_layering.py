@@ -15,14 +15,20 @@ FORBIDDEN = {
 }
 
 
+def _top(module: str) -> str:
+    """The part a module belongs to: `tqserve.engine.kv` -> `engine`, `mlx.core` -> `mlx`."""
+    parts = module.split(".")
+    return parts[1] if parts[0] == "tqserve" and len(parts) > 1 else parts[0]
+
+
 def _imports(path: Path) -> set[str]:
     tree = ast.parse(path.read_text(), str(path))
     names = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            names |= {a.name.split(".")[0] for a in node.names}
+            names |= {_top(a.name) for a in node.names}
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            names.add(node.module.split(".")[0])
+            names.add(_top(node.module))
     return names
 
 

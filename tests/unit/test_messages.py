@@ -4,9 +4,9 @@ import attrs
 import msgpack
 import pytest
 
-from actors import messages as m
-from engine.sampling import SamplingParams
-from engine.structured import validate_response_format
+from tqserve.actors import messages as m
+from tqserve.engine.sampling import SamplingParams
+from tqserve.engine.structured import validate_response_format
 
 EXAMPLES = [
     m.Submit(request_id="r1", prompt_tokens=(1, 2, 3),

@@ -1,6 +1,6 @@
 """The sans-io prefix index: longest usable donor, bounds, supersession, budget, namespaces."""
 
-from engine.prefix import PrefixEntry, PrefixIndex, Tier, cache_namespace
+from tqserve.engine.prefix import PrefixEntry, PrefixIndex, Tier, cache_namespace
 
 NS = cache_namespace("fp", "plain:float32")
 

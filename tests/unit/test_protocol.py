@@ -8,10 +8,10 @@ from contextlib import contextmanager
 import msgpack
 import pytest
 
-from actors.messages import Done, Error, Queued, Token
-from api.protocol import (MAX_ID_LENGTH, CancelCommand, GenerateCommand, ProtocolError,
+from tqserve.actors.messages import Done, Error, Queued, Token
+from tqserve.api.protocol import (MAX_ID_LENGTH, CancelCommand, GenerateCommand, ProtocolError,
                           decode_frame, encode_frame, parse_command)
-from engine.sampling import SamplingParams
+from tqserve.engine.sampling import SamplingParams
 
 LIMIT = 1 << 20
 DEFAULT_MAX_TOKENS = 7

@@ -7,10 +7,10 @@ import json
 
 import pytest
 
-from tools.replay.metrics import RequestResult, ideal_reuse, parse_goodput, summarize, \
+from tqserve.tools.replay.metrics import RequestResult, ideal_reuse, parse_goodput, summarize, \
     time_series
-from tools.replay.recording import RecordingWriter, read_recording
-from tools.replay.traces import load_mooncake, subsample_families
+from tqserve.tools.replay.recording import RecordingWriter, read_recording
+from tqserve.tools.replay.traces import load_mooncake, subsample_families
 
 R0 = RequestResult(index=0, send_s=0.0, prompt_tokens=10, token_times=(1.0, 1.5, 2.0),
                    done_s=2.0, completion_tokens=3, output_tokens=(5, 6, 7),

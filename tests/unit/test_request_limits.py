@@ -2,8 +2,8 @@
 
 import pytest
 
-from engine.request import GenerateRequest
-from engine.sampling import (MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS,
+from tqserve.engine.request import GenerateRequest
+from tqserve.engine.sampling import (MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS,
                              MAX_TOKEN_ID, SamplingParams)
 
 LIMITS = dict(max_prompt_chars=100, max_messages=3, max_prompt_tokens=50)

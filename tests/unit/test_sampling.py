@@ -6,7 +6,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from engine.sampling import RowSampler, SamplingParams, sample_rows
+from tqserve.engine.sampling import RowSampler, SamplingParams, sample_rows
 
 V = 64
 

@@ -2,9 +2,9 @@
 
 import pytest
 
-from engine.detokenize import TextStream
-from engine.sampling import SamplingParams
-from engine.scheduler import (Finished, IllegalTransition, RowOutput, RowState, SchedulerCore,
+from tqserve.engine.detokenize import TextStream
+from tqserve.engine.sampling import SamplingParams
+from tqserve.engine.scheduler import (Finished, IllegalTransition, RowOutput, RowState, SchedulerCore,
                               Started, StepResult, TokenOut)
 
 EOS = 0
@@ -136,7 +136,7 @@ def test_fail_all_finishes_everything_and_clears_releases(core):
 
 
 def test_illegal_transition_raises_and_changes_nothing(core):
-    from engine.scheduler import _Row
+    from tqserve.engine.scheduler import _Row
 
     row = _Row("x", (1,), SamplingParams(), TextStream(None))
     with pytest.raises(IllegalTransition):

@@ -15,12 +15,12 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import KVCache
 
-from engine.kv.affine import AffineKVCache
-from engine.kv.delayed import DelayedTurboQuantKVCache
-from engine.kv.turboquant import TurboQuantKVCache
-from engine.snapshot import (describe, extract_snapshot, from_planes, layer_kinds_text,
+from tqserve.engine.kv.affine import AffineKVCache
+from tqserve.engine.kv.delayed import DelayedTurboQuantKVCache
+from tqserve.engine.kv.turboquant import TurboQuantKVCache
+from tqserve.engine.snapshot import (describe, extract_snapshot, from_planes, layer_kinds_text,
                              row_from_snapshot, to_planes)
-from storage import SsdTier, snapshot_key
+from tqserve.storage import SsdTier, snapshot_key
 
 HEADS, HEAD_DIM = 2, 64
 START = 6  # quantized_kv_start of the delayed caches

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from storage.snapshot import read_snapshot
-from storage.tier import QUARANTINE_DIR, SsdTier
-from storage.writer import (is_temporary_name, snapshot_key, validate_key,
+from tqserve.storage.snapshot import read_snapshot
+from tqserve.storage.tier import QUARANTINE_DIR, SsdTier
+from tqserve.storage.writer import (is_temporary_name, snapshot_key, validate_key,
                             write_snapshot_file)
 from tests.unit.test_storage_snapshot import header_fields
 
@@ -27,8 +27,8 @@ NUM_KILLS = 50
 
 WRITER_SCRIPT = """
 import random, sys
-from storage.tier import SsdTier
-from storage.writer import snapshot_key
+from tqserve.storage.tier import SsdTier
+from tqserve.storage.writer import snapshot_key
 
 directory, seed = sys.argv[1], int(sys.argv[2])
 rng = random.Random(seed)

@@ -10,7 +10,7 @@ import msgpack
 import pytest
 import zstandard
 
-from storage.snapshot import (MAGIC, SnapshotError, decode_header, decode_snapshot, encode_snapshot,
+from tqserve.storage.snapshot import (MAGIC, SnapshotError, decode_header, decode_snapshot, encode_snapshot,
                               read_snapshot)
 
 

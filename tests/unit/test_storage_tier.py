@@ -7,9 +7,9 @@ import secrets
 import pytest
 import trio
 
-from storage.snapshot import SnapshotError, read_snapshot
-from storage.tier import QUARANTINE_DIR, SsdTier
-from storage.writer import snapshot_key
+from tqserve.storage.snapshot import SnapshotError, read_snapshot
+from tqserve.storage.tier import QUARANTINE_DIR, SsdTier
+from tqserve.storage.writer import snapshot_key
 from tests.unit.test_storage_snapshot import header_fields, header_region_length, sample_planes
 
 

@@ -3,8 +3,9 @@ put is stuck inside its write (fsync), the books answer and a get of another key
 
 import threading
 
-import storage.tier
-from storage.tier import SsdTier
+import tqserve.storage.tier  # noqa: F401  (loads storage.tier)
+from tqserve import storage
+from tqserve.storage.tier import SsdTier
 from tests.unit.test_storage_tier import store
 
 

@@ -6,10 +6,10 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from api.protocol import ProtocolError, parse_command
-from engine.request import GenerateRequest
-from engine.sampling import RowSampler, SamplingParams, apply_token_masks, sample_rows
-from engine.structured import ResponseFormat, ResponseFormatError, validate_response_format
+from tqserve.api.protocol import ProtocolError, parse_command
+from tqserve.engine.request import GenerateRequest
+from tqserve.engine.sampling import RowSampler, SamplingParams, apply_token_masks, sample_rows
+from tqserve.engine.structured import ResponseFormat, ResponseFormatError, validate_response_format
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
 

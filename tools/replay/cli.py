@@ -22,12 +22,12 @@ from typing import Any, NoReturn, Sequence
 
 import trio
 
-from tools.replay import report
-from tools.replay.metrics import ideal_reuse, parse_goodput, summarize
-from tools.replay.recording import FORMAT, read_recording
-from tools.replay.run import measure_capacity, offered_load, replay
-from tools.replay.targets import EngineTarget, SpawnTarget, UrlTarget
-from tools.replay.traces import (TraceRequest, corpus_tokens, default_corpus_paths,
+from tqserve.tools.replay import report
+from tqserve.tools.replay.metrics import ideal_reuse, parse_goodput, summarize
+from tqserve.tools.replay.recording import FORMAT, read_recording
+from tqserve.tools.replay.run import measure_capacity, offered_load, replay
+from tqserve.tools.replay.targets import EngineTarget, SpawnTarget, UrlTarget
+from tqserve.tools.replay.traces import (TraceRequest, corpus_tokens, default_corpus_paths,
                                  from_recording, load_azure, load_mooncake, subsample_families)
 
 DEFAULT_MODEL = str(Path(__file__).resolve().parents[2] / "models" / "pycoder-draft-4m")
@@ -145,7 +145,7 @@ def _fields(r: TraceRequest) -> dict[str, Any]:
 
 
 def _engine_config(args: argparse.Namespace, overrides: dict[str, str]) -> Any:
-    from engine.config import Config
+    from tqserve.engine.config import Config
 
     fields: dict[str, Any] = {"model": args.model or DEFAULT_MODEL}
     for name, kind in _ENGINE_FLAGS:
@@ -167,7 +167,7 @@ def _engine_config(args: argparse.Namespace, overrides: dict[str, str]) -> Any:
 def _serve_args(config: Any) -> list[str]:
     import attrs
 
-    from engine.config import Config
+    from tqserve.engine.config import Config
 
     out = []
     defaults = Config()

@@ -20,8 +20,8 @@ from typing import Any, AsyncIterator, Callable
 import attrs
 import trio
 
-from actors.messages import Done, Error, Queued, Submit, Token, decode
-from tools.replay.recording import RecordingWriter
+from tqserve.actors.messages import Done, Error, Queued, Submit, Token, decode
+from tqserve.tools.replay.recording import RecordingWriter
 
 log = logging.getLogger("tqserve.record")
 RECORD_QUEUE = 8192  # mailbox messages (a token each, mostly) the writer may lag behind

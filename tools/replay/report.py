@@ -8,9 +8,9 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-from tools.replay.metrics import OUTCOMES, RequestResult, time_series
-from tools.replay.run import expected_fields
-from tools.replay.traces import TraceRequest
+from tqserve.tools.replay.metrics import OUTCOMES, RequestResult, time_series
+from tqserve.tools.replay.run import expected_fields
+from tqserve.tools.replay.traces import TraceRequest
 
 _ROWS = (("completed", "Successful requests", "{:d}"), ("failed", "Failed requests", "{:d}"),
          ("duration_s", "Benchmark duration (s)", "{:.2f}"),

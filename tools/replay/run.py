@@ -16,9 +16,9 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import trio
 
-from tools.replay.metrics import RequestResult
-from tools.replay.targets import request_fields
-from tools.replay.traces import FIRST_TOKEN, TraceRequest
+from tqserve.tools.replay.metrics import RequestResult
+from tqserve.tools.replay.targets import request_fields
+from tqserve.tools.replay.traces import FIRST_TOKEN, TraceRequest
 from tqserve.client import ClientError, DoneEvent, ErrorEvent, TokenEvent
 
 PROBE_REQUESTS = 4        # concurrent requests of the capacity probe

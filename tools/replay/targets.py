@@ -27,7 +27,7 @@ from typing import Any, AsyncIterator
 
 import trio
 
-from tools.replay.traces import TraceRequest
+from tqserve.tools.replay.traces import TraceRequest
 from tqserve.client import Client, Event, parse_event
 
 SPAWN_START_TIMEOUT = 300.0  # seconds a spawned server may take to load and listen
@@ -131,7 +131,7 @@ class SpawnTarget(UrlTarget):
         await self._stop()
 
     async def _start(self) -> None:
-        cmd = [sys.executable, "-m", "api.cli", "serve", "--port", "0", *self._args]
+        cmd = [sys.executable, "-m", "tqserve.api.cli", "serve", "--port", "0", *self._args]
         self._log = tempfile.TemporaryFile()  # the child's stderr: shown only if it fails
         self._proc = await trio.lowlevel.open_process(cmd, cwd=_REPO, stdout=subprocess.PIPE,
                                                       stderr=self._log)
@@ -190,15 +190,15 @@ class EngineTarget:
         await self._stack.aclose()
 
     async def _open(self) -> None:
-        from actors.engine import open_engine
+        from tqserve.actors.engine import open_engine
 
         self._engine = await self._stack.enter_async_context(
             open_engine(self.config, loaded=self._loaded))
         self._loaded = self._engine.model
 
     async def generate(self, req: TraceRequest, rid: str) -> AsyncIterator[Event]:
-        from engine.request import GenerateRequest
-        from engine.sampling import SamplingParams
+        from tqserve.engine.request import GenerateRequest
+        from tqserve.engine.sampling import SamplingParams
 
         fields = request_fields(req)
         try:
