@@ -62,9 +62,12 @@ async def test_metrics_agree_with_stats_after_a_known_workload(nursery, draft_mo
             assert busy["vllm:num_requests_waiting"][()] == 1
             assert busy["vllm:kv_cache_usage_perc"][()] == 1.0  # 1 of --max-batch 1 rows
             assert busy["tqserve:kv_cache_bytes"][()] > 0
-            for rid in ("r1", "r2"):
-                await session.send({"type": "cancel", "id": rid})
-            r1, r2 = await session.wait("r1", "r2")
+            # r2 first, and only once it has ended r1: cancelling r1 first frees its row,
+            # and r2 could start (and make a token) before its own cancel arrives
+            await session.send({"type": "cancel", "id": "r2"})
+            (r2,) = await session.wait("r2")
+            await session.send({"type": "cancel", "id": "r1"})
+            (r1,) = await session.wait("r1")
         stats = await wait_stats(raw, server.url, rows_active=0, rows_queued=0, streams_open=0)
         after = await scrape(raw, server.url)
     ws_usages = [r.end["usage"] for r in (ws, r1, r2)]
