@@ -334,5 +334,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
 
 
+def run() -> NoReturn:
+    """The `tqserve` console script: main(), then exit without tearing MLX down.
+
+    Everything that must happen at the end already has (the engine closed, its writes
+    drained and fsynced, the shutdown line written); what remains is the interpreter's own
+    teardown, during which MLX's native threads can abort the process ("terminate called
+    without an active exception", exit -6: seen in the SIGINT shutdown test on CPU and at
+    exit on CUDA). So flush and leave with the exit code, as `os._exit` does."""
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    raise SystemExit(main())
+    run()
