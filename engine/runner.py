@@ -174,33 +174,31 @@ class Runner:
         return out
 
     def _snapshot(self, orders: tuple[tuple[str, str], ...]) -> tuple[SnapshotMade, ...]:
+        """Released rows named in `orders`, snapshotted from the batch cache."""
         made = []
         for rid, key in orders:
-            if rid not in self._batch or self._batch_cache is None:
-                continue
-            snap = extract_snapshot(self._batch_cache, self._batch.index(rid))
-            if snap is None or snap.offset == 0:
-                continue
-            self._snapshots[key] = snap
-            made.append(SnapshotMade(key=key, request_id=rid, offset=snap.offset,
-                                     minimum_reusable_offset=snap.minimum_reusable_offset,
-                                     num_bytes=snap.nbytes))
-        return tuple(made)
+            if rid in self._batch and self._batch_cache is not None:
+                made.append(self._hold(key, rid, extract_snapshot(self._batch_cache,
+                                                                  self._batch.index(rid))))
+        return tuple(m for m in made if m is not None)
 
     def _snapshot_prompts(self, orders: tuple[tuple[str, str], ...]) -> tuple[SnapshotMade, ...]:
+        """Rows whose prefill just completed, snapshotted from their own caches."""
         made = []
         for rid, key in orders:
             row = self._rows.get(rid)
-            if row is None or row.cache is None:
-                continue
-            snap = snapshot_of_row(row.cache)
-            if snap is None or snap.offset == 0:
-                continue
-            self._snapshots[key] = snap
-            made.append(SnapshotMade(key=key, request_id=rid, offset=snap.offset,
-                                     minimum_reusable_offset=snap.minimum_reusable_offset,
-                                     num_bytes=snap.nbytes))
-        return tuple(made)
+            if row is not None and row.cache is not None:
+                made.append(self._hold(key, rid, snapshot_of_row(row.cache)))
+        return tuple(m for m in made if m is not None)
+
+    def _hold(self, key: str, rid: str, snap: Snapshot | None) -> SnapshotMade | None:
+        """Keep a non-empty snapshot under `key`; what the step reports of it."""
+        if snap is None or snap.offset == 0:
+            return None
+        self._snapshots[key] = snap
+        return SnapshotMade(key=key, request_id=rid, offset=snap.offset,
+                            minimum_reusable_offset=snap.minimum_reusable_offset,
+                            num_bytes=snap.nbytes)
 
     def _spill(self, key: str) -> SpillPayload:
         return self._payload(key, self._snapshots.pop(key))
