@@ -30,6 +30,7 @@ from werkzeug.exceptions import HTTPException
 
 from tqserve.actors.engine import Engine
 from tqserve.actors.messages import Error
+from tqserve.api.auth import WS_PROTOCOL
 from tqserve.api.playground import add_playground
 from tqserve.api.metrics import Metrics
 from tqserve.api.protocol import (CancelCommand, GenerateCommand, ProtocolError, decode_frame,
@@ -184,7 +185,8 @@ def create_app(engine: Engine, connections: Connections | None = None) -> QuartT
         if engine.shutting_down or connections.closing.is_set():
             return jsonify({"error": {"code": "shutting_down",
                                       "message": "the server is shutting down"}}), 503
-        await websocket.accept()
+        chosen = WS_PROTOCOL if WS_PROTOCOL in websocket.requested_subprotocols else None
+        await websocket.accept(subprotocol=chosen)
         send, receive = trio.open_memory_channel[str | bytes](OUTGOING_FRAMES)
         flushed = trio.Event()
 

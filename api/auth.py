@@ -1,10 +1,15 @@
 """API key, WebSocket Origin allow-list, request ids and the access line of plain routes.
 
 With `--api-key` (or TQSERVE_API_KEY) every HTTP route but `GET /health` and the
-WebSocket upgrade need the key, as `Authorization: Bearer <key>` or as `x-api-key: <key>`
-(what Anthropic's clients send); keys are compared in constant time. /health stays open
-so that load balancers and probes, which carry no key, can check liveness; it tells
-nothing but "ok" and the model's name. A refused upgrade is an HTTP 401 (no WebSocket).
+playground's page files, and the WebSocket upgrade, need the key, as `Authorization:
+Bearer <key>` or as `x-api-key: <key>` (what Anthropic's clients send); keys are compared
+in constant time. /health stays open so that load balancers and probes, which carry no
+key, can check liveness; it tells nothing but "ok" and the model's name. The page files
+(`/`, its script and style sheet) hold no data; the vocabulary and every API stay behind
+the key. A browser cannot set headers on a WebSocket upgrade, so the upgrade also takes
+the key as a subprotocol, `tqserve.bearer.<key as unpadded base64url>`, offered next to
+`tqserve` (the playground does this; the server then selects `tqserve`). A refused upgrade
+is an HTTP 401 (no WebSocket).
 
 With `--allowed-origins`, a WebSocket upgrade or HTTP request carrying an `Origin`
 header (a browser) is refused with 403 unless that origin is listed; clients that send
@@ -16,6 +21,8 @@ web page cannot make a local server generate behind its user's back.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import hmac
 import time
 from typing import Any, Callable
@@ -26,7 +33,9 @@ from quart_trio import QuartTrio
 from tqserve.api.httpcommon import new_id
 from tqserve.api.metrics import Metrics
 
-OPEN_PATHS = frozenset({"/health"})
+OPEN_PATHS = frozenset({"/health", "/", "/static/playground.js", "/static/playground.css"})
+WS_PROTOCOL = "tqserve"  # the subprotocol a key-carrying upgrade offers and is given
+KEY_PROTOCOL_PREFIX = "tqserve.bearer."
 
 
 def presented_key(headers: Any) -> str | None:
@@ -37,8 +46,22 @@ def presented_key(headers: Any) -> str | None:
     return headers.get("x-api-key")
 
 
-def key_ok(expected: str, headers: Any) -> bool:
-    given = presented_key(headers)
+def protocol_key(subprotocols: list[str]) -> str | None:
+    """The key offered as a `tqserve.bearer.<base64url>` subprotocol, if any."""
+    for offered in subprotocols:
+        if offered.startswith(KEY_PROTOCOL_PREFIX):
+            encoded = offered[len(KEY_PROTOCOL_PREFIX):]
+            try:
+                raw = base64.urlsafe_b64decode(encoded + "=" * (-len(encoded) % 4))
+                return raw.decode("utf-8")
+            except (binascii.Error, ValueError):
+                return None
+    return None
+
+
+def key_ok(expected: str, headers: Any, given: str | None = None) -> bool:
+    """Whether the request carries `expected` (in its headers, or as `given`)."""
+    given = presented_key(headers) if given is None else given
     return given is not None and hmac.compare_digest(given.encode("utf-8"),
                                                      expected.encode("utf-8"))
 
@@ -76,7 +99,8 @@ def install(app: QuartTrio, api_key: str | None, allowed_origins: tuple[str, ...
 
     @app.before_websocket
     async def check_upgrade() -> Response | None:
-        if api_key is not None and not key_ok(api_key, websocket.headers):
+        offered = protocol_key(websocket.requested_subprotocols)
+        if api_key is not None and not key_ok(api_key, websocket.headers, offered):
             return Response('{"error": "missing or invalid API key"}', 401,
                             content_type="application/json")
         origin = websocket.headers.get("Origin")

@@ -6,6 +6,10 @@
 // output and use the arrow keys) to see the top alternatives; their text comes from
 // GET /playground/vocab.json because token frames carry alternative ids only.
 // Every error frame is shown in the alert box, whatever request it answers.
+// A server started with --api-key answers the vocabulary with 401: the page then shows a
+// key field; the key (kept in sessionStorage, this tab only) goes as a Bearer header on
+// fetches and, since a browser cannot set headers on a WebSocket upgrade, as the
+// subprotocol "tqserve.bearer.<unpadded base64url of the key>" offered next to "tqserve".
 "use strict";
 
 const MAX_HUE = 120;  // the hue of p = 1 (green); p = 0 is hue 0 (red)
@@ -32,8 +36,9 @@ const ui = {
   temperature: $("temperature"), seed: $("seed"), topLogprobs: $("top-logprobs"),
   schema: $("schema"), generate: $("generate"), cancel: $("cancel"), error: $("error"),
   output: $("output"), tooltip: $("tooltip"), connection: $("connection"),
-  status: $("status"), model: $("model-name"),
+  status: $("status"), model: $("model-name"), keyBox: $("key-box"), key: $("api-key"),
 };
+const KEY_STORE = "tqserve-api-key";
 const state = {
   socket: null,    // the open WebSocket, or null
   opening: null,   // a promise of the socket while it connects
@@ -49,6 +54,23 @@ function socketUrl() {
   return `${scheme}//${location.host}/v1/stream`;
 }
 
+function apiKey() {
+  return sessionStorage.getItem(KEY_STORE) || "";
+}
+
+/** Unpadded base64url of the key's UTF-8 bytes: a valid subprotocol token. */
+function base64url(text) {
+  const bytes = new TextEncoder().encode(text);
+  let binary = "";
+  for (const b of bytes) binary += String.fromCharCode(b);
+  return btoa(binary).replace(/\+/g, "-").replace(/\//g, "_").replace(/=+$/, "");
+}
+
+function socketProtocols() {
+  const key = apiKey();
+  return key ? ["tqserve", `tqserve.bearer.${base64url(key)}`] : [];
+}
+
 function setConnection(open) {
   ui.connection.dataset.state = open ? "open" : "closed";
   ui.connection.textContent = open ? "connected" : "not connected";
@@ -58,7 +80,7 @@ function openSocket() {
   if (state.socket) return Promise.resolve(state.socket);
   if (state.opening) return state.opening;
   state.opening = new Promise((resolve, reject) => {
-    const ws = new WebSocket(socketUrl());
+    const ws = new WebSocket(socketUrl(), socketProtocols());
     ws.onopen = () => {
       state.socket = ws;
       state.opening = null;
@@ -347,10 +369,29 @@ function init() {
   fetch("/health").then((r) => r.json()).then((health) => {
     ui.model.textContent = health.model;
   }).catch(() => { ui.model.textContent = "unknown"; });
-  fetch("/playground/vocab.json").then((r) => r.json()).then((vocab) => {
+  ui.key.addEventListener("change", () => {
+    sessionStorage.setItem(KEY_STORE, ui.key.value);
+    if (state.socket) state.socket.close(1000);
+    connect();
+  });
+  connect();
+}
+
+/** Load the vocabulary (asking for the API key on 401), then open the socket. */
+function connect() {
+  const key = apiKey();
+  const headers = key ? {Authorization: `Bearer ${key}`} : {};
+  fetch("/playground/vocab.json", {headers}).then((r) => {
+    if (r.status === 401) {
+      ui.keyBox.hidden = false;
+      throw new Error(key ? "the API key was refused" : "this server needs an API key: enter it above");
+    }
+    return r.json();
+  }).then((vocab) => {
     state.vocab = vocab.tokens;
-  }).catch((exc) => showError(`cannot load the vocabulary: ${exc.message}`));
-  openSocket().catch((exc) => showError(exc.message));
+    if (!ui.keyBox.hidden) clearError();  // the key message, now answered
+    return openSocket();
+  }).catch((exc) => showError(exc.message));
 }
 
 init();

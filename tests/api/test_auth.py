@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import logging
 
 import anthropic
@@ -20,8 +21,11 @@ ROUTES = [("GET", "/v1/models"), ("POST", "/v1/completions"), ("POST", "/v1/chat
           ("GET", "/nope")]
 
 
-async def ws_generate(url: str, headers: list[tuple[bytes, bytes]]) -> str:
-    async with open_websocket_url(url, extra_headers=headers) as ws:
+async def ws_generate(url: str, headers: list[tuple[bytes, bytes]],
+                      subprotocols: list[str] | None = None) -> str:
+    async with open_websocket_url(url, extra_headers=headers, subprotocols=subprotocols) as ws:
+        if subprotocols:
+            assert ws.subprotocol == "tqserve"  # selected: a browser would fail otherwise
         session = Session(ws)
         await session.generate("a", prompt="x = 1", max_tokens=2, temperature=0)
         (result,) = await session.wait("a")
@@ -79,6 +83,36 @@ async def test_wrong_or_missing_keys_are_refused_everywhere(nursery, draft_model
     assert await ws_generate(server.ws_url, [bearer]) == "length"  # no Origin: not a browser
     assert await ws_generate(server.ws_url, [bearer, (b"Origin", GOOD_ORIGIN.encode())]) \
         == "length"
+
+
+def key_protocol(key: str) -> str:
+    return "tqserve.bearer." + base64.urlsafe_b64encode(key.encode()).decode().rstrip("=")
+
+
+async def test_browsers_give_the_key_as_a_subprotocol_and_load_the_page_without_it(
+        nursery, draft_model):
+    """A browser cannot set headers on a WebSocket upgrade (the playground's case): the key
+    rides as a subprotocol. The page's three files hold no data and load without the key;
+    the vocabulary does not."""
+    key = "sk?ey>="  # base64 writes it with "/", "+" and "=": the URL-safe form carries them
+    server = await start_server(nursery, draft_model, api_key=key)
+    async with httpx.AsyncClient(timeout=60) as raw:
+        for path in ("/", "/static/playground.js", "/static/playground.css"):
+            assert (await raw.get(server.url + path)).status_code == 200, path
+        assert (await raw.get(server.url + "/playground/vocab.json")).status_code == 401
+        with_key = await raw.get(server.url + "/playground/vocab.json",
+                                 headers={"Authorization": f"Bearer {key}"})
+        assert with_key.status_code == 200 and with_key.json()["tokens"]
+    assert await ws_generate(server.ws_url, [], ["tqserve", key_protocol(key)]) == "length"
+    for offered in (["tqserve", key_protocol("wrong")], ["tqserve", "tqserve.bearer.%%%"],
+                    ["tqserve"], ["tqserve.bearer."]):
+        with pytest.raises(ConnectionRejected) as refused:
+            await ws_generate(server.ws_url, [], offered)
+        assert refused.value.status_code == 401, offered
+
+
+async def test_a_server_without_a_key_selects_the_offered_protocol(server):
+    assert await ws_generate(server.ws_url, [], ["tqserve"]) == "length"
 
 
 async def test_access_log_has_one_line_per_request_and_no_prompt_text(server, caplog):

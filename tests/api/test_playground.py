@@ -251,3 +251,40 @@ async def test_playground_in_chromium(nursery, draft_model, tmp_path: Path):
 
     await trio.to_thread.run_sync(browse)
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.skipif(BROWSER_MISSING is not None, reason=str(BROWSER_MISSING))
+async def test_playground_asks_for_the_api_key_and_then_streams(nursery, draft_model,
+                                                                tmp_path: Path):
+    """With --api-key the page loads, says it needs the key, refuses a wrong one, and with
+    the right one (sent as a WebSocket subprotocol, see api.auth) generates."""
+    from playwright.sync_api import sync_playwright
+
+    key = "playground-key"
+    server = await start_server(nursery, draft_model, api_key=key)
+
+    def browse() -> None:
+        with sync_playwright() as playwright:
+            context = launch_chromium(playwright, tmp_path / "profile")
+            try:
+                page = context.new_page()
+                page.goto(server.url + "/")
+                page.wait_for_selector("#key-box:not([hidden])")
+                page.wait_for_function("!document.querySelector('#error').hidden")
+                assert "needs an API key" in error_text(page)
+                assert page.eval_on_selector("#connection", "e => e.dataset.state") == "closed"
+                page.fill("#api-key", "wrong")
+                page.press("#api-key", "Tab")  # blur: the change event
+                page.wait_for_function(
+                    "document.querySelector('#error').textContent.includes('refused')")
+                page.fill("#api-key", key)
+                page.press("#api-key", "Tab")
+                page.wait_for_selector("#connection[data-state='open']")
+                assert error_text(page) == ""
+                run_in_page(page, PROMPT, max_tokens=8, temperature=0, top_logprobs=2)
+                assert len(dom_tokens(page)) == 8
+                assert summary(page)["finish"] == "length" and error_text(page) == ""
+            finally:
+                context.close()
+
+    await trio.to_thread.run_sync(browse)
