@@ -12,14 +12,21 @@ Anyone who can write into the cache directory can plant files the server will re
   target untouched) into `quarantine/` with directory-relative renames. When `quarantine/`
   is not a real directory of the cache dir (e.g. a symbolic link planted to carry files
   elsewhere), nothing is moved out of the directory: the entry is deleted instead.
+  `quarantine/` is bounded: each moved entry's mtime is set to the time of the move, and
+  after it the entries quarantined longest ago are deleted until at most QUARANTINE_MAX_FILES remain,
+  holding at most QUARANTINE_MAX_BYTES of disk blocks (a sparse file counts what it
+  occupies), so a stream of planted or damaged files cannot fill the disk. Directories
+  in it are left alone (never recursed into).
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
 import stat
+import time
 from pathlib import Path
 from typing import BinaryIO
 
@@ -28,6 +35,8 @@ from tqserve.storage.snapshot import SnapshotError
 logger = logging.getLogger("tqserve.storage.tier")
 
 QUARANTINE_DIR = "quarantine"
+QUARANTINE_MAX_FILES = 64  # enough to read what went wrong; a flood keeps the newest
+QUARANTINE_MAX_BYTES = 1 << 30  # disk blocks the kept files may occupy
 DIRECTORY_MODE = 0o700
 _UNSAFE_BITS = stat.S_IWGRP | stat.S_IWOTH
 
@@ -135,6 +144,10 @@ def _move_into_quarantine(dir_fd: int, name: str) -> bool:
         return False
     try:
         os.replace(name, name, src_dir_fd=dir_fd, dst_dir_fd=quarantine_fd)
+        now = time.time_ns()
+        with contextlib.suppress(OSError):
+            os.utime(name, ns=(now, now), dir_fd=quarantine_fd, follow_symlinks=False)
+        _prune_quarantine(quarantine_fd)
         return True
     except FileNotFoundError:
         return True  # gone already: nothing left to serve
@@ -142,6 +155,30 @@ def _move_into_quarantine(dir_fd: int, name: str) -> bool:
         return False
     finally:
         os.close(quarantine_fd)
+
+
+def _prune_quarantine(quarantine_fd: int) -> None:
+    """Delete the oldest-quarantined entries beyond the count and byte bounds (module doc)."""
+    entries = []
+    for name in os.listdir(quarantine_fd):
+        try:
+            info = os.stat(name, dir_fd=quarantine_fd, follow_symlinks=False)
+        except OSError:
+            continue
+        if not stat.S_ISDIR(info.st_mode):
+            entries.append((info.st_mtime_ns, name, info.st_blocks * 512))
+    entries.sort(reverse=True)  # newest first
+    kept_bytes = 0
+    for number, (_, name, size) in enumerate(entries):
+        kept_bytes += size
+        if number < QUARANTINE_MAX_FILES and kept_bytes <= QUARANTINE_MAX_BYTES:
+            continue
+        try:
+            os.unlink(name, dir_fd=quarantine_fd)
+            logger.info("deleted quarantined %s: quarantine/ keeps the newest %d files, "
+                        "%d bytes", name, QUARANTINE_MAX_FILES, QUARANTINE_MAX_BYTES)
+        except OSError:
+            pass
 
 
 def _kind(mode: int) -> str:

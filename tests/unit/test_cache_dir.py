@@ -20,6 +20,7 @@ import msgpack
 import pytest
 import zstandard
 
+from tqserve.storage import cachedir
 from tqserve.storage.snapshot import CHECKSUM_BYTES, MAGIC, SnapshotError, decode_header
 from tqserve.storage.tier import QUARANTINE_DIR, SsdTier
 from tqserve.storage.writer import snapshot_key
@@ -198,6 +199,39 @@ def test_a_quarantine_symlink_never_moves_files_out_of_the_directory(tmp_path):
     assert list(elsewhere.iterdir()) == []
     assert not os.path.lexists(directory / f"{bad}.tqsnap")  # deleted instead, logged
     assert [entry.key for entry in restarted.entries()] == [good]
+
+
+def test_quarantine_keeps_only_the_newest_files_within_its_byte_bound(tmp_path, monkeypatch):
+    """A flood of bad files (real recoveries, one per round) never grows quarantine/ past
+    its bounds; the newest quarantined files are the ones kept."""
+    directory = tmp_path / "ssd"
+    new_tier(directory).recover()
+    names = []
+    for n in range(cachedir.QUARANTINE_MAX_FILES + 6):
+        name = f"{snapshot_key('x', (7, n))}.tqsnap"
+        (directory / name).write_bytes(b"garbage")
+        names.append(name)
+        if n % 10 == 9 or n == cachedir.QUARANTINE_MAX_FILES + 5:
+            SsdTier(directory, max_bytes=1 << 30).recover()
+    kept = {p.name for p in (directory / QUARANTINE_DIR).iterdir()}
+    assert len(kept) == cachedir.QUARANTINE_MAX_FILES
+    assert names[-1] in kept and names[0] not in kept
+
+    monkeypatch.setattr(cachedir, "QUARANTINE_MAX_BYTES", 3 * 64 * 1024)
+    sparse = directory / f"{snapshot_key('x', (8, 0))}.tqsnap"
+    with open(sparse, "wb") as out:
+        out.truncate(30 << 30)  # 30 GiB that occupy no blocks: counted as what they occupy
+    SsdTier(directory, max_bytes=1 << 30).recover()
+    dense = []
+    for n in range(4):
+        name = f"{snapshot_key('x', (9, n))}.tqsnap"
+        (directory / name).write_bytes(os.urandom(64 * 1024))
+        dense.append(name)
+        SsdTier(directory, max_bytes=1 << 30).recover()
+    kept = {p.name for p in (directory / QUARANTINE_DIR).iterdir()}
+    assert set(dense[1:]) <= kept and dense[0] not in kept  # three 64 KiB files fit, not four
+    assert sum(os.stat(directory / QUARANTINE_DIR / n).st_blocks * 512 for n in kept) \
+        <= 3 * 64 * 1024
 
 
 def test_vanished_files_leave_the_index(tmp_path):
