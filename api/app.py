@@ -185,38 +185,50 @@ def create_app(engine: Engine, connections: Connections | None = None) -> QuartT
         if engine.shutting_down or connections.closing.is_set():
             return jsonify({"error": {"code": "shutting_down",
                                       "message": "the server is shutting down"}}), 503
-        chosen = WS_PROTOCOL if WS_PROTOCOL in websocket.requested_subprotocols else None
-        await websocket.accept(subprotocol=chosen)
-        send, receive = trio.open_memory_channel[str | bytes](OUTGOING_FRAMES)
-        flushed = trio.Event()
-
-        async def writer() -> None:
-            async for frame in receive:
-                await websocket.send(frame)
-            flushed.set()
-
-        async def close_at_shutdown(conn: _Connection) -> None:
-            await connections.closing.wait()
-            await conn.wait_no_requests()  # the engine ended them all before close_all
-            conn.closing = True
-            send.close()
-            await flushed.wait()
-            await websocket.close(GOING_AWAY, "server shutting down")
-            nursery.cancel_scope.cancel()
-
+        limit = engine.config.max_connections
+        if connections.num_open >= limit:  # checked and counted with no await between
+            engine.note_rejection("too_many_connections")
+            return jsonify({"error": {"code": "too_many_connections",
+                                      "message": f"the server holds {limit} WebSocket "
+                                                 "connections already (--max-connections)"}}
+                           ), 503, {"Retry-After": "1"}
         connections.opened()
         try:
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(writer)
-                conn = _Connection(engine, nursery, send, metrics)
-                nursery.start_soon(close_at_shutdown, conn)
-                try:
-                    while True:
-                        await conn.handle(await websocket.receive())
-                finally:
-                    nursery.cancel_scope.cancel()
+            await _serve_socket(engine, connections, metrics)
         finally:
             connections.closed()
         return None
 
     return app
+
+
+async def _serve_socket(engine: Engine, connections: Connections, metrics: Metrics) -> None:
+    """One accepted WebSocket: its frames, its requests, its writer, its close at shutdown."""
+    chosen = WS_PROTOCOL if WS_PROTOCOL in websocket.requested_subprotocols else None
+    await websocket.accept(subprotocol=chosen)
+    send, receive = trio.open_memory_channel[str | bytes](OUTGOING_FRAMES)
+    flushed = trio.Event()
+
+    async def writer() -> None:
+        async for frame in receive:
+            await websocket.send(frame)
+        flushed.set()
+
+    async def close_at_shutdown(conn: _Connection) -> None:
+        await connections.closing.wait()
+        await conn.wait_no_requests()  # the engine ended them all before close_all
+        conn.closing = True
+        send.close()
+        await flushed.wait()
+        await websocket.close(GOING_AWAY, "server shutting down")
+        nursery.cancel_scope.cancel()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(writer)
+        conn = _Connection(engine, nursery, send, metrics)
+        nursery.start_soon(close_at_shutdown, conn)
+        try:
+            while True:
+                await conn.handle(await websocket.receive())
+        finally:
+            nursery.cancel_scope.cancel()

@@ -40,12 +40,14 @@ _INT_FLAGS = {  # Config field -> help; every one maps 1:1 onto engine.config.Co
     "port": "TCP port to listen on (0: any free port)",
     "max_message_bytes": "largest WebSocket frame a client may send",
     "max_streams_per_connection": "concurrent requests on one WebSocket",
+    "max_connections": "open WebSockets the server holds at once (an upgrade beyond it is "
+                       "refused with HTTP 503, code too_many_connections)",
     "ram_cache_bytes": "byte budget of the prefix cache's RAM tier",
     "ssd_cache_bytes": "byte budget of the prefix cache's SSD tier (--cache-dir)",
     "max_prompt_chars": "characters of prompt text one request may carry (README Reliability)",
     "max_messages": "entries of a chat messages array one request may carry",
 }
-_SERVER_ONLY = ("port", "max_message_bytes", "max_streams_per_connection")
+_SERVER_ONLY = ("port", "max_message_bytes", "max_streams_per_connection", "max_connections")
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 

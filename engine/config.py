@@ -110,6 +110,8 @@ class Config:
     port: int = attrs.field(default=8000, validator=_port)
     max_message_bytes: int = attrs.field(default=1 << 20, validator=_positive)
     max_streams_per_connection: int = attrs.field(default=16, validator=_positive)
+    # open WebSockets the server holds at once; an upgrade beyond it is an HTTP 503
+    max_connections: int = attrs.field(default=1024, validator=_positive)
     # What one request may carry (README "Reliability"): checked before tokenizing.
     max_prompt_chars: int = attrs.field(default=262144, validator=_positive)
     max_messages: int = attrs.field(default=256, validator=_positive)

@@ -2,16 +2,51 @@
 
 from __future__ import annotations
 
-import httpx
-from trio_websocket import open_websocket_url
+import json
 
-from tests.api.wsclient import (LONG_PROMPT, Session, assert_well_formed, run_alone, stats,
+import httpx
+import pytest
+import trio
+from trio_websocket import ConnectionRejected, open_websocket_url
+
+from tests.api.wsclient import (LONG_PROMPT, STATS_POLL_SLEEP, STATS_POLLS, Session,
+                                assert_well_formed, run_alone, stats,
                                 wait_stats)
 from tests.conftest import start_server
 
 LONG = dict(prompt=LONG_PROMPT, max_tokens=400, temperature=0)  # runs until cancelled here
 SHORT = dict(prompt="def add(a, b):", max_tokens=8, temperature=0)
 IDLE = dict(rows_active=0, rows_queued=0, kv_bytes=0, streams_open=0)
+
+
+async def test_max_connections_refuses_the_next_upgrade_with_503(nursery, draft_model):
+    """--max-connections bounds open WebSockets: one more upgrade is an HTTP 503 naming the
+    flag (counted in stats' rejections); the open sockets keep working, and a closed one
+    frees its place."""
+    server = await start_server(nursery, draft_model, max_connections=2)
+    async with open_websocket_url(server.ws_url) as first, \
+            open_websocket_url(server.ws_url) as second:
+        with pytest.raises(ConnectionRejected) as refused:
+            async with open_websocket_url(server.ws_url):
+                pass
+        assert refused.value.status_code == 503
+        assert dict(refused.value.headers)[b"retry-after"] == b"1"
+        body = json.loads(refused.value.body)["error"]
+        assert body["code"] == "too_many_connections" and "--max-connections" in body["message"]
+        for ws in (first, second):
+            session = Session(ws)
+            await session.generate("a", **SHORT)
+            (result,) = await session.wait("a")
+            assert result.finish_reason == "length"
+    async with httpx.AsyncClient() as client:
+        assert (await stats(client, server.url))["rejections"] == {"too_many_connections": 1}
+    for _ in range(STATS_POLLS):  # the server sees the two closes soon after they happen
+        try:
+            assert (await run_alone(server.ws_url, "b", **SHORT)).finish_reason == "length"
+            return
+        except ConnectionRejected:
+            await trio.sleep(STATS_POLL_SLEEP)
+    raise AssertionError("a closed connection never freed its place")
 
 
 async def test_max_streams_per_connection(nursery, draft_model):
