@@ -1,0 +1,166 @@
+"""The router's HTTP APIs: OpenAI and Anthropic requests passed through to a backend.
+
+POST /v1/completions, /v1/chat/completions and /v1/messages are routed like WebSocket
+requests (prefix keys from the JSON body's prompt or messages) and forwarded as they are,
+with the client's Authorization / x-api-key / anthropic-version headers; the backend's
+status, body and errors come back unchanged, SSE streams chunk by chunk.
+
+Fail-over: a backend whose connection fails before it has sent a token is replaced by
+the next one. For a stream, the router holds back the preamble events that carry no
+token (OpenAI chat's role chunk; Anthropic's message_start, content_block_start, ping)
+until the first token event, so the request can still move; a backend lost after that
+ends the stream with an error event in the API's shape (code `backend_lost`).
+No backend: 503 in the API's error shape (code `no_healthy_backend`); draining: 503
+`shutting_down`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any, AsyncIterator
+
+import httpx
+from quart import Response, jsonify, request
+from quart_trio import QuartTrio
+
+from tqserve.api.router.core import NoHealthyBackend, Route
+from tqserve.api.router.service import Router, ShuttingDown
+
+log = logging.getLogger("tqserve.router")
+FORWARD_HEADERS = ("authorization", "x-api-key", "anthropic-version", "content-type")
+REPLY_HEADERS = ("content-type", "retry-after", "cache-control", "www-authenticate")
+_PREAMBLE_EVENTS = (b"message_start", b"content_block_start", b"ping")
+_ROLE_DELTA = {"role": "assistant", "content": ""}
+
+
+def error_response(path: str, status: int, message: str, code: str) -> Response:
+    """An error in the shape of the API that `path` belongs to (as the server's)."""
+    if path.startswith("/v1/messages"):
+        body: dict[str, Any] = {"type": "error", "error": {
+            "type": "overloaded_error" if status == 503 else "api_error", "message": message}}
+    elif path.startswith("/v1/"):
+        body = {"error": {"message": message, "type": "service_unavailable"
+                          if status == 503 else "server_error", "param": None, "code": code}}
+    else:
+        body = {"error": {"code": code, "message": message}}
+    response = jsonify(body)
+    response.status_code = status
+    return response
+
+
+def _lost_event(path: str, message: str) -> bytes:
+    if path.startswith("/v1/messages"):
+        data = {"type": "error", "error": {"type": "api_error", "message": message}}
+        return f"event: error\ndata: {json.dumps(data)}\n\n".encode()
+    data = {"error": {"message": message, "type": "server_error", "param": None,
+                      "code": "backend_lost"}}
+    return f"data: {json.dumps(data)}\n\n".encode()
+
+
+def is_preamble(event: bytes) -> bool:
+    """Whether one SSE event carries no token (see the module docstring)."""
+    lines = event.split(b"\n")
+    if any(line.startswith(b"event: ") and line[7:] in _PREAMBLE_EVENTS for line in lines):
+        return True
+    for line in lines:
+        if line.startswith(b"data: "):
+            try:
+                obj = json.loads(line[6:])
+            except ValueError:
+                return False
+            choices = obj.get("choices") if isinstance(obj, dict) else None
+            return bool(choices) and choices[0].get("delta") == _ROLE_DELTA
+    return False
+
+
+class _Sse:
+    """Splits a byte stream into whole SSE events."""
+
+    def __init__(self) -> None:
+        self._buf = b""
+
+    def feed(self, data: bytes) -> list[bytes]:
+        self._buf += data
+        *events, self._buf = self._buf.split(b"\n\n")
+        return [e + b"\n\n" for e in events]
+
+
+def register(app: QuartTrio, router: Router) -> None:
+    """Add the proxied HTTP routes to the router's app."""
+
+    async def proxy(path: str) -> Response:
+        body = await request.get_data(cache=False)
+        try:
+            fields = json.loads(body)
+        except ValueError:
+            fields = None
+        keys = router.keys(fields) if isinstance(fields, dict) else ()
+        headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARD_HEADERS}
+        tried: list[str] = []
+        try:
+            while True:
+                route = router.begin(keys, tried)
+                try:
+                    return await forward(path, route.backend, body, headers, route)
+                except httpx.TransportError as exc:
+                    router.lost(route)
+                    log.warning("%s: backend %s lost before its first token (%s); retrying "
+                                "elsewhere", path, route.backend, exc)
+                    tried.append(route.backend)
+                finally:
+                    router.end(route)
+        except ShuttingDown as exc:
+            router.reject("shutting_down")
+            return error_response(path, 503, str(exc), "shutting_down")
+        except NoHealthyBackend as exc:
+            router.reject("no_healthy_backend")
+            return error_response(path, 503, str(exc), "no_healthy_backend")
+
+    async def forward(path: str, backend: str, body: bytes, headers: dict[str, str],
+                      route: Route) -> Response:
+        """One attempt; httpx.TransportError while no token has reached the client."""
+        req = router.http.build_request("POST", backend + path, content=body, headers=headers)
+        response = await router.http.send(req, stream=True)
+        out_headers = {k: v for k, v in response.headers.items() if k.lower() in REPLY_HEADERS}
+        if not response.headers.get("content-type", "").startswith("text/event-stream"):
+            try:
+                content = await response.aread()
+            finally:
+                await response.aclose()
+            return Response(content, status=response.status_code, headers=out_headers)
+        chunks = response.aiter_raw()
+        sse = _Sse()
+        held: list[bytes] = []
+        try:
+            while all(is_preamble(e) for e in held):
+                try:
+                    held.extend(sse.feed(await chunks.__anext__()))
+                except StopAsyncIteration:
+                    raise httpx.ReadError("the stream ended before its first token") from None
+        except BaseException:
+            await response.aclose()
+            raise
+        # the attempt ends when proxy() returns: the stream counts in flight until it ends
+        router.table.hold(backend)
+
+        async def stream() -> AsyncIterator[bytes]:
+            try:
+                yield b"".join(held)
+                async for chunk in chunks:
+                    yield chunk
+            except httpx.TransportError as exc:
+                router.lost(route)
+                yield _lost_event(path, f"backend {backend} was lost after the stream "
+                                  f"started: {exc}")
+            finally:
+                await response.aclose()
+                router.end(route)
+
+        out = Response(stream(), status=response.status_code, headers=out_headers)
+        out.timeout = None
+        return out
+
+    for path in ("/v1/completions", "/v1/chat/completions", "/v1/messages"):
+        app.add_url_rule(path, f"proxy{path}", lambda path=path: proxy(path),
+                         methods=["POST"])
