@@ -19,13 +19,13 @@ from typing import Any
 import attrs
 import httpx
 import trio
-from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio.run import worker_serve
 from hypercorn.utils import wrap_app
 from quart import Response, jsonify, websocket
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
+from tqserve.api.hardening import LimitedConfig, install
 from tqserve.api.router import http
 from tqserve.api.router.metrics import exposition
 from tqserve.api.router.service import HTTP_CONNECTIONS, Router, RouterConfig
@@ -33,13 +33,14 @@ from tqserve.api.router.ws import OUTGOING_FRAMES, ClientConnection
 
 GOING_AWAY = 1001
 CLOSE_GRACE = 5.0  # seconds sockets get to flush and close at shutdown
+REQUEST_TIMEOUT = 5.0  # seconds a connection may take to send a complete request (as the server)
+WS_MESSAGE_TIMEOUT = 30.0  # seconds one WebSocket message may take to arrive (as the server)
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
 def create_app(router: Router) -> QuartTrio:
     """The ASGI app in front of a running Router."""
     app = QuartTrio("tqserve-router")
-    app.config["MAX_CONTENT_LENGTH"] = router.config.max_message_bytes
     closing = trio.Event()
     app.extensions["router_closing"] = closing
 
@@ -126,12 +127,15 @@ async def serve_router(config: RouterConfig, *, shutdown_trigger: trio.Event | N
                        task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> Router:
     """Run the router until `shutdown_trigger` (forever without one); report its URL once
     the first round of health checks is done. Returns the Router (its statistics)."""
-    hc = HypercornConfig()
+    install()
+    hc = LimitedConfig()  # the server's hardening of hypercorn (api.hardening)
     hc.bind = [f"{config.host}:{config.port}"]
     hc.accesslog = None
     hc.loglevel = "WARNING"
     hc.graceful_timeout = 1.0
     hc.websocket_max_message_size = 2 * config.max_message_bytes + (64 << 10)
+    hc.keep_alive_timeout = REQUEST_TIMEOUT
+    hc.ws_message_timeout = WS_MESSAGE_TIMEOUT
     try:
         sockets = hc.create_sockets()
         for sock in sockets.insecure_sockets:

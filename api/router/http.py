@@ -91,6 +91,11 @@ def register(app: QuartTrio, router: Router) -> None:
 
     async def proxy(path: str) -> Response:
         body = await request.get_data(cache=False)
+        limit = router.config.max_message_bytes
+        if len(body) > limit:
+            router.reject("too_large")
+            return error_response(path, 413, f"request body of {len(body)} bytes exceeds the "
+                                  f"limit of {limit}", "too_large")
         try:
             fields = json.loads(body)
         except ValueError:
@@ -161,6 +166,10 @@ def register(app: QuartTrio, router: Router) -> None:
         out.timeout = None
         return out
 
+    def view(path: str) -> Any:
+        async def route() -> Response:
+            return await proxy(path)
+        return route
+
     for path in ("/v1/completions", "/v1/chat/completions", "/v1/messages"):
-        app.add_url_rule(path, f"proxy{path}", lambda path=path: proxy(path),
-                         methods=["POST"])
+        app.add_url_rule(path, f"proxy{path}", view(path), methods=["POST"])

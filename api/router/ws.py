@@ -68,6 +68,17 @@ def decode(data: str | bytes, max_bytes: int) -> dict[str, Any]:
     return obj
 
 
+RETRYABLE_CODES = ("shutting_down", "engine_closed")  # the backend is going away
+
+
+def going_away(reply: dict[str, Any]) -> bool:
+    """A frame that ends a request only because its backend is stopping: before the first
+    token, the request can run elsewhere."""
+    if reply.get("type") == "error":
+        return reply.get("code") in RETRYABLE_CODES
+    return reply.get("type") == "done" and reply.get("finish_reason") == "shutdown"
+
+
 class ClientConnection:
     """One client WebSocket: its requests (client id -> cancel), its outgoing frames."""
 
@@ -133,6 +144,8 @@ class ClientConnection:
                         async for reply in frames:
                             await active.started()
                             kind = reply.get("type")
+                            if not sent_token and going_away(reply):
+                                raise BackendLost(f"backend is going away: {reply}")
                             if kind == "queued" and sent_queued:
                                 continue
                             sent_queued = sent_queued or kind == "queued"

@@ -1,0 +1,135 @@
+"""`tqserve route` against 3 real replicas of the bundled model: WebSocket and HTTP pass
+through, prefix affinity, metrics, bad input."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+import trio
+
+from tests.api.routerkit import start_replica, start_router
+from tqserve.client import Client, DoneEvent, ErrorEvent, TokenEvent
+
+SYSTEM = "import os\nimport sys\n\n\ndef read_config(path):\n    " * 3  # ~150 chars
+
+
+@pytest.fixture
+async def cluster(nursery, draft_model):
+    replicas = [await start_replica(nursery, draft_model) for _ in range(3)]
+    router = await start_router(nursery, [r.url for r in replicas])
+    return replicas, router
+
+
+async def _run(client, **kw):
+    events = [e async for e in client.generate(**kw)]
+    return events
+
+
+async def test_ws_affinity_same_tokens_and_cache_hits(cluster):
+    replicas, router = cluster
+    prompts = [SYSTEM + f"# variant {i}\n" for i in range(3)]
+    async with Client.connect(replicas[0].url.replace("http", "ws") + "/v1/stream") as direct:
+        want = [e.token_id for e in await _run(direct, prompt=prompts[0], max_tokens=8,
+                                                 temperature=0) if isinstance(e, TokenEvent)]
+    async with Client.connect(router.ws_url, binary=False) as client:
+        first = await _run(client, prompt=prompts[0], max_tokens=8, temperature=0,
+                           request_id="mine")
+        assert [e.token_id for e in first if isinstance(e, TokenEvent)] == want
+        assert {e.request_id for e in first} == {"mine"}
+        assert isinstance(first[-1], DoneEvent) and first[-1].completion_tokens == 8
+        # the same prompt with more after it: same backend, its prefix from the cache
+        again = await _run(client, prompt=prompts[0] + "    return 1\n", max_tokens=4,
+                           temperature=0)
+        assert again[-1].cached_tokens > 0
+    async with Client.connect(router.ws_url) as client:  # msgpack frames, concurrent
+        async with trio.open_nursery() as nursery:
+            for p in prompts * 2:
+                nursery.start_soon(lambda p=p: _run(client, prompt=p, max_tokens=4))
+    stats = await router.stats()
+    routed = {b: s["num_routed"] for b, s in stats["backends"].items()}
+    assert sum(r.get("affinity", 0) for r in routed.values()) >= 4
+    assert sum(sum(r.values()) for r in routed.values()) == 8
+    assert all(s["num_in_flight"] == 0 for s in stats["backends"].values())
+    # each prompt's 1 + 1 (or 2) requests ran on one replica: its cache saw the repeat
+    async with httpx.AsyncClient() as http:
+        totals = [(await http.get(r.url + "/v1/stats")).json()["requests_total"]
+                  for r in replicas]
+    assert sum(totals) == 8 + 1  # and the direct one
+
+
+async def test_http_apis_pass_through(cluster):
+    replicas, router = cluster
+    async with httpx.AsyncClient(base_url=router.url, timeout=60) as http:
+        r = await http.post("/v1/completions", json={"prompt": SYSTEM, "max_tokens": 5,
+                                                     "temperature": 0})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
+        async with http.stream("POST", "/v1/chat/completions", json={
+                "messages": [{"role": "user", "content": SYSTEM}], "max_tokens": 4,
+                "stream": True}) as s:
+            assert s.headers["content-type"].startswith("text/event-stream")
+            lines = [x async for x in s.aiter_lines() if x.startswith("data: ")]
+        assert lines[-1] == "data: [DONE]"
+        assert json.loads(lines[0][6:])["choices"][0]["delta"]["role"] == "assistant"
+        r = await http.post("/v1/messages", json={
+            "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})
+        assert r.status_code == 200 and r.json()["type"] == "message"
+        r = await http.get("/v1/models")
+        assert r.status_code == 200 and r.json()["data"]
+        # bad input: the backend's own 400 naming the field comes back
+        r = await http.post("/v1/completions", json={"prompt": "x", "max_tokens": -1})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+        r = await http.post("/v1/completions", content=b"{not json",
+                            headers={"content-type": "application/json"})
+        assert r.status_code == 400 and "error" in r.json()
+        r = await http.post("/v1/messages", json={"messages": []})
+        assert r.status_code == 400 and r.json()["type"] == "error"
+        r = await http.get("/v1/nowhere")
+        assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+        r = await http.post("/v1/completions", content=b"x" * (2 << 20))
+        assert r.status_code == 413
+        health = await http.get("/health")
+        assert health.status_code == 200
+        assert set(health.json()["backends"].values()) == {"healthy"}
+        metrics = (await http.get("/metrics")).text
+    for rep in replicas:
+        assert f'tqserve_router_backend_up{{backend="{rep.url}"}} 1' in metrics
+    assert 'tqserve_router_requests_total{backend="' in metrics
+    assert "tqserve_router_in_flight{" in metrics
+    served = sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+                 if line.startswith("tqserve_router_requests_total{"))
+    assert served == 6  # every proxied POST (the bad ones too) was routed once
+
+
+async def test_ws_bad_input_gets_error_frames_and_socket_goes_on(cluster):
+    from trio_websocket import open_websocket_url
+
+    _, router = cluster
+    async with open_websocket_url(router.ws_url) as ws:
+        async def ask(frame):
+            await ws.send_message(frame)
+            return json.loads(await ws.get_message())
+
+        assert (await ask("{nope"))["code"] == "bad_frame"
+        assert (await ask("[1]"))["code"] == "bad_frame"
+        assert (await ask('{"type": "sing", "id": "a"}'))["code"] == "unknown_type"
+        assert (await ask('{"type": "generate"}'))["code"] == "invalid_request"
+        assert (await ask('{"type": "cancel", "id": "zz"}'))["code"] == "unknown_id"
+        err = await ask(json.dumps({"type": "generate", "id": "b", "prompt": "x",
+                                    "max_tokens": 0}))
+        assert (err["id"], err["code"]) == ("b", "invalid_request") and "max_tokens" in err["message"]
+        err = await ask(json.dumps({"type": "generate", "id": "c", "prompt": "x",
+                                    "temprature": 1}))
+        assert err["code"] == "invalid_request" and "temprature" in err["message"]
+        big = await ask(json.dumps({"type": "generate", "id": "d", "prompt": "x" * (1 << 20)}))
+        assert big["code"] == "message_too_large"
+        # a valid request on the same socket still works, and a duplicate id is refused
+        await ws.send_message(json.dumps({"type": "generate", "id": "e", "prompt": SYSTEM,
+                                          "max_tokens": 30}))
+        await ws.send_message(json.dumps({"type": "generate", "id": "e", "prompt": "x"}))
+        seen = []
+        while not seen or seen[-1]["type"] not in ("done",):
+            seen.append(json.loads(await ws.get_message()))
+        assert any(f["type"] == "error" and f["code"] == "duplicate_id" for f in seen)
+        assert seen[-1]["id"] == "e" and seen[-1]["usage"]["completion_tokens"] <= 30
