@@ -1,0 +1,101 @@
+"""The router when a replica dies mid-run (no request lost) and when it drains."""
+
+from __future__ import annotations
+
+import httpx
+import trio
+from trio_websocket import ConnectionClosed
+
+from tests.api.routerkit import start_replica, start_router
+from tqserve.client import Client, ConnectionLost, DoneEvent, ErrorEvent, TokenEvent
+
+PROMPTS = [f"def handler_{i}(request):\n    " for i in range(9)]
+
+
+async def test_replica_killed_mid_run_loses_no_request(nursery, draft_model):
+    # one row per replica: each has one request decoding and two waiting when it dies
+    replicas = [await start_replica(nursery, draft_model, max_batch=1) for _ in range(3)]
+    router = await start_router(nursery, [r.url for r in replicas], health_interval=0.05)
+    results: dict[int, list] = {}
+    first_token = trio.Event()
+
+    async def one(client, i):
+        events = []
+        async for event in client.generate(prompt=PROMPTS[i], max_tokens=24, temperature=0):
+            events.append(event)
+            if isinstance(event, TokenEvent):
+                first_token.set()
+        results[i] = events
+
+    async with Client.connect(router.ws_url) as client:
+        async with trio.open_nursery() as inner:
+            for i in range(len(PROMPTS)):
+                inner.start_soon(one, client, i)
+            await first_token.wait()
+            replicas[0].kill()
+    assert len(results) == len(PROMPTS)
+    lost = []
+    for i, events in results.items():
+        end = events[-1]
+        tokens = [e for e in events if isinstance(e, TokenEvent)]
+        if isinstance(end, ErrorEvent):  # only a request that had started streaming
+            assert end.code == "backend_lost" and tokens and replicas[0].url in end.message
+            lost.append(i)
+        else:
+            assert isinstance(end, DoneEvent) and end.completion_tokens == len(tokens) > 0
+            assert [e.index for e in tokens] == list(range(len(tokens)))  # no duplicate
+    assert len(lost) <= 1  # the one request replica 0 was decoding, if it had a token
+    stats = await router.stats()
+    dead = stats["backends"][replicas[0].url]
+    assert stats["num_retries"] >= 2 and dead["num_failures"] >= 1
+    assert dead["state"] == "unhealthy" and dead["num_owned_keys"] == 0
+    assert all(b["num_in_flight"] == 0 for b in stats["backends"].values())
+    async with httpx.AsyncClient() as http:
+        health = (await http.get(router.url + "/health")).json()
+        assert health["status"] == "ok" and health["backends"][replicas[0].url] == "unhealthy"
+        metrics = (await http.get(router.url + "/metrics")).text
+    assert f'tqserve_router_backend_up{{backend="{replicas[0].url}"}} 0' in metrics
+    assert "tqserve_router_retries_total " in metrics
+    # with every replica gone: a clear error, never a hang
+    for r in replicas[1:]:
+        r.kill()
+    async with Client.connect(router.ws_url) as client:
+        events = [e async for e in client.generate(prompt="x", max_tokens=2)]
+    assert isinstance(events[-1], ErrorEvent) and events[-1].code == "no_healthy_backend"
+    async with httpx.AsyncClient() as http:
+        r = await http.post(router.url + "/v1/completions", json={"prompt": "x"})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "no_healthy_backend"
+        assert (await http.get(router.url + "/health")).status_code == 503
+
+
+async def test_router_drain_finishes_in_flight_and_refuses_new(nursery, draft_model):
+    replicas = [await start_replica(nursery, draft_model) for _ in range(2)]
+    router = await start_router(nursery, [r.url for r in replicas])
+    results = {}
+    streaming = trio.Event()
+
+    async def one(client, i):
+        events = []
+        try:
+            async for event in client.generate(prompt=PROMPTS[i], max_tokens=40,
+                                               temperature=0):
+                events.append(event)
+                streaming.set()
+        except ConnectionLost:
+            events.append("lost")
+        results[i] = events
+
+    async with Client.connect(router.ws_url) as client:
+        async with trio.open_nursery() as inner:
+            for i in range(3):
+                inner.start_soon(one, client, i)
+            await streaming.wait()
+            router.trigger.set()  # as SIGTERM does in `tqserve route`
+            async with httpx.AsyncClient() as http:
+                health = await http.get(router.url + "/health")
+            assert health.status_code == 503 and health.json()["status"] == "shutting_down"
+            late = [e async for e in client.generate(prompt="x", max_tokens=2)]
+            assert isinstance(late[-1], ErrorEvent) and late[-1].code == "shutting_down"
+    for events in results.values():
+        assert isinstance(events[-1], DoneEvent), events[-1]
+        assert events[-1].completion_tokens == sum(isinstance(e, TokenEvent) for e in events)
