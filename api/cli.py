@@ -143,6 +143,8 @@ def build_parser() -> argparse.ArgumentParser:
                        ("eval-kv", "KV-cache quality: perplexity and KL (tools/eval_kv)"),
                        ("replay", "replay, record-verify and A/B traces (tools/replay)"),
                        ("route", "prefix-aware router in front of N servers (api/router)"),
+                       ("route-sim", "predicted prefix reuse for N routed replicas on a "
+                                     "Mooncake trace (tools/route_sim)"),
                        ("attack", "bounded attack run on a loopback server (tools/attack)")):
         sub.add_parser(name, help=text, add_help=False)
     gen.add_argument("--prompt", required=True, help="the text to continue")
@@ -275,7 +277,7 @@ def _leaves(group: BaseExceptionGroup) -> list[BaseException]:
 _TOOLS = {"replay": "tqserve.tools.replay.cli", "bench": "tqserve.tools.bench", "bench-kv": "tqserve.tools.bench_kv",
           "eval-kv": "tqserve.tools.eval_kv", "bench-prefix": "tqserve.tools.bench_prefix",
           "bench-gpu": "tqserve.tools.bench_gpu", "attack": "tqserve.tools.attack",
-          "route": "tqserve.api.router.cli"}
+          "route": "tqserve.api.router.cli", "route-sim": "tqserve.tools.route_sim"}
 
 
 def _blas_line(choice: str) -> str | None:
