@@ -128,5 +128,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:
         print(f"tqserve route: error: {exc}", file=sys.stderr)
         return 2
+    except BaseExceptionGroup as group:  # raised inside the nursery (a taken port)
+        leaf = group
+        while isinstance(leaf, BaseExceptionGroup) and len(leaf.exceptions) == 1:
+            leaf = leaf.exceptions[0]
+        if not isinstance(leaf, ValueError):
+            raise
+        print(f"tqserve route: error: {leaf}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         return 130

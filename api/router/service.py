@@ -40,7 +40,8 @@ class RouterConfig:
     backends: tuple[str, ...] = attrs.field(converter=tuple)
     routing: RoutingConfig = RoutingConfig()
     host: str = "127.0.0.1"
-    port: int = 8100
+    port: int = attrs.field(default=8100, validator=[attrs.validators.ge(0),
+                                                      attrs.validators.le(65535)])
     health_interval: float = attrs.field(default=1.0, validator=attrs.validators.gt(0))
     health_timeout: float = attrs.field(default=2.0, validator=attrs.validators.gt(0))
     max_attempts: int = attrs.field(default=3, validator=attrs.validators.ge(1))
