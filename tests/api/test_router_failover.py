@@ -99,3 +99,28 @@ async def test_router_drain_finishes_in_flight_and_refuses_new(nursery, draft_mo
     for events in results.values():
         assert isinstance(events[-1], DoneEvent), events[-1]
         assert events[-1].completion_tokens == sum(isinstance(e, TokenEvent) for e in events)
+
+
+async def test_dead_replica_not_yet_noticed_is_skipped_over(nursery, draft_model):
+    """A replica that died between health checks: HTTP and WebSocket requests routed to it
+    are retried on the others (its connection refused), and it is marked down at once."""
+    replicas = [await start_replica(nursery, draft_model) for _ in range(3)]
+    router = await start_router(nursery, [r.url for r in replicas], health_interval=3600)
+    replicas[0].kill()
+    async with httpx.AsyncClient(base_url=router.url, timeout=60) as http:
+        for i in range(3):  # least-loaded ties rotate: one of these picks replica 0
+            r = await http.post("/v1/completions", json={"prompt": PROMPTS[i],
+                                                         "max_tokens": 2})
+            assert r.status_code == 200, r.text
+    stats = await router.stats()
+    assert stats["num_retries"] == 1
+    assert stats["backends"][replicas[0].url]["state"] == "unhealthy"
+    # the same over the WebSocket, with replica 1 now dead too
+    replicas[1].kill()
+    async with Client.connect(router.ws_url) as client:
+        for i in range(2):
+            events = [e async for e in client.generate(prompt=PROMPTS[i], max_tokens=2)]
+            assert isinstance(events[-1], DoneEvent)
+    stats = await router.stats()
+    assert stats["num_retries"] == 2
+    assert stats["backends"][replicas[1].url]["state"] == "unhealthy"
