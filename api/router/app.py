@@ -4,7 +4,9 @@ Routes: WebSocket /v1/stream (api.router.ws), POST /v1/completions,
 /v1/chat/completions, /v1/messages (api.router.http), GET /v1/models (from the first
 healthy backend), GET /health (200 while a backend is healthy and the router admits;
 503 otherwise, with every backend's state), GET /v1/stats (the route table's
-statistics) and GET /metrics (Prometheus text, one series per backend).
+statistics), GET /metrics (Prometheus text, one series per backend), and with
+--admin-key, POST /admin/drain {"backend": URL, "drain": true|false} (Authorization:
+Bearer KEY): that backend takes no new requests while its in-flight ones finish.
 
 Shutdown (`shutdown_trigger`, set by `tqserve route` on SIGTERM/SIGINT): the router
 drains (new requests get `shutting_down`, /health 503), in-flight requests get
@@ -14,6 +16,7 @@ stops.
 
 from __future__ import annotations
 
+import hmac
 from typing import Any
 
 import attrs
@@ -21,12 +24,13 @@ import httpx
 import trio
 from hypercorn.trio.run import worker_serve
 from hypercorn.utils import wrap_app
-from quart import Response, jsonify, websocket
+from quart import Response, jsonify, request, websocket
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
 from tqserve.api.hardening import LimitedConfig, install
 from tqserve.api.router import http
+from tqserve.api.router.core import HealthEvent
 from tqserve.api.router.metrics import exposition
 from tqserve.api.router.service import HTTP_CONNECTIONS, Router, RouterConfig
 from tqserve.api.router.ws import OUTGOING_FRAMES, ClientConnection
@@ -80,6 +84,30 @@ def create_app(router: Router) -> QuartTrio:
         return http.error_response("/v1/models", 503, "no healthy backend",
                                    "no_healthy_backend")
 
+    @app.post("/admin/drain")
+    async def drain_backend() -> Any:
+        """Drain one backend (no new requests; in-flight ones finish) or undrain it."""
+        key = router.config.admin_key
+        if key is None:
+            return http.error_response("/admin", 404, "no --admin-key is set", "not_found")
+        given = request.headers.get("authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+            return http.error_response("/admin", 401, "wrong or missing admin key",
+                                       "unauthorized")
+        body = await request.get_json(force=True, silent=True)
+        if not isinstance(body, dict) or body.get("backend") not in router.table.names:
+            return http.error_response("/admin", 400, "backend must be one of the router's "
+                                       f"--backend URLs: {list(router.table.names)}",
+                                       "invalid_request")
+        drain = body.get("drain", True)
+        if not isinstance(drain, bool):
+            return http.error_response("/admin", 400, "drain must be true or false",
+                                       "invalid_request")
+        state = router.table.set_health(body["backend"], HealthEvent.DRAIN if drain
+                                        else HealthEvent.UNDRAIN)
+        return jsonify({"backend": body["backend"], "state": state.value,
+                        "in_flight": router.table.num_in_flight(body["backend"])})
+
     http.register(app, router)
 
     @app.websocket("/v1/stream")
@@ -115,8 +143,6 @@ def create_app(router: Router) -> QuartTrio:
 
 
 def _path() -> str:
-    from quart import request
-
     try:
         return request.path
     except RuntimeError:

@@ -65,6 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backend-api-key", default=None,
                    help="bearer key the backends require on the WebSocket (HTTP requests "
                         "forward the client's own Authorization)")
+    p.add_argument("--admin-key", default=None,
+                   help="enables POST /admin/drain (drain or undrain one backend) for "
+                        "'Authorization: Bearer KEY' (default: off)")
     p.add_argument("--shutdown-timeout", type=float, default=c.shutdown_timeout,
                    help="on SIGTERM/SIGINT, seconds in-flight requests get to finish")
     return p
@@ -81,7 +84,7 @@ def config_from(args: argparse.Namespace) -> RouterConfig:
             **{k: getattr(args, k) for k in (
                 "host", "port", "health_interval", "health_timeout", "max_attempts",
                 "max_message_bytes", "max_streams_per_connection", "backend_streams",
-                "backend_api_key", "shutdown_timeout")})
+                "backend_api_key", "admin_key", "shutdown_timeout")})
     except ValueError as exc:
         message = str(exc)
         if message.startswith("'"):  # attrs validators: "'name' must be >= 1: 0"

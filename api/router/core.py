@@ -24,8 +24,8 @@ backend becomes the owner of all the prompt's keys. Policy `round-robin` ignores
 
 Backend states (one transition table): UNKNOWN until the first health check, HEALTHY,
 UNHEALTHY (a failed check or a lost connection; its keys are forgotten, since a replica
-that comes back has lost its RAM tier), DRAINING (sticky: no new requests, in-flight ones
-finish). Only HEALTHY backends are routable.
+that comes back has lost its RAM tier), DRAINING (an operator's choice, sticky until
+UNDRAIN: no new requests, in-flight ones finish). Only HEALTHY backends are routable.
 """
 
 from __future__ import annotations
@@ -54,6 +54,7 @@ class HealthEvent(enum.Enum):
     UP = "up"
     DOWN = "down"
     DRAIN = "drain"
+    UNDRAIN = "undrain"
 
 
 _S, _E = BackendState, HealthEvent
@@ -63,6 +64,8 @@ TRANSITIONS: dict[tuple[BackendState, HealthEvent], BackendState] = {
     **{(s, _E.DRAIN): _S.DRAINING for s in _S},
     (_S.DRAINING, _E.UP): _S.DRAINING,
     (_S.DRAINING, _E.DOWN): _S.DRAINING,
+    **{(s, _E.UNDRAIN): s for s in (_S.UNKNOWN, _S.HEALTHY, _S.UNHEALTHY)},
+    (_S.DRAINING, _E.UNDRAIN): _S.UNKNOWN,  # the next health check decides
 }
 
 

@@ -49,6 +49,7 @@ class RouterConfig:
     max_streams_per_connection: int = attrs.field(default=16, validator=attrs.validators.ge(1))
     backend_streams: int = attrs.field(default=16, validator=attrs.validators.ge(1))
     backend_api_key: str | None = None
+    admin_key: str | None = None
     shutdown_timeout: float = attrs.field(default=10.0, validator=attrs.validators.ge(0))
 
     @backends.validator

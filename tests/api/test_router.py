@@ -85,6 +85,8 @@ async def test_http_apis_pass_through(cluster):
         assert r.status_code == 400 and "error" in r.json()
         r = await http.post("/v1/messages", json={"messages": []})
         assert r.status_code == 400 and r.json()["type"] == "error"
+        r = await http.post("/admin/drain", json={"backend": replicas[0].url})
+        assert r.status_code == 404  # no --admin-key: no admin route
         r = await http.get("/v1/nowhere")
         assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
         r = await http.post("/v1/completions", content=b"x" * (2 << 20))

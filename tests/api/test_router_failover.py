@@ -124,3 +124,41 @@ async def test_dead_replica_not_yet_noticed_is_skipped_over(nursery, draft_model
     stats = await router.stats()
     assert stats["num_retries"] == 2
     assert stats["backends"][replicas[1].url]["state"] == "unhealthy"
+
+
+async def test_admin_drains_one_backend(nursery, draft_model):
+    replicas = [await start_replica(nursery, draft_model) for _ in range(2)]
+    router = await start_router(nursery, [r.url for r in replicas], admin_key="sesame",
+                                health_interval=0.05)
+    auth = {"Authorization": "Bearer sesame"}
+    async with httpx.AsyncClient(base_url=router.url, timeout=60) as http, \
+            Client.connect(router.ws_url) as client:
+        r = await http.post("/admin/drain", json={"backend": replicas[0].url})
+        assert r.status_code == 401
+        r = await http.post("/admin/drain", json={"backend": "http://elsewhere:1"},
+                            headers=auth)
+        assert r.status_code == 400 and "backend must be one of" in r.json()["error"]["message"]
+        long = client.generate(prompt=PROMPTS[0], max_tokens=40, temperature=0)
+        first = [await long.__anext__()]
+        while not isinstance(first[-1], TokenEvent):
+            first.append(await long.__anext__())
+        busy = next(u for u, b in (await router.stats())["backends"].items()
+                    if b["num_in_flight"])
+        r = await http.post("/admin/drain", json={"backend": busy}, headers=auth)
+        assert r.json() == {"backend": busy, "state": "draining", "in_flight": 1}
+        for i in range(1, 4):  # new requests all go to the other replica
+            events = [e async for e in client.generate(prompt=PROMPTS[i], max_tokens=2)]
+            assert isinstance(events[-1], DoneEvent)
+        rest = [e async for e in long]
+        assert isinstance(rest[-1], DoneEvent)  # the drained backend's request finished
+        stats = (await router.stats())["backends"]
+        assert sum(stats[busy]["num_routed"].values()) == 1
+        assert stats[busy]["state"] == "draining"  # health checks leave it draining
+        r = await http.post("/admin/drain", json={"backend": busy, "drain": False},
+                            headers=auth)
+        assert r.json()["state"] == "unknown"
+        for _ in range(200):  # the next health check (every 0.05 s) brings it back
+            if (await router.stats())["backends"][busy]["state"] == "healthy":
+                break
+            await trio.sleep(0.05)
+        assert (await router.stats())["backends"][busy]["state"] == "healthy"
