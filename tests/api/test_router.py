@@ -135,3 +135,64 @@ async def test_ws_bad_input_gets_error_frames_and_socket_goes_on(cluster):
             seen.append(json.loads(await ws.get_message()))
         assert any(f["type"] == "error" and f["code"] == "duplicate_id" for f in seen)
         assert seen[-1]["id"] == "e" and seen[-1]["usage"]["completion_tokens"] <= 30
+
+
+async def test_cancel_and_disconnect_reach_the_backend(cluster):
+    from trio_websocket import open_websocket_url
+
+    replicas, router = cluster
+    async with open_websocket_url(router.ws_url) as ws:
+        await ws.send_message(json.dumps({"type": "generate", "id": "k", "prompt": SYSTEM,
+                                          "max_tokens": 200, "stop_token_ids": []}))
+        frames = [json.loads(await ws.get_message())]
+        while frames[-1]["type"] != "token":
+            frames.append(json.loads(await ws.get_message()))
+        await ws.send_message(json.dumps({"type": "cancel", "id": "k"}))
+        while frames[-1]["type"] not in ("done", "error"):
+            frames.append(json.loads(await ws.get_message()))
+        assert frames[-1]["type"] == "done" and frames[-1]["finish_reason"] == "cancelled"
+        assert frames[-1]["usage"]["completion_tokens"] < 200
+        # a request left running when the client goes away is cancelled on its backend
+        await ws.send_message(json.dumps({"type": "generate", "id": "g", "prompt": SYSTEM,
+                                          "max_tokens": 200, "stop_token_ids": []}))
+        while json.loads(await ws.get_message())["type"] != "token":
+            pass
+    async with httpx.AsyncClient() as http:
+        for _ in range(200):  # bounded poll: the router sees the close, cancels, counts
+            stats = await router.stats()
+            if all(b["num_in_flight"] == 0 for b in stats["backends"].values()):
+                break
+            await trio.sleep(0.05)
+        assert all(b["num_in_flight"] == 0 for b in stats["backends"].values())
+        for _ in range(200):
+            running = [(await http.get(r.url + "/v1/stats")).json() for r in replicas]
+            if all(s["rows_active"] == 0 and s["streams_open"] == 0 for s in running):
+                break
+            await trio.sleep(0.05)
+        assert all(s["rows_active"] == 0 and s["streams_open"] == 0 for s in running)
+        metrics = "".join([(await http.get(r.url + "/metrics")).text for r in replicas])
+    assert sum(s["requests_total"] for s in running) == 2
+    cancelled = [line for line in metrics.splitlines() if "finished_reason=\"cancelled\"" in line
+                 and not line.startswith("#")]
+    assert sum(float(line.rsplit(" ", 1)[1]) for line in cancelled) == 2  # both, not run out
+
+
+async def test_sse_stream_cut_after_its_first_token_ends_with_an_error_event(nursery,
+                                                                          draft_model):
+    replicas = [await start_replica(nursery, draft_model, max_batch=1) for _ in range(2)]
+    router = await start_router(nursery, [r.url for r in replicas], health_interval=3600)
+    by_url = {r.url: r for r in replicas}
+    async with httpx.AsyncClient(base_url=router.url, timeout=60) as http:
+        async with http.stream("POST", "/v1/chat/completions", json={
+                "messages": [{"role": "user", "content": SYSTEM}], "max_tokens": 300,
+                "stop_token_ids": [], "stream": True}) as s:
+            lines = s.aiter_lines()
+            first = await lines.__anext__()
+            assert first.startswith("data: ") and "role" in first
+            stats = await router.stats()
+            busy = next(u for u, b in stats["backends"].items() if b["num_in_flight"])
+            by_url[busy].kill()
+            rest = [x async for x in lines if x.startswith("data: ")]
+    last = json.loads(rest[-1][6:])
+    assert last["error"]["code"] == "backend_lost" and busy in last["error"]["message"]
+    assert "data: [DONE]" not in rest
