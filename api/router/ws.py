@@ -7,8 +7,10 @@ untouched, and the backend's frames (its `error` frames for bad fields too) come
 with the client's id, in the frame kind the client used.
 
 Fail-over: when a backend's socket breaks under a request that has not sent a `token`
-yet, the request goes to the next backend (a `queued` frame is sent once); after a
-token it ends with an `error` frame, code `backend_lost`. No backend left: code
+yet, or the backend ends it only because it is stopping (`shutting_down`,
+`engine_closed`, finish_reason `shutdown`), the request goes to the next backend (a
+`queued` frame is sent once); after a token it ends with an `error` frame, code
+`backend_lost`. No backend left: code
 `no_healthy_backend`; draining: `shutting_down`.
 """
 
