@@ -5,8 +5,8 @@ requests (prefix keys from the JSON body's prompt or messages) and forwarded as 
 with the client's Authorization / x-api-key / anthropic-version headers; the backend's
 status, body and errors come back unchanged, SSE streams chunk by chunk.
 
-Fail-over: a backend whose connection fails before it has sent a token is replaced by
-the next one. For a stream, the router holds back the preamble events that carry no
+Fail-over: a backend whose connection fails before it has sent a token, or that answers
+503 (it is shutting down), is replaced by the next one. For a stream, the router holds back the preamble events that carry no
 token (OpenAI chat's role chunk; Anthropic's message_start, content_block_start, ping)
 until the first token event, so the request can still move; a backend lost after that
 ends the stream with an error event in the API's shape (code `backend_lost`).
@@ -133,6 +133,8 @@ def register(app: QuartTrio, router: Router) -> None:
                 content = await response.aread()
             finally:
                 await response.aclose()
+            if response.status_code == 503:  # shutting down: the request can run elsewhere
+                raise httpx.RemoteProtocolError(f"{backend} answered 503: {content[:200]!r}")
             return Response(content, status=response.status_code, headers=out_headers)
         chunks = response.aiter_raw()
         sse = _Sse()

@@ -18,9 +18,10 @@ from tqserve.engine.model import LoadedModel
 class Replica:
     """A real tqserve server that a test can kill (cancel) at any moment."""
 
-    def __init__(self, url: str, scope: trio.CancelScope) -> None:
+    def __init__(self, url: str, scope: trio.CancelScope, stop: trio.Event) -> None:
         self.url = url
         self.scope = scope
+        self.stop = stop  # set: a clean shutdown, as SIGTERM on `tqserve serve`
 
     def kill(self) -> None:
         self.scope.cancel()
@@ -28,13 +29,14 @@ class Replica:
 
 async def start_replica(nursery: trio.Nursery, loaded: LoadedModel, **config: Any) -> Replica:
     scope = trio.CancelScope()
+    stop = trio.Event()
     cfg = Config(port=0, **config)
 
     async def run(task_status: trio.TaskStatus[str]) -> None:
         with scope:
-            await serve(cfg, loaded=loaded, task_status=task_status)
+            await serve(cfg, loaded=loaded, shutdown_trigger=stop, task_status=task_status)
 
-    return Replica(await nursery.start(run), scope)
+    return Replica(await nursery.start(run), scope, stop)
 
 
 class RouterUnderTest:

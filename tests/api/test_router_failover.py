@@ -162,3 +162,28 @@ async def test_admin_drains_one_backend(nursery, draft_model):
                 break
             await trio.sleep(0.05)
         assert (await router.stats())["backends"][busy]["state"] == "healthy"
+
+
+async def test_replica_shutting_down_is_retried_elsewhere(nursery, draft_model):
+    """A replica in its clean shutdown (SIGTERM; it still finishes a request) answers
+    new requests with 503 / shutting_down: the router moves them before any token."""
+    replicas = [await start_replica(nursery, draft_model) for _ in range(2)]
+    router = await start_router(nursery, [r.url for r in replicas], health_interval=3600)
+    async with Client.connect(replicas[0].url.replace("http", "ws") + "/v1/stream") as direct:
+        long = direct.generate(prompt=PROMPTS[0], max_tokens=4000, stop_token_ids=[])
+        while not isinstance(await long.__anext__(), TokenEvent):
+            pass
+        replicas[0].stop.set()  # it drains: the long request holds it in shutdown
+        async with httpx.AsyncClient() as http:
+            for _ in range(200):  # bounded poll until the replica reports its shutdown
+                if (await http.get(replicas[0].url + "/health")).status_code == 503:
+                    break
+                await trio.sleep(0.01)
+            for i in range(2):  # ties rotate: one of the two picks replica 0
+                r = await http.post(router.url + "/v1/completions",
+                                    json={"prompt": PROMPTS[i], "max_tokens": 2})
+                assert r.status_code == 200, r.text
+        stats = await router.stats()
+        assert stats["num_retries"] == 1
+        assert stats["backends"][replicas[0].url]["state"] == "unhealthy"
+        await long.aclose()
