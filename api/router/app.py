@@ -8,6 +8,9 @@ statistics), GET /metrics (Prometheus text, one series per backend), and with
 --admin-key, POST /admin/drain {"backend": URL, "drain": true|false} (Authorization:
 Bearer KEY): that backend takes no new requests while its in-flight ones finish.
 
+With --api-key, every route but /health and the WebSocket upgrade need the key
+(Authorization: Bearer KEY or x-api-key: KEY), as on the server.
+
 Shutdown (`shutdown_trigger`, set by `tqserve route` on SIGTERM/SIGINT): the router
 drains (new requests get `shutting_down`, /health 503), in-flight requests get
 `shutdown_timeout` seconds to finish, then every socket closes with 1001 and hypercorn
@@ -53,6 +56,22 @@ def create_app(router: Router) -> QuartTrio:
         code = (exc.name or "error").lower().replace(" ", "_")
         return http.error_response(_path(), exc.code or 500,
                                    exc.description or code, code)
+
+    api_key = router.config.api_key
+
+    @app.before_request
+    async def check_key() -> Response | None:
+        if api_key is None or request.path == "/health" or key_ok(api_key, request.headers):
+            return None
+        return http.error_response(request.path, 401, "missing or invalid API key (send it "
+                                   "as 'Authorization: Bearer <key>')", "unauthorized")
+
+    @app.before_websocket
+    async def check_upgrade() -> Response | None:
+        if api_key is None or key_ok(api_key, websocket.headers):
+            return None
+        return Response('{"error": "missing or invalid API key"}', 401,
+                        content_type="application/json")
 
     @app.get("/health")
     async def health() -> Any:
@@ -140,6 +159,14 @@ def create_app(router: Router) -> QuartTrio:
         return None
 
     return app
+
+
+def key_ok(expected: str, headers: Any) -> bool:
+    """Whether the request carries `expected` as a Bearer token or x-api-key (constant
+    time), as the server's api.auth checks."""
+    auth = headers.get("Authorization", "")
+    given = auth[7:].strip() if auth[:7].lower() == "bearer " else headers.get("x-api-key")
+    return given is not None and hmac.compare_digest(given.encode(), expected.encode())
 
 
 def _path() -> str:

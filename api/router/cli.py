@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 from typing import NoReturn, Sequence
@@ -62,9 +63,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backend-streams", type=int, default=c.backend_streams,
                    help="requests per WebSocket to a backend (<= its "
                         "--max-streams-per-connection)")
-    p.add_argument("--backend-api-key", default=None,
-                   help="bearer key the backends require on the WebSocket (HTTP requests "
-                        "forward the client's own Authorization)")
+    p.add_argument("--api-key", default=os.environ.get("TQSERVE_API_KEY") or None,
+                   help="require this key ('Authorization: Bearer KEY' or x-api-key) on "
+                        "every route but /health and on the WebSocket upgrade (default: "
+                        "$TQSERVE_API_KEY; unset = no auth)")
+    p.add_argument("--backend-api-key", default=os.environ.get("TQSERVE_BACKEND_API_KEY")
+                   or None, help="key the router sends to the backends (WebSocket and "
+                   "HTTP; default: $TQSERVE_BACKEND_API_KEY; unset = HTTP requests forward "
+                   "the client's own key)")
     p.add_argument("--admin-key", default=None,
                    help="enables POST /admin/drain (drain or undrain one backend) for "
                         "'Authorization: Bearer KEY' (default: off)")
@@ -84,7 +90,7 @@ def config_from(args: argparse.Namespace) -> RouterConfig:
             **{k: getattr(args, k) for k in (
                 "host", "port", "health_interval", "health_timeout", "max_attempts",
                 "max_message_bytes", "max_streams_per_connection", "backend_streams",
-                "backend_api_key", "admin_key", "shutdown_timeout")})
+                "api_key", "backend_api_key", "admin_key", "shutdown_timeout")})
     except ValueError as exc:
         message = str(exc)
         if message.startswith("'"):  # attrs validators: "'name' must be >= 1: 0"

@@ -2,7 +2,8 @@
 
 POST /v1/completions, /v1/chat/completions and /v1/messages are routed like WebSocket
 requests (prefix keys from the JSON body's prompt or messages) and forwarded as they are,
-with the client's Authorization / x-api-key / anthropic-version headers; the backend's
+with the client's Content-Type, anthropic-version and (without --backend-api-key, which
+replaces them) Authorization / x-api-key headers; the backend's
 status, body and errors come back unchanged, SSE streams chunk by chunk.
 
 Fail-over: a backend whose connection fails before it has sent a token, or that answers
@@ -102,6 +103,10 @@ def register(app: QuartTrio, router: Router) -> None:
             fields = None
         keys = router.keys(fields) if isinstance(fields, dict) else ()
         headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARD_HEADERS}
+        if router.config.backend_api_key is not None:  # the router's key for the backends
+            headers = {k: v for k, v in headers.items()
+                       if k.lower() not in ("authorization", "x-api-key")}
+            headers["Authorization"] = f"Bearer {router.config.backend_api_key}"
         tried: list[str] = []
         try:
             while True:

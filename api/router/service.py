@@ -48,6 +48,7 @@ class RouterConfig:
     max_message_bytes: int = attrs.field(default=1 << 20, validator=attrs.validators.ge(1))
     max_streams_per_connection: int = attrs.field(default=16, validator=attrs.validators.ge(1))
     backend_streams: int = attrs.field(default=16, validator=attrs.validators.ge(1))
+    api_key: str | None = None
     backend_api_key: str | None = None
     admin_key: str | None = None
     shutdown_timeout: float = attrs.field(default=10.0, validator=attrs.validators.ge(0))

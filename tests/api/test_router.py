@@ -196,3 +196,28 @@ async def test_sse_stream_cut_after_its_first_token_ends_with_an_error_event(nur
     last = json.loads(rest[-1][6:])
     assert last["error"]["code"] == "backend_lost" and busy in last["error"]["message"]
     assert "data: [DONE]" not in rest
+
+
+async def test_router_key_and_backend_key(nursery, draft_model):
+    from trio_websocket import ConnectionRejected, open_websocket_url
+
+    replicas = [await start_replica(nursery, draft_model, api_key="backend-key")
+                for _ in range(2)]
+    router = await start_router(nursery, [r.url for r in replicas], api_key="router-key",
+                                backend_api_key="backend-key")
+    async with httpx.AsyncClient(base_url=router.url, timeout=60) as http:
+        assert (await http.get("/health")).status_code == 200  # open, as on the server
+        r = await http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
+        assert r.status_code == 401 and r.json()["error"]["code"] == "unauthorized"
+        assert (await http.get("/v1/stats")).status_code == 401
+        for headers in ({"Authorization": "Bearer router-key"}, {"x-api-key": "router-key"}):
+            r = await http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2},
+                                headers=headers)
+            assert r.status_code == 200, r.text  # the router's key went to the backend
+    with pytest.raises(ConnectionRejected) as refused:
+        async with open_websocket_url(router.ws_url):
+            pass
+    assert refused.value.status_code == 401
+    async with Client.connect(router.ws_url, api_key="router-key") as client:
+        events = [e async for e in client.generate(prompt="x", max_tokens=2)]
+    assert isinstance(events[-1], DoneEvent)
