@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 from typing import Any, AsyncIterator
 
 import attrs
@@ -22,8 +23,10 @@ import trio
 from trio_websocket import (ConnectionClosed, HandshakeError, WebSocketConnection,
                             connect_websocket_url)
 
+log = logging.getLogger("tqserve.router")
 STREAM_FRAMES = 256  # frames one request may buffer: a client that far behind is cut off
 CLOSE_TIMEOUT = 2.0  # seconds a link's close handshake may take
+CONNECT_TIMEOUT = 5.0  # seconds opening a link may take (a blackholed host fails here)
 
 
 class BackendLost(Exception):
@@ -59,7 +62,11 @@ class BackendLink:
     async def open(cls, nursery: trio.Nursery, url: str,
                    headers: list[tuple[bytes, bytes]]) -> "BackendLink":
         try:
-            ws = await connect_websocket_url(nursery, url, extra_headers=headers)
+            with trio.fail_after(CONNECT_TIMEOUT):
+                ws = await connect_websocket_url(nursery, url, extra_headers=headers)
+        except trio.TooSlowError:
+            raise BackendLost(f"cannot connect to {url}: no answer in {CONNECT_TIMEOUT:g} s"
+                              ) from None
         except (OSError, HandshakeError, ConnectionClosed) as exc:
             raise BackendLost(f"cannot connect to {url}: {exc}") from exc
         link = cls(ws, url)
@@ -74,8 +81,13 @@ class BackendLink:
         try:
             while True:
                 data = await self._ws.get_message()
-                obj = msgpack.unpackb(data, raw=False) if isinstance(data, bytes) else None
+                try:
+                    obj = msgpack.unpackb(data, raw=False) if isinstance(data, bytes) else None
+                except (ValueError, TypeError, msgpack.UnpackException):
+                    obj = None
                 if not isinstance(obj, dict):
+                    log.warning("%s sent a frame that is not a msgpack object; ignored",
+                                self.url)
                     continue
                 stream = self._streams.get(obj.get("id"))  # type: ignore[arg-type]
                 if stream is None:
@@ -154,7 +166,7 @@ class LinkPool:
         self._limit = streams_per_link
         self._headers = [(b"authorization", f"Bearer {api_key}".encode())] if api_key else []
         self._links: dict[str, list[BackendLink]] = {}
-        self._lock = trio.Lock()
+        self._locks: dict[str, trio.Lock] = {}  # per backend: a slow one holds up no other
         self._ids = itertools.count()
 
     def new_id(self) -> str:
@@ -162,7 +174,7 @@ class LinkPool:
         return f"r{next(self._ids)}"
 
     async def link(self, backend: str) -> BackendLink:
-        async with self._lock:
+        async with self._locks.setdefault(backend, trio.Lock()):
             links = [x for x in self._links.get(backend, []) if not x.closed]
             self._links[backend] = links
             for x in links:
