@@ -53,6 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds between /health checks of each backend")
     p.add_argument("--health-timeout", type=float, default=c.health_timeout,
                    help="seconds a /health check may take")
+    p.add_argument("--health-failures", type=int, default=r.health_failures,
+                   help="consecutive failed checks that take a backend out (a connection "
+                        "lost under a request takes it out at once)")
     p.add_argument("--max-attempts", type=int, default=c.max_attempts,
                    help="backends a request may be tried on before its first token")
     p.add_argument("--max-message-bytes", type=int, default=c.max_message_bytes,
@@ -82,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
 def config_from(args: argparse.Namespace) -> RouterConfig:
     """The RouterConfig of parsed flags; ValueError naming the flag."""
     routing_fields = ("policy", "block_tokens", "block_chars", "max_keys", "spill_threshold",
-                      "min_match_fraction")
+                      "min_match_fraction", "health_failures")
     try:
         routing = RoutingConfig(**{k: getattr(args, k) for k in routing_fields})
         return RouterConfig(

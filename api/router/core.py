@@ -152,6 +152,7 @@ class RouterStatistics:
 @attrs.define
 class _Backend:
     state: BackendState = BackendState.UNKNOWN
+    failed_checks: int = 0  # consecutive failed health checks
     in_flight: int = 0
     routed: dict[str, int] = attrs.Factory(dict)
     failures: int = 0
@@ -167,6 +168,7 @@ class RoutingConfig:
     block_chars: int = attrs.field(default=64, validator=attrs.validators.ge(1))
     max_keys: int = attrs.field(default=1 << 18, validator=attrs.validators.ge(1))
     spill_threshold: int = attrs.field(default=8, validator=attrs.validators.ge(1))
+    health_failures: int = attrs.field(default=2, validator=attrs.validators.ge(1))
     min_match_fraction: float = attrs.field(default=0.5, validator=[
         attrs.validators.ge(0.0), attrs.validators.le(1.0)])
 
@@ -210,6 +212,18 @@ class RouteTable:
             self._forget(backend)
         b.state = new
         return new
+
+    def checked(self, backend: str, ok: bool) -> BackendState:
+        """A health check's outcome: one pass brings a backend up; `health_failures`
+        consecutive failures take it down (one slow answer on a busy machine does not, and
+        an UNKNOWN backend goes down at its first failure)."""
+        b = self._backends[backend]
+        b.failed_checks = 0 if ok else b.failed_checks + 1
+        if ok:
+            return self.set_health(backend, HealthEvent.UP)
+        if b.failed_checks >= self.config.health_failures or b.state is BackendState.UNKNOWN:
+            return self.set_health(backend, HealthEvent.DOWN)
+        return b.state
 
     def _forget(self, backend: str) -> None:
         for key in [k for k, owner in self._owner.items() if owner == backend]:

@@ -23,8 +23,8 @@ import httpx
 import trio
 
 from tqserve.api.router.backends import BackendLink, LinkPool, check_health
-from tqserve.api.router.core import (HealthEvent, NoHealthyBackend, Route, RouteTable,
-                                     RoutingConfig, prefix_keys)
+from tqserve.api.router.core import (NoHealthyBackend, Route, RouteTable, RoutingConfig,
+                                     prefix_keys)
 
 HTTP_CONNECTIONS = 64  # pooled HTTP connections to the backends (proxied HTTP requests)
 
@@ -133,8 +133,8 @@ class Router:
     async def check_all(self) -> None:
         """One round of health checks, all backends at once."""
         async def one(name: str) -> None:
-            ok = await check_health(self.http, name, self.config.health_timeout)
-            self.table.set_health(name, HealthEvent.UP if ok else HealthEvent.DOWN)
+            self.table.checked(name, await check_health(self.http, name,
+                                                         self.config.health_timeout))
 
         async with trio.open_nursery() as nursery:
             for name in self.table.names:

@@ -136,3 +136,17 @@ def test_config_and_table_errors_name_the_problem():
     t = RouteTable([A], RoutingConfig())
     with pytest.raises(NoHealthyBackend, match="no healthy backend"):
         t.choose(())  # UNKNOWN until the first health check
+
+
+def test_health_checks_need_consecutive_failures_to_take_a_backend_out():
+    t = RouteTable([A, B], RoutingConfig(health_failures=2))
+    assert t.checked(A, False) is BackendState.UNHEALTHY  # never seen up: out at once
+    assert t.checked(B, True) is BackendState.HEALTHY
+    assert t.checked(B, False) is BackendState.HEALTHY  # one slow answer
+    assert t.checked(B, True) is BackendState.HEALTHY   # resets the count
+    assert t.checked(B, False) is BackendState.HEALTHY
+    assert t.checked(B, False) is BackendState.UNHEALTHY
+    assert t.checked(B, True) is BackendState.HEALTHY
+    t.set_health(B, HealthEvent.DRAIN)
+    assert t.checked(B, False) is BackendState.DRAINING
+    assert t.checked(B, False) is BackendState.DRAINING
