@@ -95,7 +95,8 @@ def create_app(router: Router) -> QuartTrio:
     async def models() -> Any:
         for backend in router.table.routable():
             try:
-                response = await router.http.get(backend + "/v1/models")
+                response = await router.http.get(backend + "/v1/models",
+                                                 timeout=router.config.health_timeout)
             except httpx.TransportError:
                 continue
             return Response(response.content, status=response.status_code,

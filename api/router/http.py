@@ -22,6 +22,7 @@ import logging
 from typing import Any, AsyncIterator
 
 import httpx
+import trio
 from quart import Response, jsonify, request
 from quart_trio import QuartTrio
 
@@ -85,6 +86,47 @@ class _Sse:
         self._buf += data
         *events, self._buf = self._buf.split(b"\n\n")
         return [e + b"\n\n" for e in events]
+
+
+class _Relay:
+    """The rest of a backend's SSE stream, for the client. Its backend is released once:
+    at the stream's end, when it breaks (the client then gets an error event), or when
+    quart closes the body (a client gone, even before the first chunk was read)."""
+
+    def __init__(self, router: Router, route: Route, path: str, response: httpx.Response,
+                 chunks: AsyncIterator[bytes], first: bytes) -> None:
+        self._router, self._route, self._path = router, route, path
+        self._response, self._chunks = response, chunks
+        self._next: bytes | None = first
+        self._closed = False
+
+    def __aiter__(self) -> "_Relay":
+        return self
+
+    async def __anext__(self) -> bytes:
+        if self._next is not None:
+            out, self._next = self._next, None
+            return out
+        if self._closed:
+            raise StopAsyncIteration
+        try:
+            return await self._chunks.__anext__()
+        except StopAsyncIteration:
+            await self.aclose()
+            raise
+        except httpx.TransportError as exc:
+            self._router.lost(self._route)
+            await self.aclose()
+            return _lost_event(self._path, f"backend {self._route.backend} was lost after "
+                               f"the stream started: {exc}")
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        with trio.CancelScope(shield=True):
+            await self._response.aclose()
+        self._router.end(self._route)
 
 
 def register(app: QuartTrio, router: Router) -> None:
@@ -155,21 +197,8 @@ def register(app: QuartTrio, router: Router) -> None:
             raise
         # the attempt ends when proxy() returns: the stream counts in flight until it ends
         router.table.hold(backend)
-
-        async def stream() -> AsyncIterator[bytes]:
-            try:
-                yield b"".join(held)
-                async for chunk in chunks:
-                    yield chunk
-            except httpx.TransportError as exc:
-                router.lost(route)
-                yield _lost_event(path, f"backend {backend} was lost after the stream "
-                                  f"started: {exc}")
-            finally:
-                await response.aclose()
-                router.end(route)
-
-        out = Response(stream(), status=response.status_code, headers=out_headers)
+        out = Response(_Relay(router, route, path, response, chunks, b"".join(held)),
+                       status=response.status_code, headers=out_headers)
         out.timeout = None
         return out
 

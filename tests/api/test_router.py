@@ -102,6 +102,8 @@ async def test_http_apis_pass_through(cluster):
     served = sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
                  if line.startswith("tqserve_router_requests_total{"))
     assert served == 6  # every proxied POST (the bad ones too) was routed once
+    stats = await router.stats()  # the SSE stream released its backend when it ended
+    assert all(b["num_in_flight"] == 0 for b in stats["backends"].values())
 
 
 async def test_ws_bad_input_gets_error_frames_and_socket_goes_on(cluster):
@@ -196,6 +198,9 @@ async def test_sse_stream_cut_after_its_first_token_ends_with_an_error_event(nur
     last = json.loads(rest[-1][6:])
     assert last["error"]["code"] == "backend_lost" and busy in last["error"]["message"]
     assert "data: [DONE]" not in rest
+    stats = await router.stats()
+    assert all(b["num_in_flight"] == 0 for b in stats["backends"].values())
+    assert stats["backends"][busy]["state"] == "unhealthy"
 
 
 async def test_router_key_and_backend_key(nursery, draft_model):
