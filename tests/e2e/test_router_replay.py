@@ -5,6 +5,8 @@ that had not started streaming. (Scaled small: whole prefix families, 4-token bl
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from tests.api.routerkit import start_replica, start_router
@@ -21,12 +23,23 @@ FAMILIES = 0.005    # of the trace's prefix families: 84 requests, ~8k prompt to
 CONCURRENCY = 3     # closed loop: the replicas keep up, so reuse is the routing's doing
 
 
+class _Row:
+    def __init__(self, line):
+        self.line = line
+        self.family = ":".join(map(str, json.loads(line)["hash_ids"][:2]))
+
+
 @pytest.fixture(scope="module")
-def requests():
+def requests(tmp_path_factory):
+    """The trace's kept families, as `--family-fraction` keeps them (rows are filtered
+    before their token blocks are built: the same requests, without building 12k)."""
     if not MOONCAKE.is_file():
         pytest.skip(f"shared trace not found at {MOONCAKE}")
-    reqs = load_mooncake(MOONCAKE, block_tokens=BLOCK, vocab_size=8192, max_output=4)
-    return subsample_families(reqs, FAMILIES)
+    with open(MOONCAKE) as f:
+        rows = subsample_families([_Row(line) for line in f if line.strip()], FAMILIES)
+    path = tmp_path_factory.mktemp("trace") / "kept.jsonl"
+    path.write_text("".join(r.line for r in rows))
+    return load_mooncake(path, block_tokens=BLOCK, vocab_size=8192, max_output=4)
 
 
 async def _reuse(url, reqs):
