@@ -85,7 +85,10 @@ def create_app(router: Router) -> QuartTrio:
 
     @app.get("/v1/stats")
     async def stats() -> Any:
-        return jsonify(attrs.asdict(router.table.statistics()))
+        """The route table's statistics at the top level, the rest of the router's next
+        to them."""
+        record = attrs.asdict(router.statistics())
+        return jsonify({**record.pop("routing"), **record})
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -157,6 +157,12 @@ class BackendLink:
             await self._ws.aclose()
 
 
+@attrs.frozen(kw_only=True)
+class PoolStatistics:
+    num_links: dict[str, int]    # open WebSockets per backend
+    num_streams: dict[str, int]  # requests on them now
+
+
 class LinkPool:
     """Open links per backend; `link(backend)` returns one with a free stream slot."""
 
@@ -184,8 +190,11 @@ class LinkPool:
             links.append(x)
             return x
 
-    def num_links(self, backend: str) -> int:
-        return sum(not x.closed for x in self._links.get(backend, []))
+    def statistics(self) -> PoolStatistics:
+        return PoolStatistics(
+            num_links={b: sum(not x.closed for x in links) for b, links in self._links.items()},
+            num_streams={b: sum(x.num_active for x in links if not x.closed)
+                         for b, links in self._links.items()})
 
     async def aclose(self) -> None:
         for links in self._links.values():

@@ -22,9 +22,9 @@ import attrs
 import httpx
 import trio
 
-from tqserve.api.router.backends import BackendLink, LinkPool, check_health
-from tqserve.api.router.core import (NoHealthyBackend, Route, RouteTable, RoutingConfig,
-                                     prefix_keys)
+from tqserve.api.router.backends import BackendLink, LinkPool, PoolStatistics, check_health
+from tqserve.api.router.core import (NoHealthyBackend, Route, RouterStatistics, RouteTable,
+                                     RoutingConfig, prefix_keys)
 
 HTTP_CONNECTIONS = 64  # pooled HTTP connections to the backends (proxied HTTP requests)
 
@@ -62,6 +62,16 @@ class RouterConfig:
                 raise ValueError(f"--backend {url!r}: give http://host:port (no path)")
 
 
+@attrs.frozen(kw_only=True)
+class ServiceStatistics:
+    routing: RouterStatistics
+    links: PoolStatistics
+    draining: bool
+    rejections: dict[str, int]       # requests the router refused, by code
+    prompt_tokens: dict[str, int]    # per backend, from WebSocket done frames
+    cached_tokens: dict[str, int]
+
+
 @attrs.define
 class _Usage:
     prompt_tokens: int = 0
@@ -82,6 +92,13 @@ class Router:
         self.rejections: dict[str, int] = {}
         self._idle = trio.Event()
         self._checked = trio.Event()
+
+    def statistics(self) -> ServiceStatistics:
+        return ServiceStatistics(
+            routing=self.table.statistics(), links=self.pool.statistics(),
+            draining=self.draining, rejections=dict(self.rejections),
+            prompt_tokens={n: u.prompt_tokens for n, u in self.usage.items()},
+            cached_tokens={n: u.cached_tokens for n, u in self.usage.items()})
 
     def keys(self, fields: dict[str, Any]) -> tuple[bytes, ...]:
         cfg = self.config.routing

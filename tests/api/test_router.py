@@ -52,6 +52,9 @@ async def test_ws_affinity_same_tokens_and_cache_hits(cluster):
     assert sum(r.get("affinity", 0) for r in routed.values()) >= 4
     assert sum(sum(r.values()) for r in routed.values()) == 8
     assert all(s["num_in_flight"] == 0 for s in stats["backends"].values())
+    assert sum(stats["links"]["num_links"].values()) >= 1
+    assert sum(stats["links"]["num_streams"].values()) == 0 and not stats["draining"]
+    assert sum(stats["prompt_tokens"].values()) > sum(stats["cached_tokens"].values()) > 0
     # each prompt's 1 + 1 (or 2) requests ran on one replica: its cache saw the repeat
     async with httpx.AsyncClient() as http:
         totals = [(await http.get(r.url + "/v1/stats")).json()["requests_total"]
@@ -226,3 +229,21 @@ async def test_router_key_and_backend_key(nursery, draft_model):
     async with Client.connect(router.ws_url, api_key="router-key") as client:
         events = [e async for e in client.generate(prompt="x", max_tokens=2)]
     assert isinstance(events[-1], DoneEvent)
+
+
+async def test_streams_per_connection_limit(cluster, nursery):
+    from trio_websocket import open_websocket_url
+
+    replicas, _ = cluster
+    router = await start_router(nursery, [r.url for r in replicas],
+                                max_streams_per_connection=1)
+    async with open_websocket_url(router.ws_url) as ws:
+        await ws.send_message(json.dumps({"type": "generate", "id": "a", "prompt": SYSTEM,
+                                          "max_tokens": 20}))
+        await ws.send_message(json.dumps({"type": "generate", "id": "b", "prompt": "x"}))
+        frames = []
+        while not frames or frames[-1]["type"] != "done":
+            frames.append(json.loads(await ws.get_message()))
+        refused = [f for f in frames if f["type"] == "error"]
+        assert [(f["id"], f["code"]) for f in refused] == [("b", "too_many_streams")]
+        assert frames[-1]["id"] == "a"
