@@ -1,5 +1,5 @@
-"""`tqserve` command line: serve | generate | replay | attack | bench | bench-kv | bench-prefix |
-eval-kv | bench-gpu.
+"""`tqserve` command line: serve | generate | route | replay | attack | bench | bench-kv |
+bench-prefix | eval-kv | bench-gpu.
 
 serve and generate map their flags 1:1 onto engine.config.Config; bench, bench-kv,
 bench-prefix and eval-kv hand their arguments to tools.bench, tools.bench_kv,
@@ -144,6 +144,9 @@ def build_parser() -> argparse.ArgumentParser:
                                      "(tools/bench_gpu)"),
                        ("eval-kv", "KV-cache quality: perplexity and KL (tools/eval_kv)"),
                        ("replay", "replay, record-verify and A/B traces (tools/replay)"),
+                       ("route", "prefix-aware router in front of N servers (api/router)"),
+                       ("route-sim", "predicted prefix reuse for N routed replicas on a "
+                                     "Mooncake trace (tools/route_sim)"),
                        ("attack", "bounded attack run on a loopback server (tools/attack)")):
         sub.add_parser(name, help=text, add_help=False)
     gen.add_argument("--prompt", required=True, help="the text to continue")
@@ -275,7 +278,8 @@ def _leaves(group: BaseExceptionGroup) -> list[BaseException]:
 
 _TOOLS = {"replay": "tqserve.tools.replay.cli", "bench": "tqserve.tools.bench", "bench-kv": "tqserve.tools.bench_kv",
           "eval-kv": "tqserve.tools.eval_kv", "bench-prefix": "tqserve.tools.bench_prefix",
-          "bench-gpu": "tqserve.tools.bench_gpu", "attack": "tqserve.tools.attack"}
+          "bench-gpu": "tqserve.tools.bench_gpu", "attack": "tqserve.tools.attack",
+          "route": "tqserve.api.router.cli", "route-sim": "tqserve.tools.route_sim"}
 
 
 def _blas_line(choice: str) -> str | None:

@@ -1,0 +1,207 @@
+"""The router's WebSocket /v1/stream: the server's protocol, passed through to backends.
+
+The router checks what it must to route and multiplex (frame size, JSON / msgpack, an
+object with `type` generate or cancel, `id`, duplicate ids, concurrent streams per
+connection) with the server's own error codes; every other field goes to the backend
+untouched, and the backend's frames (its `error` frames for bad fields too) come back
+with the client's id, in the frame kind the client used.
+
+Fail-over: when a backend's socket breaks under a request that has not sent a `token`
+yet, or the backend ends it only because it is stopping (`shutting_down`,
+`engine_closed`, finish_reason `shutdown`), the request goes to the next backend (a
+`queued` frame is sent once); after a token it ends with an `error` frame, code
+`backend_lost`. No backend left: code
+`no_healthy_backend`; draining: `shutting_down`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from contextlib import aclosing
+from typing import Any
+
+import msgpack
+import trio
+
+from tqserve.api.router.backends import BackendLost, SlowClient
+from tqserve.api.router.core import NoHealthyBackend
+from tqserve.api.router.service import Router, ShuttingDown
+
+log = logging.getLogger("tqserve.router")
+OUTGOING_FRAMES = 64  # frames waiting for the client socket's writer (as the server's)
+MAX_ID_LENGTH = 128   # as the server's protocol
+
+
+class FrameError(Exception):
+    def __init__(self, code: str, message: str, rid: str | None = None) -> None:
+        super().__init__(message)
+        self.code, self.message, self.rid = code, message, rid
+
+
+def encode(obj: dict[str, Any], binary: bool) -> str | bytes:
+    return msgpack.packb(obj, use_bin_type=True) if binary else json.dumps(obj,
+                                                                           ensure_ascii=False)
+
+
+def decode(data: str | bytes, max_bytes: int) -> dict[str, Any]:
+    """One client frame as an object with a valid type and id; FrameError otherwise."""
+    size = len(data) if isinstance(data, bytes) else len(data.encode("utf-8", "surrogatepass"))
+    if size > max_bytes:
+        raise FrameError("message_too_large",
+                         f"message of {size} bytes exceeds the limit of {max_bytes}")
+    try:
+        obj = (msgpack.unpackb(data, raw=False, strict_map_key=False)
+               if isinstance(data, bytes) else json.loads(data))
+    except (ValueError, TypeError, RecursionError, msgpack.UnpackException) as exc:
+        kind = "msgpack" if isinstance(data, bytes) else "JSON"
+        raise FrameError("bad_frame", f"frame is not valid {kind}: {exc}") from None
+    if not isinstance(obj, dict):
+        raise FrameError("bad_frame", "frame must be an object with a 'type' field")
+    rid = obj.get("id")
+    kind = obj.get("type")
+    if kind not in ("generate", "cancel"):
+        raise FrameError("unknown_type", f"type must be 'generate' or 'cancel', got {kind!r}",
+                         rid if isinstance(rid, str) else None)
+    if not isinstance(rid, str) or not rid:
+        raise FrameError("invalid_request", "id must be a non-empty string")
+    if len(rid) > MAX_ID_LENGTH:
+        raise FrameError("invalid_request", f"id must be at most {MAX_ID_LENGTH} characters")
+    return obj
+
+
+RETRYABLE_CODES = ("shutting_down", "engine_closed")  # the backend is going away
+
+
+def going_away(reply: dict[str, Any]) -> bool:
+    """A frame that ends a request only because its backend is stopping: before the first
+    token, the request can run elsewhere."""
+    if reply.get("type") == "error":
+        return reply.get("code") in RETRYABLE_CODES
+    return reply.get("type") == "done" and reply.get("finish_reason") == "shutdown"
+
+
+class ClientConnection:
+    """One client WebSocket: its requests (client id -> cancel), its outgoing frames."""
+
+    def __init__(self, router: Router, nursery: trio.Nursery,
+                 out: trio.MemorySendChannel[str | bytes]) -> None:
+        self._router = router
+        self._nursery = nursery
+        self._out = out
+        self._active: dict[str, _Active] = {}
+
+    async def send(self, obj: dict[str, Any], binary: bool) -> None:
+        try:
+            await self._out.send(encode(obj, binary))
+        except (trio.ClosedResourceError, trio.BrokenResourceError):
+            pass
+
+    async def error(self, rid: str | None, code: str, message: str, binary: bool) -> None:
+        if code != "unknown_id":
+            self._router.reject(code)
+        await self.send({"type": "error", "id": rid, "code": code, "message": message}, binary)
+
+    async def handle(self, data: str | bytes) -> None:
+        binary = isinstance(data, bytes)
+        config = self._router.config
+        try:
+            obj = decode(data, config.max_message_bytes)
+            rid = obj["id"]
+            if obj["type"] == "cancel":
+                active = self._active.get(rid)
+                if active is None:
+                    raise FrameError("unknown_id", f"no active request with id {rid!r}", rid)
+                await active.cancel()
+                return
+            if rid in self._active:
+                raise FrameError("duplicate_id", f"request id {rid!r} is already active", rid)
+            if len(self._active) >= config.max_streams_per_connection:
+                raise FrameError("too_many_streams", f"at most "
+                                 f"{config.max_streams_per_connection} concurrent requests "
+                                 "per connection", rid)
+            if self._router.draining:
+                raise FrameError("shutting_down", "the router is shutting down", rid)
+        except FrameError as exc:
+            await self.error(exc.rid, exc.code, exc.message, binary)
+            return
+        self._active[rid] = _Active()
+        self._nursery.start_soon(self._run, rid, obj, binary)
+
+    async def _run(self, rid: str, obj: dict[str, Any], binary: bool) -> None:
+        router = self._router
+        active = self._active[rid]
+        frame = {**obj, "id": router.pool.new_id()}
+        keys = router.keys(obj)
+        sent_token = sent_queued = False
+        tried: list[str] = []
+        try:
+            while True:
+                route = router.begin(keys, tried)
+                try:
+                    link = await router.link(route.backend)
+                    active.link, active.backend_id = link, frame["id"]
+                    active.rebind()
+                    async with aclosing(link.request(frame)) as frames:
+                        async for reply in frames:
+                            await active.started()
+                            kind = reply.get("type")
+                            if not sent_token and going_away(reply):
+                                raise BackendLost(f"backend is going away: {reply}")
+                            if kind == "queued" and sent_queued:
+                                continue
+                            sent_queued = sent_queued or kind == "queued"
+                            sent_token = sent_token or kind == "token"
+                            if kind == "done":
+                                router.note_done(route.backend, reply)
+                            await self.send({**reply, "id": rid}, binary)
+                    return
+                except BackendLost as exc:
+                    router.lost(route)
+                    if sent_token or active.cancelled:
+                        await self.error(rid, "backend_lost", f"backend {route.backend} was "
+                                         f"lost after the stream started: {exc}", binary)
+                        return
+                    log.warning("request %s: backend %s lost before its first token; "
+                                "retrying elsewhere", rid, route.backend)
+                    tried.append(route.backend)
+                    frame = {**obj, "id": router.pool.new_id()}
+                finally:
+                    router.end(route)
+        except SlowClient as exc:
+            await self.error(rid, "slow_consumer", f"request {rid!r} {exc}", binary)
+        except ShuttingDown as exc:
+            await self.error(rid, "shutting_down", str(exc), binary)
+        except NoHealthyBackend as exc:
+            await self.error(rid, "no_healthy_backend", str(exc), binary)
+        except Exception as exc:  # our bug: this request fails, the socket goes on
+            log.exception("request %s failed", rid)
+            await self.error(rid, "internal_error", f"{type(exc).__name__}: {exc}", binary)
+        finally:
+            self._active.pop(rid, None)
+
+
+class _Active:
+    """A request in flight: where it runs now, so that a cancel can follow it."""
+
+    def __init__(self) -> None:
+        self.link: Any = None
+        self.backend_id: str | None = None
+        self.cancelled = False
+        self._forwarded = False  # the backend has seen the generate (it answered)
+
+    def rebind(self) -> None:
+        """A new attempt on another backend: not forwarded there yet."""
+        self._forwarded = False
+
+    async def started(self) -> None:
+        """The backend answered: forward a cancel that came before it could."""
+        if not self._forwarded:
+            self._forwarded = True
+            if self.cancelled:
+                await self.link.cancel(self.backend_id)
+
+    async def cancel(self) -> None:
+        self.cancelled = True
+        if self._forwarded:
+            await self.link.cancel(self.backend_id)
