@@ -38,7 +38,7 @@ import trio
 from tqserve.actors.admission import SHUTTING_DOWN, AdmissionControl, run_admission
 from tqserve.actors.cache_owner import RowBooks, run_cache_owner
 from tqserve.actors.generation import Generation
-from tqserve.actors.hub import Hub, run_hub, run_overflow_cancels
+from tqserve.actors.hub import Hub, run_hub, run_hub_cancels
 from tqserve.actors.mailbox import Outbox, Recorder, open_mailbox
 from tqserve.actors.messages import Cancel, Error, Event, Submit
 from tqserve.actors.prefix_cache import (PrefixCache, PrefixCacheStatistics, header_validator,
@@ -166,11 +166,12 @@ class Engine:
             return Error(request_id=request_id, code="shutting_down", message=SHUTTING_DOWN)
         return None
 
-    def open_internal(self, request_id: str) -> tuple[str, trio.MemoryReceiveChannel[Event]]:
-        """A fresh internal id for `request_id` and its hub stream."""
+    def open_internal(self, request_id: str, stop: tuple[str, ...] = ()
+                      ) -> tuple[str, trio.MemoryReceiveChannel[Event]]:
+        """A fresh internal id for `request_id` and its hub stream (text ending at `stop`)."""
         internal = f"{request_id}#{next(self._internal_ids)}"
         self._live[request_id] = internal
-        return internal, self._hub.open_stream(internal)
+        return internal, self._hub.open_stream(internal, stop)
 
     def submit_nowait(self, submit: Submit) -> None:
         """Hand a request to admission; trio.WouldBlock when its mailbox is full."""
@@ -295,14 +296,13 @@ async def open_engine(config: Config, *, loaded: LoadedModel | None = None,
         tokenizer = loaded.tokenizer
         core = SchedulerCore(
             max_batch=config.max_batch, prefill_chunk=config.prefill_chunk,
-            eos_token_ids=loaded.eos_token_ids,
-            make_text_stream=lambda stop: TextStream(tokenizer, stop))
+            eos_token_ids=loaded.eos_token_ids)
         runner = Runner(loaded.model, make_cache,
                         GrammarMasks(tokenizer, loaded.vocab_size, loaded.eos_token_ids))
         control = AdmissionControl(max_queued_requests=config.max_queued_requests,
                                    max_queued_tokens=config.max_queued_tokens)
         books = RowBooks()
-        hub = Hub(config.stream_buffer)
+        hub = Hub(config.stream_buffer, lambda stop: TextStream(tokenizer, stop))
         admission_out, admission_in = open_mailbox(ADMISSION_MAILBOX, "admission", recorder)
         scheduler_out, scheduler_in = open_mailbox(SCHEDULER_MAILBOX, "scheduler", recorder)
         hub_out, hub_in = open_mailbox(HUB_MAILBOX, "hub", recorder)
@@ -329,7 +329,7 @@ async def open_engine(config: Config, *, loaded: LoadedModel | None = None,
                     await nursery.start(run_cache_owner, books, owner_in)
                     await nursery.start(run_scheduler, core, runner, thread, scheduler_in,
                                         replies_out, owner_out, hub_out.clone(), prefix)
-                    nursery.start_soon(run_overflow_cancels, hub, admission_out.clone())
+                    nursery.start_soon(run_hub_cancels, hub, admission_out.clone())
                     await nursery.start(run_admission, control, admission_in, replies_in,
                                         scheduler_out, hub_out)
                     try:

@@ -100,7 +100,7 @@ class EventStream:
             self._ended = True
             engine.note_rejection(refusal.code)
             return refusal
-        self._internal, self._receive = engine.open_internal(rid)
+        self._internal, self._receive = engine.open_internal(rid, self._request.params.stop)
         try:
             engine.submit_nowait(Submit(request_id=self._internal, prompt_tokens=tokens,
                                         params=self._request.params,

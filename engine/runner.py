@@ -335,9 +335,11 @@ class Runner:
             grammar = self._rows[rid].grammar
             if grammar is not None:
                 grammar.advance(sampled.tokens[i])
+            lp = sampled.logprobs[i]
             outputs.append(RowOutput(
-                request_id=rid, token=sampled.tokens[i], logprob=sampled.logprobs[i],
-                top_logprobs=tuple((int(t), float(v)) for t, v in top) if top else None,
+                request_id=rid, tokens=(sampled.tokens[i],),
+                logprobs=(lp,) if lp is not None else None,
+                top_logprobs=(tuple((int(t), float(v)) for t, v in top),) if top else None,
                 grammar_done=grammar is not None and grammar.stopped,
                 error=grammar.error if grammar is not None else None))
         return tuple(outputs)
