@@ -193,18 +193,25 @@ class CodecError(ValueError):
     """Bytes that are not a message of this codec."""
 
 
+_SCALARS = (str, int, float, bool, bytes, type(None))
+_FIELD_NAMES = {cls: tuple(f.name for f in attrs.fields(cls)) for cls in _CLASSES.values()}
+
+
 def _to_plain(obj: Any) -> Any:
-    if attrs.has(type(obj)):
-        name = type(obj).__name__
-        if name not in _CLASSES:
-            raise TypeError(f"{name} is not a registered message class")
-        out = {"t": name}
-        for field in attrs.fields(type(obj)):
-            out[field.name] = _to_plain(getattr(obj, field.name))
-        return out
+    if isinstance(obj, _SCALARS):  # first: a step's message is mostly token ids
+        return obj
     if isinstance(obj, (tuple, list)):
         return [_to_plain(v) for v in obj]
-    return obj
+    names = _FIELD_NAMES.get(type(obj))
+    if names is None:
+        name = type(obj).__name__
+        if attrs.has(type(obj)):
+            raise TypeError(f"{name} is not a registered message class")
+        return obj
+    out = {"t": type(obj).__name__}
+    for field in names:
+        out[field] = _to_plain(getattr(obj, field))
+    return out
 
 
 def _from_plain(obj: Any) -> Any:
