@@ -187,7 +187,7 @@ class _Scheduler:
         """One engine step: plan, run it on the runner thread, send what came of it."""
         plan, started = self.core.schedule()
         if self.prefix is not None:
-            plan = self.prefix.decorate(plan)
+            plan = self.prefix.decorate(plan, self.core.prompt)
         await self.emit(started)
         try:
             result = await self.thread.call(self.runner.execute, plan)

@@ -77,6 +77,9 @@ class StepPlan:
     """What the runner does in one step, in this order."""
 
     release: tuple[str, ...] = ()
+    # per released row: the tokens its KV covers (prompt + generated) when it finished
+    # normally (stop or length, at least one token), else (): what a prefix cache may keep
+    release_tokens: tuple[tuple[int, ...], ...] = ()
     new_rows: tuple[NewRow, ...] = ()
     prefill: tuple[PrefillChunk, ...] = ()
     join: tuple[str, ...] = ()
@@ -233,6 +236,7 @@ class SchedulerCore:
         self._prefilling: list[str] = []
         self._decoding: list[str] = []
         self._to_release: list[str] = []
+        self._release_tokens: dict[str, tuple[int, ...]] = {}
         self._free_row_ids = list(range(max_batch - 1, -1, -1))
         self._num_steps = 0
 
@@ -296,6 +300,10 @@ class SchedulerCore:
         if row is not None and row.held:
             row.held, row.looked_up = False, False
 
+    def prompt(self, request_id: str) -> tuple[int, ...]:
+        """The prompt of a request not yet finished (KeyError otherwise)."""
+        return self._rows[request_id].prompt
+
     def is_held(self, request_id: str) -> bool:
         row = self._rows.get(request_id)
         return row is not None and row.held
@@ -321,6 +329,7 @@ class SchedulerCore:
         """Finish every request with reason "error" after the runner was reset."""
         events: list[Event] = [self._finish(self._rows[rid], "error") for rid in self.active_ids()]
         self._to_release.clear()
+        self._release_tokens.clear()
         return events
 
     def has_work(self) -> bool:
@@ -350,6 +359,7 @@ class SchedulerCore:
         chunks, joins = self._plan_prefill()
         plan = StepPlan(
             release=tuple(self._to_release),
+            release_tokens=tuple(self._release_tokens.pop(r, ()) for r in self._to_release),
             new_rows=tuple(new_rows),
             prefill=tuple(chunks),
             join=tuple(joins),
@@ -423,6 +433,8 @@ class SchedulerCore:
             self._decoding.remove(row.request_id)
         if not was_queued:
             self._to_release.append(row.request_id)
+            if reason in ("stop", "length") and row.num_generated > 0:
+                self._release_tokens[row.request_id] = row.prompt + tuple(row.generated)
         row.move(RowState.FINISHED)
         del self._rows[row.request_id]
         if row.row_id is not None:

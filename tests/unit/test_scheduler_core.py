@@ -174,3 +174,16 @@ def test_started_events_carry_distinct_rows(core):
     _, started, _ = step(core)
     assert all(isinstance(s, Started) for s in started)
     assert sorted(s.row_id for s in started) == [0, 1]
+
+
+def test_release_carries_the_tokens_of_rows_that_finished_normally(core):
+    core.add("len", (1, 2), SamplingParams(max_tokens=2))
+    core.add("gone", (1, 2), SamplingParams(max_tokens=9))
+    step(core, {"len": 5, "gone": 5})
+    step(core, {"len": 6, "gone": 6})
+    core.cancel("gone")
+    plan, _ = core.schedule()
+    released = dict(zip(plan.release, plan.release_tokens))
+    assert released == {"len": (1, 2, 5, 6), "gone": ()}  # a cancelled row's KV is not kept
+    core.add("c", (3, 4), SamplingParams())
+    assert core.prompt("c") == (3, 4)
