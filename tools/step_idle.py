@@ -7,8 +7,10 @@ plan while the pipelined forward computes (MLX's own threads): the scheduler pos
 messages cross the actor graph, the hub fans tokens out, the next plan is built. The
 runner times that gap whenever a forward was in flight (`Runner.step_gaps`). For each
 model and batch size B this tool runs B concurrent greedy requests (EOS ignored, prefix
-cache off) after one warm-up, and writes the gaps' median and mean (ms) and the step time
-to JSON. A gap shorter than the forward costs nothing on the GPU-free CPU backend only
+cache off) after one warm-up, and writes the gaps' median and mean (ms), the step time,
+and the CPU time the trio thread spent per step (`trio_cpu_ms_per_step`: all actors and
+consumers; unlike the wall-clock gap it does not grow when other processes load the
+machine) to JSON. A gap shorter than the forward costs nothing on the GPU-free CPU backend only
 while the two cores are not both busy; on a GPU every gap is time the device may idle.
 """
 
@@ -44,11 +46,11 @@ async def _measure(loaded: Any, batches: Sequence[int], new_tokens: int,
         for b in batches:
             prompts = make_prompts(loaded.tokenizer, b, prompt_tokens)
             await tq_batch(engine, prompts, 4)  # warm-up: this batch shape's kernels
-            before = runner.statistics()
-            start = time.perf_counter()
+            before, steps = runner.statistics(), engine.statistics().steps
+            start, cpu = time.perf_counter(), time.thread_time()
             await tq_batch(engine, prompts, new_tokens)
-            wall = time.perf_counter() - start
-            after = runner.statistics()
+            wall, cpu = time.perf_counter() - start, time.thread_time() - cpu
+            after, steps = runner.statistics(), engine.statistics().steps - steps
             count = after.num_step_gaps - before.num_step_gaps
             gaps = runner.step_gaps()[-count:] if count else []
             total = after.step_gap_seconds - before.step_gap_seconds
@@ -57,6 +59,7 @@ async def _measure(loaded: Any, batches: Sequence[int], new_tokens: int,
                 "gap_ms_median": 1e3 * statistics.median(gaps) if gaps else None,
                 "gap_ms_mean": 1e3 * total / count if count else None,
                 "wall_ms_per_token_step": 1e3 * wall / new_tokens,
+                "steps": steps, "trio_cpu_ms_per_step": 1e3 * cpu / steps,
                 "gap_share_of_wall": total / wall})
     return out
 
@@ -99,7 +102,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     for result in report["results"]:
         for row in result["rows"]:
             print(f"{result['model']} B{row['batch']}: gap median {row['gap_ms_median']:.2f} ms, "
-                  f"mean {row['gap_ms_mean']:.2f} ms, step {row['wall_ms_per_token_step']:.2f} ms")
+                  f"mean {row['gap_ms_mean']:.2f} ms, trio CPU "
+                  f"{row['trio_cpu_ms_per_step']:.2f} ms/step, step "
+                  f"{row['wall_ms_per_token_step']:.2f} ms")
     print(f"wrote {args.out}")
     return 0
 

@@ -19,4 +19,5 @@ def test_step_idle_writes_gaps_per_batch(tmp_path, capsys):
         assert row["steps_timed"] >= 7  # every decode step after the first is timed
         assert row["gap_ms_median"] > 0 and row["gap_ms_mean"] > 0
         assert 0 < row["gap_share_of_wall"] < 1
+        assert row["steps"] >= 8 and row["trio_cpu_ms_per_step"] > 0
     assert "B3: gap median" in capsys.readouterr().out
