@@ -1,7 +1,8 @@
 """Scheduler actor: drives the sans-io SchedulerCore and the runner, step by step.
 
 Owns: the SchedulerCore (queue, rows) and the Runner (via the runner thread).
-Receives: Submit, Cancel (from admission, SCHEDULER_MAILBOX).
+Receives: Submit, Cancel (from admission, SCHEDULER_MAILBOX; a Cancel with reason "stop"
+          and `num_tokens` comes from the hub, which met a stop string in the row's text).
 Sends: one StepTokens per step (every row's new tokens) and Done/Error to the hub;
        Lease/Release/KvUsage to the cache owner;
        Dequeued to admission on the reply edge (send_nowait: that mailbox holds
