@@ -200,7 +200,7 @@ class Engine:
         """A fresh internal id for `request_id` and its hub stream (text ending at `stop`)."""
         internal = f"{request_id}#{next(self._internal_ids)}"
         self._live[request_id] = internal
-        return internal, self._hub.open_stream(internal, stop)
+        return internal, self._hub.open_stream(internal, stop, label=request_id)
 
     def submit_nowait(self, submit: Submit) -> None:
         """Hand a request to admission; trio.WouldBlock when its mailbox is full."""

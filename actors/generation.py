@@ -79,6 +79,8 @@ class EventStream:
             raise
         if isinstance(event, (Done, Error)):
             self._end(cancel=False)
+        if event.request_id == self._caller_id:  # Token events: labelled by the hub
+            return event
         return attrs.evolve(event, request_id=self._caller_id)
 
     async def _open(self) -> Event | None:

@@ -48,6 +48,7 @@ class HubStatistics:
 class _Stream:
     send: trio.MemorySendChannel[Event]
     text: TextStream
+    label: str  # the request id its Token events carry
     num_delivered: int = 0
     stopped: bool = False  # a stop string ended it: later tokens are dropped
 
@@ -67,14 +68,15 @@ class Hub:
         self._num_overflowed = 0
         self._num_stopped = 0
 
-    def open_stream(self, request_id: str,
-                    stop: tuple[str, ...] = ()) -> trio.MemoryReceiveChannel[Event]:
-        """Register a consumer for `request_id` whose text ends at any of `stop`; raises
-        ValueError if one is open."""
+    def open_stream(self, request_id: str, stop: tuple[str, ...] = (),
+                    label: str | None = None) -> trio.MemoryReceiveChannel[Event]:
+        """Register a consumer for `request_id` whose text ends at any of `stop`; its Token
+        events carry `label` (default: the request id). Raises ValueError if one is open."""
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
         send, receive = trio.open_memory_channel[Event](self._stream_buffer)
-        self._streams[request_id] = _Stream(send, self._make_text_stream(tuple(stop)))
+        self._streams[request_id] = _Stream(send, self._make_text_stream(tuple(stop)),
+                                            label if label is not None else request_id)
         self._overflowed.discard(request_id)
         return receive
 
@@ -120,7 +122,7 @@ class Hub:
             stream.stopped = stream.text.stopped
             top = row.top_logprobs[i] if row.top_logprobs is not None else None
             self._send(row.request_id, Token(
-                request_id=row.request_id, index=row.index + i, token_id=token, text=text,
+                request_id=stream.label, index=row.index + i, token_id=token, text=text,
                 logprob=row.logprobs[i] if row.logprobs is not None else None,
                 top_logprobs=top or None))
             if stream.stopped:

@@ -28,7 +28,7 @@ def _done(rid, n, reason="length"):
 async def test_step_tokens_split_per_stream_with_own_text(draft_model):
     tok = draft_model.tokenizer
     hub = _hub(tok)
-    a, b = hub.open_stream("a"), hub.open_stream("b")
+    a, b = hub.open_stream("a"), hub.open_stream("b", label="caller's id")
     ids = tok.encode("def f(x):\n    return x")
     hub.deliver(StepTokens(rows=(
         RowTokens(request_id="a", index=0, token_ids=ids[:3], logprobs=(-1.0, -2.0, -3.0),
@@ -48,7 +48,8 @@ async def test_step_tokens_split_per_stream_with_own_text(draft_model):
     assert [t.logprob for t in tokens[:3]] == [-1.0, -2.0, -3.0] and tokens[3].logprob is None
     assert tokens[1].top_logprobs == ((ids[1], -2.0),) and tokens[3].top_logprobs is None
     assert events[-1] == _done("a", len(ids) + 1, "stop")
-    assert [e.token_id for e in _drain(b)] == [ids[0]]
+    [b_token] = _drain(b)
+    assert b_token.token_id == ids[0] and b_token.request_id == "caller's id"
     stats = hub.statistics()
     assert stats.num_streams == 1 and stats.num_dropped == 1 and stats.num_stopped == 0
 
