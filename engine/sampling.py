@@ -5,7 +5,7 @@ one that reads the results). Sampling is Gumbel-max over the processed logits, w
 exactly categorical sampling from the filtered softmax(logits/T). The noise of a row is
 a pure function of (seed, token index, vocabulary position): a counter-based hash
 (`row_keys` mixes seed and index on the host; `gumbel_noise` hashes each position with
-them, murmur3's 32-bit finalizer twice, 24 uniform bits per draw), computed for all rows
+them, murmur3's 32-bit finalizer twice, 23 uniform bits per draw), computed for all rows
 in one vectorized expression. So a seeded row draws the same noise, and the same tokens
 from the same logits, whether it runs alone or inside any batch, on any backend (only
 uint32 arithmetic and one log pair per draw). Rows without a seed get a fresh random
@@ -202,8 +202,14 @@ def gumbel_noise(keys: np.ndarray, vocab: int) -> mx.array:
     k = mx.array(keys)
     position = mx.arange(vocab, dtype=mx.uint32)[None] * mx.array(_GOLDEN, dtype=mx.uint32)
     bits = _fmix(_fmix(position ^ k[:, :1]) + k[:, 1:])
-    uniform = ((bits >> 8).astype(mx.float32) + 0.5) * (2.0 ** -24)  # in (0, 1)
-    return -mx.log(-mx.log(uniform))
+    return -mx.log(-mx.log(open_uniform(bits)))
+
+
+def open_uniform(bits: mx.array) -> mx.array:
+    """uint32 bits -> float32 uniform in the OPEN interval (0, 1): the top 23 bits, centred
+    (24 would round the largest value up to 1.0 in float32: an infinite Gumbel draw, and
+    -inf + inf = NaN on a masked token)."""
+    return ((bits >> 9).astype(mx.float32) + 0.5) * (2.0 ** -23)
 
 
 def _penalize(logits: mx.array, rows: Sequence[RowSampler]) -> mx.array:

@@ -117,6 +117,22 @@ def test_noise_is_a_function_of_seed_and_token_index():
     assert np.isfinite(many).all()
 
 
+def test_extreme_bits_give_finite_noise_and_masked_tokens_are_never_drawn():
+    from tqserve.engine.sampling import open_uniform
+
+    u = np.array(open_uniform(mx.array([0, 1, 2**31, 2**32 - 1], dtype=mx.uint32)))
+    assert (u > 0).all() and (u < 1).all()
+    assert np.isfinite(-np.log(-np.log(u.astype(np.float64)))).all()
+    assert np.isfinite(np.array(-mx.log(-mx.log(mx.array(u))))).all()  # in float32 too
+    masks = np.zeros((ROWS, 1), dtype=np.int32)
+    masks[:, 0] = 0b1010  # tokens 1 and 3 only
+    logits = mx.array(np.tile(DIST_LOGITS.astype(np.float32), (ROWS, 1)))
+    batch = [RowSampler.create(SamplingParams(seed=i, temperature=1.5), (1,))
+             for i in range(ROWS)]
+    for _ in range(4):
+        assert set(sample_rows(logits, batch, masks).tokens) <= {1, 3}
+
+
 def test_different_seeds_differ():
     logits = logits_batch(1)
     a = [sample_rows(logits, r).tokens[0] for r in [rows(SamplingParams(seed=1, max_tokens=30))] * 30]
