@@ -15,8 +15,8 @@ Used by the scheduler actor, in its task (no mailbox of its own):
     `decorate(plan, prompt_of)` before each step adds snapshot orders (a finished row's
     KV at its release, covering the plan's `release_tokens`; a joining row's prompt KV,
     its prompt read from the scheduler's core through `prompt_of`), spill and drop
-    orders. No request's tokens are copied here: the core keeps them; `absorb(plan, result)` after it indexes the new
-    snapshots and writes them.
+    orders (no request's tokens are copied here: the core keeps them); `absorb(plan,
+    result)` after it indexes the new snapshots and writes them.
   * `reconcile(held)` after a failed step: the index and the runner agree again.
 
 Write modes (`--ssd-write`): "through" (default with a cache dir): every published
