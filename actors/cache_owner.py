@@ -1,9 +1,10 @@
-"""Cache-owner actor: the books of KV rows — which request holds which row.
+"""Cache-owner actor: the engine's books of KV use — how many rows are leased, how many
+KV bytes are resident, how rows were released.
 
-Owns: row_id -> request_id leases, the resident KV byte count.
+Owns: counts only. Which request holds which row is the scheduler core's record (it
+assigns row ids); this actor keeps no copy of it.
 Receives: Lease, Release, KvUsage from the scheduler (CACHE_OWNER_MAILBOX).
-Sends: nothing. A second lease of a held row, or a release of a row the request
-does not hold, is our bug and raises loudly.
+Sends: nothing. A release with no row leased is our bug and raises loudly.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ class CacheOwnerStatistics:
 
 @attrs.define
 class RowBooks:
-    leases: dict[int, str] = attrs.Factory(dict)
+    rows_active: int = 0
     kv_bytes: int = 0
     num_leases: int = 0
     num_releases: int = 0
@@ -35,19 +36,17 @@ class RowBooks:
 
     @property
     def idle(self) -> bool:
-        return not self.leases and self.kv_bytes == 0
+        return self.rows_active == 0 and self.kv_bytes == 0
 
     def apply(self, msg: Lease | Release | KvUsage) -> None:
         match msg:
-            case Lease(request_id=rid, row_id=row):
-                if row in self.leases:
-                    raise RuntimeError(f"row {row} leased to {rid} while held by {self.leases[row]}")
-                self.leases[row] = rid
+            case Lease():
+                self.rows_active += 1
                 self.num_leases += 1
             case Release(request_id=rid, row_id=row, reason=reason):
-                if self.leases.get(row) != rid:
-                    raise RuntimeError(f"release of row {row} by {rid}, held by {self.leases.get(row)}")
-                del self.leases[row]
+                if self.rows_active == 0:
+                    raise RuntimeError(f"release of row {row} by {rid} with no row leased")
+                self.rows_active -= 1
                 self.num_releases += 1
                 self.releases_by_reason[reason] = self.releases_by_reason.get(reason, 0) + 1
             case KvUsage(kv_bytes=nbytes):
@@ -55,7 +54,7 @@ class RowBooks:
 
     def statistics(self) -> CacheOwnerStatistics:
         return CacheOwnerStatistics(
-            rows_active=len(self.leases), kv_bytes=self.kv_bytes, num_leases=self.num_leases,
+            rows_active=self.rows_active, kv_bytes=self.kv_bytes, num_leases=self.num_leases,
             num_releases=self.num_releases, releases_by_reason=dict(self.releases_by_reason))
 
 

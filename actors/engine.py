@@ -4,12 +4,38 @@
         async for event in engine.generate(GenerateRequest(prompt="def f(x):")):
             ...
 
-The graph (every edge a bounded msgpack mailbox):
+The actor graph, drawn once (here; the README and DESIGN.md point to it). Every edge is a
+bounded mailbox of msgpack bytes, named after the actor that reads it:
 
-    generate() -> admission -> scheduler -> hub -> generate()
-                      ^            |  \\
-                      +-Dequeued---+   -> cache_owner
-                                   \\-> writer task (--ssd-flush async; WRITE_QUEUE)
+                 Submit, Cancel            Submit, Cancel
+    generate() ----------------> admission ----------------> scheduler <--> runner thread
+                                  |  ^  ^                     |  |  |        (MLX)
+                    Queued, Error |  |  +-- Dequeued (reply) -+  |  +-- Lease, Release,
+                                  v  |                           |      KvUsage
+                                  hub  <-- StepTokens (one per --+         |
+                                  |  |     step), Done, Error              v
+                                  |  +-- Cancel (reply) --> admission   cache_owner
+                                  v
+                   per-stream channels --> generate()
+
+    The prefix cache is part of the scheduler's task; its writer task takes snapshots
+    from a bounded queue (WRITE_QUEUE, --ssd-flush async) and writes them to the SSD tier.
+
+Edges (sender -> mailbox: messages), checked by tests/actors/test_graph.py against the
+mailboxes `open_engine` creates and the messages that cross them:
+
+    api -> admission: Submit Cancel
+    admission -> scheduler: Submit Cancel
+    admission -> hub: Queued Error
+    scheduler -> hub: StepTokens Done Error
+    scheduler -> cache_owner: Lease Release KvUsage
+    scheduler -> admission_replies: Dequeued (reply edge)
+    hub -> admission: Cancel (reply edge)
+
+Without the reply edges the graph is a DAG. The two reply edges never block a sender:
+admission_replies is sized for one Dequeued per queued request (send_nowait), and the hub's
+Cancels (a stream overflowed, or its text met a stop string) are sent by a task of their
+own (`run_hub_cancels`), never by delivery; the ids waiting are at most the open streams.
 
 The prefix cache (actors.prefix_cache) runs in the scheduler's task; with --cache-dir its
 SSD tier is recovered (verified, quarantined, indexed) before the first request. The
@@ -19,8 +45,9 @@ first, then closes the write queue and waits until every queued snapshot is writ
 
 Cancelling the caller's scope (or leaving the `async for` early) sends a Cancel;
 the row is freed at the start of the next engine step. A stream that falls behind is cut
-off by the hub, whose `run_overflow_cancels` task sends the Cancel into admission's
-mailbox at once (a reply edge: hub delivery never waits on it).
+off by the hub, and a stream whose text meets a stop string is ended by it; either way
+`run_hub_cancels` sends the Cancel into admission's mailbox at once (the reply edge), and
+the row is freed within a step or two.
 """
 
 from __future__ import annotations
@@ -38,7 +65,7 @@ import trio
 from tqserve.actors.admission import SHUTTING_DOWN, AdmissionControl, run_admission
 from tqserve.actors.cache_owner import RowBooks, run_cache_owner
 from tqserve.actors.generation import Generation
-from tqserve.actors.hub import Hub, run_hub, run_overflow_cancels
+from tqserve.actors.hub import Hub, run_hub, run_hub_cancels
 from tqserve.actors.mailbox import Outbox, Recorder, open_mailbox
 from tqserve.actors.messages import Cancel, Error, Event, Submit
 from tqserve.actors.prefix_cache import (PrefixCache, PrefixCacheStatistics, header_validator,
@@ -63,7 +90,7 @@ log = logging.getLogger("tqserve.engine")
 # Mailbox sizes. "If in doubt, use 0"; these are not 0 for the reasons given.
 ADMISSION_MAILBOX = 64   # absorbs a burst of submits; a full mailbox rejects at once
 SCHEDULER_MAILBOX = 64   # admitted requests and cancels waiting for the next step boundary
-HUB_MAILBOX = 256        # one step's events for a full batch (max rows) plus finishes
+HUB_MAILBOX = 256        # a few steps' StepTokens (one per step) plus one finish per row
 CACHE_OWNER_MAILBOX = 64  # leases/releases of one step; the owner only does bookkeeping
 # Prompts of at most this many characters are tokenized on the event loop (~1 ms); longer
 # ones on a worker thread, so that one large prompt never stalls every other stream.
@@ -97,7 +124,8 @@ class Engine:
 
     def __init__(self, config: Config, loaded: LoadedModel, admission: Outbox, hub: Hub,
                  control: AdmissionControl, books: RowBooks, core: SchedulerCore,
-                 prefix: PrefixCache | None = None, runner: Runner | None = None) -> None:
+                 prefix: PrefixCache | None = None, runner: Runner | None = None,
+                 mailboxes: dict[str, int] | None = None) -> None:
         self._live: dict[str, str] = {}  # caller's id -> internal id, while its stream is open
         self._live_changed = trio.Event()  # replaced after every stream end
         self._internal_ids = itertools.count()
@@ -111,6 +139,7 @@ class Engine:
         self._books = books
         self._core = core
         self.prefix = prefix
+        self.mailboxes = dict(mailboxes or {})  # the graph's mailboxes: name -> size
         self._rejections: Counter[str] = Counter()  # refused before reaching admission
 
     def note_rejection(self, code: str) -> None:
@@ -166,11 +195,12 @@ class Engine:
             return Error(request_id=request_id, code="shutting_down", message=SHUTTING_DOWN)
         return None
 
-    def open_internal(self, request_id: str) -> tuple[str, trio.MemoryReceiveChannel[Event]]:
-        """A fresh internal id for `request_id` and its hub stream."""
+    def open_internal(self, request_id: str, stop: tuple[str, ...] = ()
+                      ) -> tuple[str, trio.MemoryReceiveChannel[Event]]:
+        """A fresh internal id for `request_id` and its hub stream (text ending at `stop`)."""
         internal = f"{request_id}#{next(self._internal_ids)}"
         self._live[request_id] = internal
-        return internal, self._hub.open_stream(internal)
+        return internal, self._hub.open_stream(internal, stop, label=request_id)
 
     def submit_nowait(self, submit: Submit) -> None:
         """Hand a request to admission; trio.WouldBlock when its mailbox is full."""
@@ -295,20 +325,22 @@ async def open_engine(config: Config, *, loaded: LoadedModel | None = None,
         tokenizer = loaded.tokenizer
         core = SchedulerCore(
             max_batch=config.max_batch, prefill_chunk=config.prefill_chunk,
-            eos_token_ids=loaded.eos_token_ids,
-            make_text_stream=lambda stop: TextStream(tokenizer, stop))
+            eos_token_ids=loaded.eos_token_ids)
         runner = Runner(loaded.model, make_cache,
                         GrammarMasks(tokenizer, loaded.vocab_size, loaded.eos_token_ids))
         control = AdmissionControl(max_queued_requests=config.max_queued_requests,
                                    max_queued_tokens=config.max_queued_tokens)
         books = RowBooks()
-        hub = Hub(config.stream_buffer)
-        admission_out, admission_in = open_mailbox(ADMISSION_MAILBOX, "admission", recorder)
-        scheduler_out, scheduler_in = open_mailbox(SCHEDULER_MAILBOX, "scheduler", recorder)
-        hub_out, hub_in = open_mailbox(HUB_MAILBOX, "hub", recorder)
-        owner_out, owner_in = open_mailbox(CACHE_OWNER_MAILBOX, "cache_owner", recorder)
-        # Reply edge: one Dequeued per queued request, so this size can never fill.
-        replies_out, replies_in = open_mailbox(config.max_queued_requests + SCHEDULER_MAILBOX,
+        hub = Hub(config.stream_buffer, lambda stop: TextStream(tokenizer, stop))
+        sizes = {"admission": ADMISSION_MAILBOX, "scheduler": SCHEDULER_MAILBOX,
+                 "hub": HUB_MAILBOX, "cache_owner": CACHE_OWNER_MAILBOX,
+                 # Reply edge: one Dequeued per queued request, so this size can never fill.
+                 "admission_replies": config.max_queued_requests + SCHEDULER_MAILBOX}
+        admission_out, admission_in = open_mailbox(sizes["admission"], "admission", recorder)
+        scheduler_out, scheduler_in = open_mailbox(sizes["scheduler"], "scheduler", recorder)
+        hub_out, hub_in = open_mailbox(sizes["hub"], "hub", recorder)
+        owner_out, owner_in = open_mailbox(sizes["cache_owner"], "cache_owner", recorder)
+        replies_out, replies_in = open_mailbox(sizes["admission_replies"],
                                                "admission_replies", recorder)
         prefix = None
         if config.prefix_cache:
@@ -329,12 +361,12 @@ async def open_engine(config: Config, *, loaded: LoadedModel | None = None,
                     await nursery.start(run_cache_owner, books, owner_in)
                     await nursery.start(run_scheduler, core, runner, thread, scheduler_in,
                                         replies_out, owner_out, hub_out.clone(), prefix)
-                    nursery.start_soon(run_overflow_cancels, hub, admission_out.clone())
+                    nursery.start_soon(run_hub_cancels, hub, admission_out.clone())
                     await nursery.start(run_admission, control, admission_in, replies_in,
                                         scheduler_out, hub_out)
                     try:
                         yield Engine(config, loaded, admission_out, hub, control, books, core,
-                                     prefix, runner)
+                                     prefix, runner, sizes)
                     finally:
                         nursery.cancel_scope.cancel()
             finally:

@@ -79,6 +79,8 @@ class EventStream:
             raise
         if isinstance(event, (Done, Error)):
             self._end(cancel=False)
+        if event.request_id == self._caller_id:  # Token events: labelled by the hub
+            return event
         return attrs.evolve(event, request_id=self._caller_id)
 
     async def _open(self) -> Event | None:
@@ -100,7 +102,7 @@ class EventStream:
             self._ended = True
             engine.note_rejection(refusal.code)
             return refusal
-        self._internal, self._receive = engine.open_internal(rid)
+        self._internal, self._receive = engine.open_internal(rid, self._request.params.stop)
         try:
             engine.submit_nowait(Submit(request_id=self._internal, prompt_tokens=tokens,
                                         params=self._request.params,

@@ -1,12 +1,21 @@
-"""Hub actor: fans token events out to one stream per request id.
+"""Hub actor: fans token events out to one stream per request id, detokenizing per stream.
 
-Owns: the open streams (request id -> bounded trio channel to its consumer).
-Receives: Queued/Token/Done/Error from admission and the scheduler (HUB_MAILBOX).
-Sends: Cancel to admission, from `run_overflow_cancels` only. A consumer that falls
-`stream_buffer` events behind is cut off (its stream ends and `overflowed` says so) and
-its request is cancelled at once by that task, before anyone tries to tell the client
-(whose socket may never drain). A slow client never grows a buffer. The overflowed ids
-waiting for their cancel are at most the open streams; delivery never waits for them.
+Owns: the open streams (request id -> bounded trio channel to its consumer, and the
+stream's TextStream: detokenization and stop strings happen here, off the scheduler's path).
+Receives: Queued/Done/Error from admission and the scheduler, and one StepTokens per
+engine step holding every row's new tokens (HUB_MAILBOX).
+Sends: Cancel to admission, from `run_hub_cancels` only (a reply edge). Each token of a
+StepTokens becomes one `Token` event whose text is that token's own text (held back only
+for incomplete UTF-8 or a possible stop-string match). When a stop string appears, the
+token that completes it is delivered with the text before the stop string, later tokens are
+dropped, and Cancel(reason="stop", num_tokens=delivered) goes out at once, so the row is
+freed within a step or two (tokens already sampled in between are never delivered); the
+stream's Done then says finish_reason "stop" and counts the delivered tokens, whatever
+raced it. A consumer that falls `stream_buffer` events behind is cut off (its stream
+ends and `overflowed` says so) and its request is cancelled the same way, before anyone
+tries to tell the client (whose socket may never drain). A slow client never grows a
+buffer. The ids waiting for their cancel are at most the open streams; delivery never
+waits for them.
 
 `open_stream` / `close_stream` are called by the consumer side (same trio thread):
 they hand over a local channel endpoint, which no message can carry.
@@ -14,11 +23,16 @@ they hand over a local channel endpoint, which no message can carry.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import attrs
 import trio
 
 from tqserve.actors.mailbox import Inbox, Outbox
-from tqserve.actors.messages import Cancel, Done, Error, Event
+from tqserve.actors.messages import Cancel, Done, Error, Event, RowTokens, StepTokens, Token
+from tqserve.engine.detokenize import TextStream
+
+MakeTextStream = Callable[[tuple[str, ...]], TextStream]
 
 
 @attrs.frozen(kw_only=True)
@@ -27,34 +41,49 @@ class HubStatistics:
     num_events: int
     num_dropped: int
     num_overflowed: int
+    num_stopped: int  # streams a stop string ended
+
+
+@attrs.define
+class _Stream:
+    send: trio.MemorySendChannel[Event]
+    text: TextStream
+    label: str  # the request id its Token events carry
+    num_delivered: int = 0
+    stopped: bool = False  # a stop string ended it: later tokens are dropped
 
 
 class Hub:
-    """Routes events to per-request streams."""
+    """Routes events to per-request streams; turns each step's tokens into Token events."""
 
-    def __init__(self, stream_buffer: int) -> None:
+    def __init__(self, stream_buffer: int, make_text_stream: MakeTextStream) -> None:
         self._stream_buffer = stream_buffer
-        self._streams: dict[str, trio.MemorySendChannel[Event]] = {}
+        self._make_text_stream = make_text_stream
+        self._streams: dict[str, _Stream] = {}
         self._overflowed: set[str] = set()
-        self._to_cancel: set[str] = set()
+        self._to_cancel: dict[str, Cancel] = {}
         self._cancel_wanted = trio.Event()
         self._num_events = 0
         self._num_dropped = 0
         self._num_overflowed = 0
+        self._num_stopped = 0
 
-    def open_stream(self, request_id: str) -> trio.MemoryReceiveChannel[Event]:
-        """Register a consumer for `request_id`; raises ValueError if one is open."""
+    def open_stream(self, request_id: str, stop: tuple[str, ...] = (),
+                    label: str | None = None) -> trio.MemoryReceiveChannel[Event]:
+        """Register a consumer for `request_id` whose text ends at any of `stop`; its Token
+        events carry `label` (default: the request id). Raises ValueError if one is open."""
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
         send, receive = trio.open_memory_channel[Event](self._stream_buffer)
-        self._streams[request_id] = send
+        self._streams[request_id] = _Stream(send, self._make_text_stream(tuple(stop)),
+                                            label if label is not None else request_id)
         self._overflowed.discard(request_id)
         return receive
 
     def close_stream(self, request_id: str) -> None:
-        send = self._streams.pop(request_id, None)
-        if send is not None:
-            send.close()
+        stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            stream.send.close()
 
     def overflowed(self, request_id: str) -> bool:
         return request_id in self._overflowed
@@ -62,21 +91,60 @@ class Hub:
     def is_open(self, request_id: str) -> bool:
         return request_id in self._streams
 
-    def deliver(self, event: Event) -> None:
-        """Route one event; end the stream on Done/Error or on overflow."""
+    def deliver(self, message: Event | StepTokens) -> None:
+        """Route one message (a step's tokens go to their streams, one Token event per
+        token); end a stream on Done/Error or on overflow."""
+        if isinstance(message, StepTokens):
+            for row in message.rows:
+                self._deliver_row(row)
+            return
+        rid = message.request_id
+        stream = self._streams.get(rid) if rid is not None else None
+        if isinstance(message, Done) and stream is not None and stream.stopped:
+            message = attrs.evolve(message, finish_reason="stop",
+                                   completion_tokens=stream.num_delivered)
+        self._send(rid, message)
+
+    def _deliver_row(self, row: RowTokens) -> None:
+        stream = self._streams.get(row.request_id)
+        if stream is None or stream.stopped:
+            self._num_dropped += len(row.token_ids)
+            return
+        last = len(row.token_ids) - 1
+        for i, token in enumerate(row.token_ids):
+            if i == last and row.stop_token:
+                text = ""
+            else:
+                text = stream.text.add(token)
+            if i == last and row.final:
+                text += stream.text.flush()
+            stream.num_delivered += 1
+            stream.stopped = stream.text.stopped
+            top = row.top_logprobs[i] if row.top_logprobs is not None else None
+            self._send(row.request_id, Token(
+                request_id=stream.label, index=row.index + i, token_id=token, text=text,
+                logprob=row.logprobs[i] if row.logprobs is not None else None,
+                top_logprobs=top or None))
+            if stream.stopped:
+                self._num_stopped += 1
+                self._num_dropped += last - i
+                if not (i == last and row.final) and row.request_id in self._streams:
+                    self._want_cancel(Cancel(request_id=row.request_id, reason="stop",
+                                             num_tokens=stream.num_delivered))
+                return
+
+    def _send(self, rid: str | None, event: Event) -> None:
         self._num_events += 1
-        rid = event.request_id
-        send = self._streams.get(rid) if rid is not None else None
-        if rid is None or send is None:
+        stream = self._streams.get(rid) if rid is not None else None
+        if rid is None or stream is None:
             self._num_dropped += 1
             return
         try:
-            send.send_nowait(event)
+            stream.send.send_nowait(event)
         except trio.WouldBlock:
             self._num_overflowed += 1
             self._overflowed.add(rid)
-            self._to_cancel.add(rid)
-            self._cancel_wanted.set()
+            self._want_cancel(Cancel(request_id=rid))
             self.close_stream(rid)
             return
         except trio.BrokenResourceError:
@@ -85,32 +153,38 @@ class Hub:
         if isinstance(event, (Done, Error)):
             self.close_stream(rid)
 
-    async def wait_overflowed(self) -> list[str]:
-        """Wait until some streams overflowed; return their ids, each once."""
+    def _want_cancel(self, cancel: Cancel) -> None:
+        self._to_cancel[cancel.request_id] = cancel
+        self._cancel_wanted.set()
+
+    async def wait_cancels(self) -> list[Cancel]:
+        """Wait until some streams overflowed or stopped; their Cancels, each once."""
         while not self._to_cancel:
             self._cancel_wanted = trio.Event()
             await self._cancel_wanted.wait()
-        ids = sorted(self._to_cancel)
+        cancels = [self._to_cancel[rid] for rid in sorted(self._to_cancel)]
         self._to_cancel.clear()
-        return ids
+        return cancels
 
     def statistics(self) -> HubStatistics:
         return HubStatistics(num_streams=len(self._streams), num_events=self._num_events,
-                             num_dropped=self._num_dropped, num_overflowed=self._num_overflowed)
+                             num_dropped=self._num_dropped, num_overflowed=self._num_overflowed,
+                             num_stopped=self._num_stopped)
 
 
 async def run_hub(hub: Hub, inbox: Inbox,
                   task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
     task_status.started()
-    async for event in inbox:
-        hub.deliver(event)
+    async for message in inbox:
+        hub.deliver(message)
     for rid in list(hub._streams):
         hub.close_stream(rid)
 
 
-async def run_overflow_cancels(hub: Hub, admission: Outbox) -> None:
-    """Cancel every request whose stream overflowed, as soon as it does."""
+async def run_hub_cancels(hub: Hub, admission: Outbox) -> None:
+    """Cancel every request whose stream overflowed or met a stop string, as soon as it
+    does (the hub's reply edge into admission)."""
     async with admission:
         while True:
-            for rid in await hub.wait_overflowed():
-                await admission.send(Cancel(request_id=rid))
+            for cancel in await hub.wait_cancels():
+                await admission.send(cancel)

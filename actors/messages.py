@@ -39,10 +39,13 @@ class Submit:
 @attrs.frozen(kw_only=True)
 class Cancel:
     """api -> admission -> scheduler: stop a request and free its row; its Done carries
-    `reason` ("cancelled", or "shutdown" when the server ends in-flight requests)."""
+    `reason` ("cancelled", or "shutdown" when the server ends in-flight requests, or "stop"
+    from the hub when a stop string ended the stream after `num_tokens` delivered tokens:
+    the Done then counts those)."""
 
     request_id: str
     reason: str = "cancelled"
+    num_tokens: int | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -107,6 +110,40 @@ class Token:
                 "top_logprobs": top}
 
 
+def _tuple_of_floats(value: Any) -> tuple[float, ...] | None:
+    return None if value is None else tuple(float(v) for v in value)
+
+
+def _tuple_of_tops(value: Any) -> tuple[tuple[tuple[int, float], ...], ...] | None:
+    return None if value is None else tuple(_tuple_of_pairs(top) or () for top in value)
+
+
+@attrs.frozen(kw_only=True)
+class RowTokens:
+    """One row's new tokens of one step (inside `StepTokens`): several when a speculative
+    row accepted some. `index` numbers the first; `logprobs`/`top_logprobs` hold one entry
+    per token when the request asked for them. `final`: the row finished with the last
+    token (its held-back text is flushed); `stop_token`: that token is a stop token (its
+    text is empty)."""
+
+    request_id: str
+    index: int
+    token_ids: tuple[int, ...] = attrs.field(converter=lambda v: tuple(int(t) for t in v))
+    logprobs: tuple[float, ...] | None = attrs.field(default=None, converter=_tuple_of_floats)
+    top_logprobs: tuple[tuple[tuple[int, float], ...], ...] | None = attrs.field(
+        default=None, converter=_tuple_of_tops)
+    final: bool = False
+    stop_token: bool = False
+
+
+@attrs.frozen(kw_only=True)
+class StepTokens:
+    """scheduler -> hub: every row's new tokens of one step, in one message. The hub
+    detokenizes per stream and delivers one `Token` event per token."""
+
+    rows: tuple[RowTokens, ...] = attrs.field(converter=tuple)
+
+
 @attrs.frozen(kw_only=True)
 class Done:
     """-> hub -> client: the request finished; its row is released."""
@@ -148,26 +185,33 @@ class Error:
 Event = Queued | Token | Done | Error
 
 _CLASSES: dict[str, type] = {cls.__name__: cls for cls in (
-    Submit, Cancel, Dequeued, Lease, Release, KvUsage, Queued, Token, Done, Error,
-    SamplingParams, ResponseFormat)}
+    Submit, Cancel, Dequeued, Lease, Release, KvUsage, Queued, Token, RowTokens, StepTokens,
+    Done, Error, SamplingParams, ResponseFormat)}
 
 
 class CodecError(ValueError):
     """Bytes that are not a message of this codec."""
 
 
+_SCALARS = (str, int, float, bool, bytes, type(None))
+_FIELD_NAMES = {cls: tuple(f.name for f in attrs.fields(cls)) for cls in _CLASSES.values()}
+
+
 def _to_plain(obj: Any) -> Any:
-    if attrs.has(type(obj)):
-        name = type(obj).__name__
-        if name not in _CLASSES:
-            raise TypeError(f"{name} is not a registered message class")
-        out = {"t": name}
-        for field in attrs.fields(type(obj)):
-            out[field.name] = _to_plain(getattr(obj, field.name))
-        return out
+    if isinstance(obj, _SCALARS):  # first: a step's message is mostly token ids
+        return obj
     if isinstance(obj, (tuple, list)):
         return [_to_plain(v) for v in obj]
-    return obj
+    names = _FIELD_NAMES.get(type(obj))
+    if names is None:
+        name = type(obj).__name__
+        if attrs.has(type(obj)):
+            raise TypeError(f"{name} is not a registered message class")
+        return obj
+    out = {"t": type(obj).__name__}
+    for field in names:
+        out[field] = _to_plain(getattr(obj, field))
+    return out
 
 
 def _from_plain(obj: Any) -> Any:

@@ -11,10 +11,12 @@ Used by the scheduler actor, in its task (no mailbox of its own):
     scheduler's nursery (file read and checks on a worker thread, rebuild on the runner
     thread) and the request waits, holding no row, while the others keep decoding; the
     loaded snapshot is promoted to the RAM tier and handed over by `take_ready`.
-  * `finished` on each Finished event; `decorate(plan)` before each step adds snapshot
-    orders (a finished row's KV at its release; a row's prompt KV when its prefill
-    completes), spill and drop orders; `absorb(plan, result)` after it indexes the new
-    snapshots and writes them.
+  * `finished` on each Finished event (a queued request's pinned donor is let go);
+    `decorate(plan, prompt_of)` before each step adds snapshot orders (a finished row's
+    KV at its release, covering the plan's `release_tokens`; a joining row's prompt KV,
+    its prompt read from the scheduler's core through `prompt_of`), spill and drop
+    orders (no request's tokens are copied here: the core keeps them); `absorb(plan,
+    result)` after it indexes the new snapshots and writes them.
   * `reconcile(held)` after a failed step: the index and the runner agree again.
 
 Write modes (`--ssd-write`): "through" (default with a cache dir): every published
@@ -115,8 +117,6 @@ class PrefixCache:
         self._ids = itertools.count()
         self._tick = 0
         self._pinned: dict[str, str] = {}          # request id -> pinned RAM key
-        self._prompts: dict[str, tuple[int, ...]] = {}  # looked-up request id -> prompt
-        self._finished: dict[str, tuple[str, tuple[int, ...]]] = {}  # rid -> (key, tokens)
         self._tokens: dict[str, tuple[int, ...]] = {}  # RAM key -> covered tokens
         self._on_disk: set[str] = set()            # RAM keys with an SSD copy
         self._loading: dict[str, list[tuple[str, int]]] = {}  # SSD key -> (rid, length)
@@ -161,12 +161,9 @@ class PrefixCache:
     def lookup(self, request_id: str, prompt: tuple[int, ...]) -> Reuse | str | None:
         """A request is about to take a row: its RAM reuse, LOADING (an SSD hit: call
         `load(key)` unless `loading` says it runs already), or None on a miss."""
-        self._prompts[request_id] = prompt
         match = self.index.lookup(self.namespace, prompt, self._next_tick())
         if match is None:
             return None
-        if match.length == len(prompt) - 1:
-            self._prompts.pop(request_id)  # its prompt's KV is the donor's: no new snapshot
         if match.tier is Tier.RAM:
             self.index.pin(match.key)
             self._pinned[request_id] = match.key
@@ -260,29 +257,27 @@ class PrefixCache:
             self._evict(self.index.unpin(key))
 
     def finished(self, event: Finished) -> None:
-        """Note a finished row's tokens so that its release snapshots it."""
-        self._prompts.pop(event.request_id, None)
+        """A request finished: one that never built its row lets its donor go."""
         if event.was_queued or event.row_id is None:
             self.release_reuse(event.request_id)
-            return
-        if event.finish_reason in ("stop", "length") and event.completion_tokens > 0:
-            self._finished[event.request_id] = (f"r{next(self._ids)}", event.tokens)
 
     def has_orders(self) -> bool:
         """Whether spill or drop orders wait for a step (the scheduler then runs one)."""
         return bool(self._spill or self._drop)
 
-    def decorate(self, plan: StepPlan) -> StepPlan:
-        """Add this step's snapshot, persist, spill and drop orders to the core's plan."""
+    def decorate(self, plan: StepPlan,
+                 prompt_of: Callable[[str], tuple[int, ...]]) -> StepPlan:
+        """Add this step's snapshot, persist, spill and drop orders to the core's plan;
+        `prompt_of(rid)` is a joining row's prompt (the core's record)."""
         orders = []
-        for rid in plan.release:
-            found = self._finished.pop(rid, None)
-            if found is not None:
-                orders.append((rid, found[0]))
-                self._tokens[found[0]] = found[1]
+        for rid, tokens in zip(plan.release, plan.release_tokens):
+            if tokens:
+                key = f"r{next(self._ids)}"
+                orders.append((rid, key))
+                self._tokens[key] = tokens
         prompts = []
         for rid in plan.join:
-            tokens = self._prompts.pop(rid, ())[:-1]
+            tokens = prompt_of(rid)[:-1]
             if tokens and not self.index.has_tokens(self.namespace, tokens, Tier.RAM):
                 key = f"p{next(self._ids)}"
                 prompts.append((rid, key))

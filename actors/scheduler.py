@@ -1,8 +1,10 @@
 """Scheduler actor: drives the sans-io SchedulerCore and the runner, step by step.
 
 Owns: the SchedulerCore (queue, rows) and the Runner (via the runner thread).
-Receives: Submit, Cancel (from admission, SCHEDULER_MAILBOX).
-Sends: Token/Done/Error to the hub; Lease/Release/KvUsage to the cache owner;
+Receives: Submit, Cancel (from admission, SCHEDULER_MAILBOX; a Cancel with reason "stop"
+          and `num_tokens` comes from the hub, which met a stop string in the row's text).
+Sends: one StepTokens per step (every row's new tokens) and Done/Error to the hub;
+       Lease/Release/KvUsage to the cache owner;
        Dequeued to admission on the reply edge (send_nowait: that mailbox holds
        one message per queued request, so it cannot fill).
 Between steps it drains its mailbox without waiting, so a cancel frees its row
@@ -26,10 +28,11 @@ import trio
 from tqserve.actors.mailbox import Inbox, Outbox
 from tqserve.actors.prefix_cache import LOADING, PrefixCache
 from tqserve.actors.messages import (Cancel, Dequeued, Done, Error, KvUsage, Lease, Release,
-                             Submit, Token)
+                                     RowTokens, StepTokens, Submit)
 from tqserve.actors.runner_thread import RunnerThread
 from tqserve.engine.runner import Runner
-from tqserve.engine.scheduler import Event, Finished, SchedulerCore, Started, TokenOut
+from tqserve.engine.scheduler import (Event, Finished, SchedulerCore, Started, StepPlan,
+                                     TokenOut)
 
 log = logging.getLogger("tqserve.scheduler")
 
@@ -45,68 +48,111 @@ async def run_scheduler(
     prefix: PrefixCache | None = None,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """The step loop."""
+    """The step loop: drain the mailbox, look up donors, then step or wait for work."""
+    actor = _Scheduler(core, runner, thread, inbox, admission_replies, cache_owner, hub, prefix)
+    task_status.started()
+    async with admission_replies, cache_owner, hub, trio.open_nursery() as loads:
+        while True:
+            await actor.drain_inbox()
+            actor.look_up(loads)
+            if actor.has_work():
+                await actor.step()
+            elif actor.finished():
+                loads.cancel_scope.cancel()
+                return
+            else:
+                await actor.wait_for_work()
 
-    async def emit(event: Event, error: str | None = None) -> None:
-        match event:
-            case Started():
-                admission_replies.send_nowait(Dequeued(
-                    request_id=event.request_id, num_prompt_tokens=event.num_prompt_tokens))
-                await cache_owner.send(Lease(request_id=event.request_id, row_id=event.row_id))
-            case TokenOut():
-                await hub.send(Token(
-                    request_id=event.request_id, index=event.index, token_id=event.token_id,
-                    text=event.text, logprob=event.logprob, top_logprobs=event.top_logprobs))
-            case Finished():
-                if prefix is not None:
-                    prefix.finished(event)
-                if event.was_queued:
-                    admission_replies.send_nowait(Dequeued(
-                        request_id=event.request_id, num_prompt_tokens=event.prompt_tokens))
-                if event.row_id is not None:
-                    await cache_owner.send(Release(request_id=event.request_id,
-                                                   row_id=event.row_id, reason=event.finish_reason))
-                if error is not None:
-                    await hub.send(Error(request_id=event.request_id, code="internal_error",
-                                         message=error))
-                elif event.error is not None:  # the request's grammar failed mid-way
-                    await hub.send(Error(request_id=event.request_id, code="invalid_request",
-                                         message=event.error))
-                else:
-                    await hub.send(Done(
-                        request_id=event.request_id, finish_reason=event.finish_reason,
-                        prompt_tokens=event.prompt_tokens,
-                        completion_tokens=event.completion_tokens,
-                        cached_tokens=event.cached_tokens, cached_tier=event.cached_tier))
 
-    async def handle(msg: Submit | Cancel) -> None:
+class _Scheduler:
+    """The scheduler actor's state and the named pieces of its loop."""
+
+    def __init__(self, core: SchedulerCore, runner: Runner, thread: RunnerThread, inbox: Inbox,
+                 admission_replies: Outbox, cache_owner: Outbox, hub: Outbox,
+                 prefix: PrefixCache | None) -> None:
+        self.core, self.runner, self.thread, self.inbox = core, runner, thread, inbox
+        self.admission_replies, self.cache_owner, self.hub = admission_replies, cache_owner, hub
+        self.prefix = prefix
+        self.closed = False  # the mailbox ended: finish what runs, then return
+        self.last_usage = KvUsage(kv_bytes=0, num_rows=0)
+
+    async def drain_inbox(self) -> None:
+        """Handle every waiting Submit/Cancel without waiting (cancels free rows now)."""
+        while not self.closed:
+            try:
+                await self.handle(self.inbox.receive_nowait())
+            except trio.WouldBlock:
+                return
+            except trio.EndOfChannel:
+                self.closed = True
+
+    async def handle(self, msg: Submit | Cancel) -> None:
         match msg:
             case Submit():
                 try:
-                    core.add(msg.request_id, msg.prompt_tokens, msg.params,
-                             response_format=msg.response_format)
+                    self.core.add(msg.request_id, msg.prompt_tokens, msg.params,
+                                  response_format=msg.response_format)
                 except ValueError as exc:
-                    admission_replies.send_nowait(Dequeued(
+                    self.admission_replies.send_nowait(Dequeued(
                         request_id=msg.request_id, num_prompt_tokens=len(msg.prompt_tokens)))
-                    await hub.send(Error(request_id=msg.request_id, code="invalid_request",
-                                         message=str(exc)))
+                    await self.hub.send(Error(request_id=msg.request_id, code="invalid_request",
+                                              message=str(exc)))
             case Cancel():
-                for event in core.cancel(msg.request_id, msg.reason):
-                    await emit(event)
+                await self.emit(self.core.cancel(msg.request_id, msg.reason, msg.num_tokens))
             case _:
                 raise TypeError(f"scheduler got unexpected {type(msg).__name__}")
 
-    last_usage = KvUsage(kv_bytes=0, num_rows=0)
+    async def emit(self, events: list[Event], error: str | None = None) -> None:
+        """Send what the core decided: every row's tokens in ONE StepTokens, then the
+        starts and finishes in order (a row's tokens always precede its Done)."""
+        rows = [RowTokens(request_id=e.request_id, index=e.index, token_ids=e.token_ids,
+                          logprobs=e.logprobs, top_logprobs=e.top_logprobs, final=e.final,
+                          stop_token=e.stop_token)
+                for e in events if isinstance(e, TokenOut)]
+        if rows:
+            await self.hub.send(StepTokens(rows=rows))
+        for event in events:
+            match event:
+                case Started():
+                    await self.started(event)
+                case Finished():
+                    await self.finish(event, error)
 
-    async def report_usage(usage: KvUsage) -> None:
+    async def started(self, event: Started) -> None:
+        self.admission_replies.send_nowait(Dequeued(
+            request_id=event.request_id, num_prompt_tokens=event.num_prompt_tokens))
+        await self.cache_owner.send(Lease(request_id=event.request_id, row_id=event.row_id))
+
+    async def finish(self, event: Finished, error: str | None) -> None:
+        if self.prefix is not None:
+            self.prefix.finished(event)
+        if event.was_queued:
+            self.admission_replies.send_nowait(Dequeued(
+                request_id=event.request_id, num_prompt_tokens=event.prompt_tokens))
+        if event.row_id is not None:
+            await self.cache_owner.send(Release(request_id=event.request_id,
+                                                row_id=event.row_id, reason=event.finish_reason))
+        if error is not None:
+            await self.hub.send(Error(request_id=event.request_id, code="internal_error",
+                                      message=error))
+        elif event.error is not None:  # the request's grammar failed mid-way
+            await self.hub.send(Error(request_id=event.request_id, code="invalid_request",
+                                      message=event.error))
+        else:
+            await self.hub.send(Done(
+                request_id=event.request_id, finish_reason=event.finish_reason,
+                prompt_tokens=event.prompt_tokens, completion_tokens=event.completion_tokens,
+                cached_tokens=event.cached_tokens, cached_tier=event.cached_tier))
+
+    async def report_usage(self, usage: KvUsage) -> None:
         """Tell the cache owner, only when it changed (the cache grows every 256 steps)."""
-        nonlocal last_usage
-        if usage != last_usage:
-            last_usage = usage
-            await cache_owner.send(usage)
+        if usage != self.last_usage:
+            self.last_usage = usage
+            await self.cache_owner.send(usage)
 
-    def look_up(loads: trio.Nursery) -> None:
+    def look_up(self, loads: trio.Nursery) -> None:
         """Donors for the requests about to take a row; SSD hits start loading."""
+        prefix, core = self.prefix, self.core
         if prefix is None:
             return
         for rid, reuse in prefix.take_ready():
@@ -130,73 +176,65 @@ async def run_scheduler(
         for key in prefix.loads_to_start():
             loads.start_soon(prefix.load, key)
 
-    async def wait_for_work() -> bool:
-        """Idle: wait for a message (handled here) or a finished load. False at the end."""
+    def has_work(self) -> bool:
+        """A step would do something: rows to run, or prefix-cache orders to carry."""
+        return self.core.has_work() or (self.prefix is not None and self.prefix.has_orders())
+
+    def finished(self) -> bool:
+        """The mailbox ended, nothing runs and no KV is loading: the actor may return."""
+        return self.closed and (self.prefix is None or not self.prefix.statistics().loads_pending)
+
+    async def step(self) -> None:
+        """One engine step: plan, run it on the runner thread, send what came of it."""
+        plan, started = self.core.schedule()
+        if self.prefix is not None:
+            plan = self.prefix.decorate(plan, self.core.prompt)
+        await self.emit(started)
+        try:
+            result = await self.thread.call(self.runner.execute, plan)
+        except Exception as exc:
+            await self.fail(plan, exc)
+            return
+        await self.report_usage(KvUsage(kv_bytes=result.kv_bytes, num_rows=len(plan.decode)))
+        if self.prefix is not None:
+            await self.prefix.absorb(plan, result)
+        await self.emit(self.core.postprocess(result))
+        await trio.lowlevel.checkpoint()
+
+    async def fail(self, plan: StepPlan, exc: Exception) -> None:
+        """A runner failure (our bug): log it, fail every request, reset, serve on."""
+        log.exception("runner step failed; failing %d requests", len(self.core.active_ids()))
+        await self.thread.call(self.runner.reset)
+        if self.prefix is not None:
+            for new in plan.new_rows:
+                self.prefix.release_reuse(new.request_id)
+            held = await self.thread.call(self.runner.snapshot_keys)
+            await self.thread.call(self.runner.retain, self.prefix.reconcile(held))
+        await self.emit(self.core.fail_all(),
+                        error=f"engine step failed: {type(exc).__name__}: {exc}")
+        await self.report_usage(KvUsage(kv_bytes=0, num_rows=0))
+
+    async def wait_for_work(self) -> None:
+        """Idle: wait for a message (handled here) or a finished load."""
+        prefix = self.prefix
+        if self.closed and prefix is not None:  # not finished(): a load is pending
+            await prefix.changed.wait()
+            return
         received: list[Submit | Cancel] = []
-        ended = False
         async with trio.open_nursery() as race:
             async def receive() -> None:
-                nonlocal ended
                 try:
-                    received.append(await inbox.receive())
+                    received.append(await self.inbox.receive())
                 except trio.EndOfChannel:
-                    ended = True
-                race.cancel_scope.cancel()
-
-            async def loaded() -> None:
-                await prefix.changed.wait()
+                    self.closed = True
                 race.cancel_scope.cancel()
 
             race.start_soon(receive)
             if prefix is not None:
+                async def loaded() -> None:
+                    await prefix.changed.wait()
+                    race.cancel_scope.cancel()
+
                 race.start_soon(loaded)
         for msg in received:
-            await handle(msg)
-        return not ended
-
-    task_status.started()
-    async with admission_replies, cache_owner, hub, trio.open_nursery() as loads:
-        closed = False
-        while True:
-            while not closed:
-                try:
-                    await handle(inbox.receive_nowait())
-                except trio.WouldBlock:
-                    break
-                except trio.EndOfChannel:
-                    closed = True
-            look_up(loads)
-            if not core.has_work() and not (prefix is not None and prefix.has_orders()):
-                if closed and (prefix is None or not prefix.statistics().loads_pending):
-                    loads.cancel_scope.cancel()
-                    return
-                if closed:
-                    await prefix.changed.wait()
-                elif not await wait_for_work():
-                    closed = True
-                continue
-            plan, started = core.schedule()
-            if prefix is not None:
-                plan = prefix.decorate(plan)
-            for event in started:
-                await emit(event)
-            try:
-                result = await thread.call(runner.execute, plan)
-            except Exception as exc:
-                log.exception("runner step failed; failing %d requests", len(core.active_ids()))
-                await thread.call(runner.reset)
-                if prefix is not None:
-                    for new in plan.new_rows:
-                        prefix.release_reuse(new.request_id)
-                    held = await thread.call(runner.snapshot_keys)
-                    await thread.call(runner.retain, prefix.reconcile(held))
-                for event in core.fail_all():
-                    await emit(event, error=f"engine step failed: {type(exc).__name__}: {exc}")
-                await report_usage(KvUsage(kv_bytes=0, num_rows=0))
-                continue
-            await report_usage(KvUsage(kv_bytes=result.kv_bytes, num_rows=len(plan.decode)))
-            if prefix is not None:
-                await prefix.absorb(plan, result)
-            for event in core.postprocess(result):
-                await emit(event)
-            await trio.lowlevel.checkpoint()
+            await self.handle(msg)

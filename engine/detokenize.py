@@ -15,16 +15,27 @@ never sent, as in the OpenAI API).
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 _REPLACEMENT = "\ufffd"
+
+
+def fast_decoder(tokenizer: Any) -> Callable[[list[int]], str]:
+    """`tokenizer.decode`, or the same function without the Python layers around it: a
+    Hugging Face fast tokenizer that does no clean-up decodes with its Rust backend, which
+    gives the same text at a third of the cost (the hub calls it twice per token)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if (backend is None or not callable(getattr(backend, "decode", None))
+            or getattr(tokenizer, "clean_up_tokenization_spaces", True) is not False):
+        return tokenizer.decode
+    return lambda ids: backend.decode(ids, skip_special_tokens=False)
 
 
 class TextStream:
     """Sans-io: feed token ids, get text deltas and whether a stop string hit."""
 
     def __init__(self, tokenizer: Any, stop: Sequence[str] = ()) -> None:
-        self._tokenizer = tokenizer
+        self._decode_ids = fast_decoder(tokenizer)
         self._stop = tuple(stop)
         self._tokens: list[int] = []
         self._prefix_offset = 0
@@ -33,7 +44,7 @@ class TextStream:
         self.stopped = False
 
     def _decode(self, start: int, end: int | None = None) -> str:
-        return self._tokenizer.decode(self._tokens[start:end])
+        return self._decode_ids(self._tokens[start:end])
 
     def _new_text(self) -> str:
         prefix = self._decode(self._prefix_offset, self._read_offset)

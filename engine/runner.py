@@ -39,6 +39,8 @@ unchanged). When a token completes the grammar the row's output says so
 
 from __future__ import annotations
 
+import time
+from collections import deque
 from typing import Any, Callable, Iterable
 
 import attrs
@@ -54,6 +56,7 @@ from tqserve.engine.snapshot import (PlaneLayout, Snapshot, describe, extract_sn
 from tqserve.engine.structured import GrammarMasks, RowGrammar
 
 CacheFactory = Callable[[Any], list[Any]]
+STEP_GAPS_KEPT = 4096  # recent step gaps kept for tools/step_idle (a few seconds of steps)
 
 
 @attrs.define
@@ -73,6 +76,8 @@ class RunnerStatistics:
     num_forward_tokens: int
     num_snapshots: int
     snapshot_bytes: int
+    num_step_gaps: int        # gaps timed: a forward was in flight between two steps
+    step_gap_seconds: float   # their sum: the runner thread idled, the trio side worked
 
 
 def _as_batch(cache: Any) -> Any:
@@ -109,9 +114,30 @@ class Runner:
         self._snapshots: dict[str, Snapshot] = {}
         self.step_hook: Callable[[StepPlan], None] | None = None
         self._layout: PlaneLayout | None = None
+        self._last_end: float | None = None
+        self._step_gaps: deque[float] = deque(maxlen=STEP_GAPS_KEPT)
+        self._num_step_gaps = 0
+        self._step_gap_seconds = 0.0
 
     def execute(self, plan: StepPlan) -> StepResult:
-        """Run one step: snapshot, release, spill, admit, prefill, join, decode."""
+        """Run one step: snapshot, release, spill, admit, prefill, join, decode.
+
+        The time since the previous step returned is recorded as a step gap when a
+        forward was in flight meanwhile (the trio side's time per step; `step_gaps`)."""
+        if self._pending is not None and self._last_end is not None:
+            gap = time.perf_counter() - self._last_end
+            self._step_gaps.append(gap)
+            self._num_step_gaps += 1
+            self._step_gap_seconds += gap
+        result = self._execute(plan)
+        self._last_end = time.perf_counter()
+        return result
+
+    def step_gaps(self) -> list[float]:
+        """The most recent step gaps in seconds (at most STEP_GAPS_KEPT), oldest first."""
+        return list(self._step_gaps)
+
+    def _execute(self, plan: StepPlan) -> StepResult:
         snapshots = self._snapshot(plan.snapshot)
         self._release(plan.release)
         spills = tuple(self._spill(key) for key in plan.spill)
@@ -309,9 +335,11 @@ class Runner:
             grammar = self._rows[rid].grammar
             if grammar is not None:
                 grammar.advance(sampled.tokens[i])
+            lp = sampled.logprobs[i]
             outputs.append(RowOutput(
-                request_id=rid, token=sampled.tokens[i], logprob=sampled.logprobs[i],
-                top_logprobs=tuple((int(t), float(v)) for t, v in top) if top else None,
+                request_id=rid, tokens=(sampled.tokens[i],),
+                logprobs=(lp,) if lp is not None else None,
+                top_logprobs=(tuple((int(t), float(v)) for t, v in top),) if top else None,
                 grammar_done=grammar is not None and grammar.stopped,
                 error=grammar.error if grammar is not None else None))
         return tuple(outputs)
@@ -339,4 +367,5 @@ class Runner:
             num_rows=len(self._rows), num_batch_rows=len(self._batch),
             kv_bytes=self.kv_bytes(), num_forward_tokens=self._num_forward_tokens,
             num_snapshots=len(self._snapshots),
-            snapshot_bytes=sum(s.nbytes for s in self._snapshots.values()))
+            snapshot_bytes=sum(s.nbytes for s in self._snapshots.values()),
+            num_step_gaps=self._num_step_gaps, step_gap_seconds=self._step_gap_seconds)

@@ -1,12 +1,18 @@
-"""Per-row sampling inside a batch: params, seeded keys, masks, logprobs.
+"""Sampling for all rows of a batch at once: params, seeded noise, masks, logprobs.
 
-Every row carries its own PRNG keys, split from `mx.random.key(seed)` once per
-request (one key per output position), so a seeded row draws the same noise
-whether it runs alone or inside any batch. Sampling is Gumbel-max over the
-processed logits, which is exactly categorical sampling from softmax(logits/T).
-Rows without a seed get a fresh random one. `temperature == 0` is greedy.
+One graph per step serves every row (no per-row loop over arrays, no host sync but the
+one that reads the results). Sampling is Gumbel-max over the processed logits, which is
+exactly categorical sampling from the filtered softmax(logits/T). The noise of a row is
+a pure function of (seed, token index, vocabulary position): a counter-based hash
+(`row_keys` mixes seed and index on the host; `gumbel_noise` hashes each position with
+them, murmur3's 32-bit finalizer twice, 23 uniform bits per draw), computed for all rows
+in one vectorized expression. So a seeded row draws the same noise, and the same tokens
+from the same logits, whether it runs alone or inside any batch, on any backend (only
+uint32 arithmetic and one log pair per draw). Rows without a seed get a fresh random
+one. `temperature == 0` is greedy.
 
-Processing order (as vLLM): repetition penalty (over prompt and output tokens),
+Processing order (as vLLM): repetition penalty (over prompt and output tokens, each seen
+token once: a per-row presence mask kept on the host, stacked per step),
 the row's grammar mask (structured output: disallowed tokens get -inf), temperature,
 top-k, top-p, min-p. Logprobs are always the raw model distribution's log-softmax,
 before any processing -- the grammar mask included: a constrained row reports the
@@ -113,24 +119,39 @@ class SamplingParams:
 
 @attrs.define
 class RowSampler:
-    """One row's sampling state: params, its keys, and its penalty history."""
+    """One row's sampling state: params, its seed, how many tokens it drew, and (with a
+    repetition penalty) which token ids it has seen."""
 
     params: SamplingParams
-    keys: mx.array
-    history: list[int]
+    seed: int
     num_sampled: int = 0
+    _unseen: list[int] = attrs.Factory(list)  # ids to mark once the vocabulary is known
+    _seen: np.ndarray | None = None
 
     @classmethod
     def create(cls, params: SamplingParams, prompt: Sequence[int]) -> "RowSampler":
         seed = params.seed if params.seed is not None else secrets.randbits(63)
-        keys = mx.random.split(mx.random.key(seed), params.max_tokens + 1)
-        history = list(prompt) if params.repetition_penalty != 1.0 else []
-        return cls(params=params, keys=keys, history=history)
+        penalized = params.repetition_penalty != 1.0
+        return cls(params=params, seed=seed, unseen=list(prompt) if penalized else [])
+
+    @property
+    def penalized(self) -> bool:
+        return self.params.repetition_penalty != 1.0
+
+    def seen(self, vocab: int) -> np.ndarray:
+        """Presence mask (vocab,) bool of the prompt and output tokens so far."""
+        if self._seen is None:
+            self._seen = np.zeros(vocab, dtype=bool)
+        if self._unseen:
+            ids = np.asarray(self._unseen, dtype=np.int64)
+            self._seen[ids[ids < vocab]] = True
+            self._unseen = []
+        return self._seen
 
     def record(self, token: int) -> None:
         self.num_sampled += 1
-        if self.params.repetition_penalty != 1.0:
-            self.history.append(token)
+        if self.penalized:
+            self._unseen.append(token)
 
 
 @attrs.frozen
@@ -142,17 +163,66 @@ class SampleOutput:
     top_logprobs: list[list[tuple[int, float]] | None]
 
 
+_GOLDEN = 0x9E3779B9
+_FMIX1, _FMIX2 = 0x85EBCA6B, 0xC2B2AE35  # murmur3's fmix32 constants
+
+
+def _fmix_np(h: np.ndarray) -> np.ndarray:
+    h = h ^ (h >> np.uint32(16))
+    h = h * np.uint32(_FMIX1)
+    h = h ^ (h >> np.uint32(13))
+    h = h * np.uint32(_FMIX2)
+    return h ^ (h >> np.uint32(16))
+
+
+def _fmix(h: mx.array) -> mx.array:
+    h = h ^ (h >> 16)
+    h = h * mx.array(_FMIX1, dtype=mx.uint32)
+    h = h ^ (h >> 13)
+    h = h * mx.array(_FMIX2, dtype=mx.uint32)
+    return h ^ (h >> 16)
+
+
+def row_keys(seeds: Sequence[int], indices: Sequence[int]) -> np.ndarray:
+    """(B, 2) uint32 keys, one pair per (seed, token index): what a row's noise at that
+    index is a function of."""
+    seed = np.asarray(seeds, dtype=np.uint64)
+    lo = (seed & np.uint64(0xFFFFFFFF)).astype(np.uint32)
+    hi = (seed >> np.uint64(32)).astype(np.uint32)
+    index = np.asarray(indices, dtype=np.uint32)
+    with np.errstate(over="ignore"):
+        k = _fmix_np(hi ^ _fmix_np(index * np.uint32(_GOLDEN) + np.uint32(0x632BE5AB)))
+        k1 = _fmix_np(lo ^ k)
+        k2 = _fmix_np(k1 ^ np.uint32(0x5BD1E995))
+    return np.stack([k1, k2], axis=1)
+
+
+def gumbel_noise(keys: np.ndarray, vocab: int) -> mx.array:
+    """(B, vocab) standard Gumbel noise; row i depends on keys[i] only."""
+    k = mx.array(keys)
+    position = mx.arange(vocab, dtype=mx.uint32)[None] * mx.array(_GOLDEN, dtype=mx.uint32)
+    bits = _fmix(_fmix(position ^ k[:, :1]) + k[:, 1:])
+    return -mx.log(-mx.log(open_uniform(bits)))
+
+
+def open_uniform(bits: mx.array) -> mx.array:
+    """uint32 bits -> float32 uniform in the OPEN interval (0, 1): the top 23 bits, centred
+    (24 would round the largest value up to 1.0 in float32: an infinite Gumbel draw, and
+    -inf + inf = NaN on a masked token)."""
+    return ((bits >> 9).astype(mx.float32) + 0.5) * (2.0 ** -23)
+
+
 def _penalize(logits: mx.array, rows: Sequence[RowSampler]) -> mx.array:
-    out = []
+    """Repetition penalty for every row at once: seen tokens' logits are divided by the
+    row's penalty (multiplied when negative); rows without one are unchanged."""
+    vocab = logits.shape[-1]
+    seen = np.zeros((len(rows), vocab), dtype=bool)
     for i, row in enumerate(rows):
-        line = logits[i]
-        penalty = row.params.repetition_penalty
-        if penalty != 1.0 and row.history:
-            ids = mx.array(sorted(set(row.history)))
-            vals = line[ids]
-            line[ids] = mx.where(vals < 0, vals * penalty, vals / penalty)
-        out.append(line)
-    return mx.stack(out)
+        if row.penalized:
+            seen[i] = row.seen(vocab)
+    penalty = mx.array([r.params.repetition_penalty for r in rows], dtype=mx.float32)[:, None]
+    penalized = mx.where(logits < 0, logits * penalty, logits / penalty)
+    return mx.where(mx.array(seen), penalized, logits)
 
 
 def _filter(scaled: mx.array, rows: Sequence[RowSampler]) -> mx.array:
@@ -215,7 +285,7 @@ def build_sample(logits: mx.array, rows: Sequence[RowSampler],
     (see `apply_token_masks`) constrains rows to their grammars."""
     logits = logits.astype(mx.float32)
     want_lp = any(r.params.logprobs or r.params.top_logprobs for r in rows)
-    if any(r.params.repetition_penalty != 1.0 for r in rows):
+    if any(r.penalized for r in rows):
         processed = _penalize(logits, rows)
     else:
         processed = logits
@@ -227,9 +297,8 @@ def build_sample(logits: mx.array, rows: Sequence[RowSampler],
     if sampled:
         temps = mx.array([max(r.params.temperature, 1e-6) for r in rows])[:, None]
         scaled = _filter(processed / temps, rows)
-        noise = mx.stack(
-            [mx.random.gumbel((logits.shape[-1],), key=r.keys[r.num_sampled]) for r in rows]
-        )
+        keys = row_keys([r.seed for r in rows], [r.num_sampled for r in rows])
+        noise = gumbel_noise(keys, logits.shape[-1])
         drawn = mx.argmax(scaled + noise, axis=-1)
         is_greedy = mx.array([r.params.greedy for r in rows])
         tokens = mx.where(is_greedy, greedy_tok, drawn)

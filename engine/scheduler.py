@@ -13,19 +13,21 @@ decode batch with its last prompt token as input, exactly as mlx-lm's
 generate_step does, so its first sampled token comes from the decode batch.
 Finished and cancelled rows are released at the start of the next step.
 
-Every generated token is reported, the stop token included (its text is empty);
-`completion_tokens` counts them all.
+Every generated token is reported, the stop token included; `completion_tokens` counts
+them all. A row may emit several tokens in one step (speculation's accepted tokens): they
+are reported together, cut after the first stop token or at max_tokens. Text is not made
+here: the hub detokenizes per stream and matches stop strings there, and a stop string
+comes back as `cancel(rid, "stop", num_tokens)` (actors.hub).
 """
 
 from __future__ import annotations
 
 import enum
 from collections import deque
-from typing import Callable, Iterable
+from typing import Iterable
 
 import attrs
 
-from tqserve.engine.detokenize import TextStream
 from tqserve.engine.sampling import SamplingParams
 from tqserve.engine.structured import ResponseFormat
 
@@ -75,6 +77,9 @@ class StepPlan:
     """What the runner does in one step, in this order."""
 
     release: tuple[str, ...] = ()
+    # per released row: the tokens its KV covers (prompt + generated) when it finished
+    # normally (stop or length, at least one token), else (): what a prefix cache may keep
+    release_tokens: tuple[tuple[int, ...], ...] = ()
     new_rows: tuple[NewRow, ...] = ()
     prefill: tuple[PrefillChunk, ...] = ()
     join: tuple[str, ...] = ()
@@ -99,10 +104,13 @@ class StepPlan:
 
 @attrs.frozen(kw_only=True)
 class RowOutput:
+    """One row's tokens of one step (several when speculation accepted some), with one
+    logprob / top-logprobs entry per token when the row asked for them."""
+
     request_id: str
-    token: int
-    logprob: float | None = None
-    top_logprobs: tuple[tuple[int, float], ...] | None = None
+    tokens: tuple[int, ...]
+    logprobs: tuple[float, ...] | None = None
+    top_logprobs: tuple[tuple[tuple[int, float], ...], ...] | None = None
     grammar_done: bool = False  # the row's grammar is complete: nothing but EOS could follow
     error: str | None = None    # the row's grammar failed: finish it with this message
 
@@ -147,12 +155,16 @@ class Started:
 
 @attrs.frozen(kw_only=True)
 class TokenOut:
+    """A row's new tokens of one step; `index` numbers the first. `final`: the row finished
+    with the last one; `stop_token`: that one is a stop token."""
+
     request_id: str
     index: int
-    token_id: int
-    text: str
-    logprob: float | None
-    top_logprobs: tuple[tuple[int, float], ...] | None
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...] | None = None
+    top_logprobs: tuple[tuple[tuple[int, float], ...], ...] | None = None
+    final: bool = False
+    stop_token: bool = False
 
 
 @attrs.frozen(kw_only=True)
@@ -177,7 +189,6 @@ class _Row:
     request_id: str
     prompt: tuple[int, ...]
     params: SamplingParams
-    text: TextStream
     state: RowState = RowState.QUEUED
     row_id: int | None = None
     num_prefilled: int = 0
@@ -214,19 +225,18 @@ class SchedulerCore:
         max_batch: int,
         prefill_chunk: int,
         eos_token_ids: Iterable[int],
-        make_text_stream: Callable[[tuple[str, ...]], TextStream],
     ) -> None:
         if max_batch < 1 or prefill_chunk < 1:
             raise ValueError("max_batch and prefill_chunk must be >= 1")
         self._max_batch = max_batch
         self._prefill_chunk = prefill_chunk
         self._eos = frozenset(eos_token_ids)
-        self._make_text_stream = make_text_stream
         self._rows: dict[str, _Row] = {}
         self._queue: deque[str] = deque()
         self._prefilling: list[str] = []
         self._decoding: list[str] = []
         self._to_release: list[str] = []
+        self._release_tokens: dict[str, tuple[int, ...]] = {}
         self._free_row_ids = list(range(max_batch - 1, -1, -1))
         self._num_steps = 0
 
@@ -243,8 +253,7 @@ class SchedulerCore:
             raise ValueError("prompt must hold at least one token")
         if not 0 <= cached <= len(prompt) - 1 or (cached > 0) != (reuse is not None):
             raise ValueError(f"cannot reuse {cached} tokens of a {len(prompt)}-token prompt")
-        stream = self._make_text_stream(params.stop)
-        self._rows[request_id] = _Row(request_id, tuple(prompt), params, stream,
+        self._rows[request_id] = _Row(request_id, tuple(prompt), params,
                                       num_prefilled=cached, reuse=reuse, cached=cached,
                                       cached_tier=cached_tier, response_format=response_format)
         self._queue.append(request_id)
@@ -291,16 +300,25 @@ class SchedulerCore:
         if row is not None and row.held:
             row.held, row.looked_up = False, False
 
+    def prompt(self, request_id: str) -> tuple[int, ...]:
+        """The prompt of a request not yet finished (KeyError otherwise)."""
+        return self._rows[request_id].prompt
+
     def is_held(self, request_id: str) -> bool:
         row = self._rows.get(request_id)
         return row is not None and row.held
 
-    def cancel(self, request_id: str, reason: str = "cancelled") -> list[Event]:
+    def cancel(self, request_id: str, reason: str = "cancelled",
+               num_tokens: int | None = None) -> list[Event]:
         """Cancel a request wherever it is, finishing it with `reason`; unknown or
-        finished ids are a no-op."""
+        finished ids are a no-op. `num_tokens`: only that many generated tokens reached
+        the client (a stop string ended its stream): the finish counts those."""
         row = self._rows.get(request_id)
         if row is None or row.state is RowState.FINISHED:
             return []
+        if num_tokens is not None and 0 <= num_tokens < row.num_generated:
+            row.num_generated = num_tokens
+            del row.generated[num_tokens:]
         return [self._finish(row, reason)]
 
     def active_ids(self) -> list[str]:
@@ -311,6 +329,7 @@ class SchedulerCore:
         """Finish every request with reason "error" after the runner was reset."""
         events: list[Event] = [self._finish(self._rows[rid], "error") for rid in self.active_ids()]
         self._to_release.clear()
+        self._release_tokens.clear()
         return events
 
     def has_work(self) -> bool:
@@ -340,6 +359,7 @@ class SchedulerCore:
         chunks, joins = self._plan_prefill()
         plan = StepPlan(
             release=tuple(self._to_release),
+            release_tokens=tuple(self._release_tokens.pop(r, ()) for r in self._to_release),
             new_rows=tuple(new_rows),
             prefill=tuple(chunks),
             join=tuple(joins),
@@ -370,7 +390,8 @@ class SchedulerCore:
         return chunks, joins
 
     def postprocess(self, result: StepResult) -> list[Event]:
-        """Turn sampled tokens into events; finish rows that hit a stop."""
+        """Turn sampled tokens into events; finish rows that hit a stop token, their
+        grammar's end or max_tokens (a row's tokens past that point are dropped)."""
         events: list[Event] = []
         for out in result.outputs:
             row = self._rows.get(out.request_id)
@@ -379,21 +400,25 @@ class SchedulerCore:
             if out.error is not None:  # its token was sampled without the grammar: dropped
                 events.append(self._finish(row, "error", error=out.error))
                 continue
-            row.num_generated += 1
-            row.generated.append(out.token)
-            params = row.params
-            is_stop_token = out.token in self._eos or out.token in params.stop_token_ids
-            text = "" if is_stop_token else row.text.add(out.token)
-            reason = None
-            if is_stop_token or row.text.stopped or out.grammar_done:
+            first = row.num_generated
+            reason, stop_token = None, False
+            for token in out.tokens:
+                row.num_generated += 1
+                row.generated.append(token)
+                if token in self._eos or token in row.params.stop_token_ids:
+                    reason, stop_token = "stop", True
+                elif row.num_generated >= row.params.max_tokens:
+                    reason = "length"
+                if reason is not None:
+                    break
+            n = row.num_generated - first
+            if out.grammar_done and n == len(out.tokens):  # the grammar ended on the last one
                 reason = "stop"
-            elif row.num_generated >= params.max_tokens:
-                reason = "length"
-            if is_stop_token or reason == "length" or out.grammar_done:
-                text += row.text.flush()
             events.append(TokenOut(
-                request_id=row.request_id, index=row.num_generated - 1, token_id=out.token,
-                text=text, logprob=out.logprob, top_logprobs=out.top_logprobs))
+                request_id=row.request_id, index=first, token_ids=tuple(out.tokens[:n]),
+                logprobs=out.logprobs[:n] if out.logprobs is not None else None,
+                top_logprobs=out.top_logprobs[:n] if out.top_logprobs is not None else None,
+                final=reason is not None, stop_token=stop_token))
             if reason is not None:
                 events.append(self._finish(row, reason))
         return events
@@ -408,6 +433,8 @@ class SchedulerCore:
             self._decoding.remove(row.request_id)
         if not was_queued:
             self._to_release.append(row.request_id)
+            if reason in ("stop", "length") and row.num_generated > 0:
+                self._release_tokens[row.request_id] = row.prompt + tuple(row.generated)
         row.move(RowState.FINISHED)
         del self._rows[row.request_id]
         if row.row_id is not None:

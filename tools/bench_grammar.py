@@ -40,7 +40,6 @@ SCHEMA = {"type": "object", "properties": {"items": {
 
 def _run(loaded: Any, batch: int, steps: int, mode: str, prompts: list[list[int]],
          seed: int) -> dict[str, Any]:
-    from tqserve.engine.detokenize import TextStream
     from tqserve.engine.runner import Runner
     from tqserve.engine.sampling import SamplingParams
     from tqserve.engine.scheduler import SchedulerCore
@@ -50,8 +49,7 @@ def _run(loaded: Any, batch: int, steps: int, mode: str, prompts: list[list[int]
                          inline=mode == "json_inline")
     fmt = None if mode == "free" else validate_response_format(
         {"type": "json_schema", "json_schema": {"name": "bench", "schema": SCHEMA}})
-    core = SchedulerCore(max_batch=batch, prefill_chunk=4096, eos_token_ids=(),
-                         make_text_stream=lambda stop: TextStream(loaded.tokenizer, stop))
+    core = SchedulerCore(max_batch=batch, prefill_chunk=4096, eos_token_ids=())
     runner = Runner(loaded.model, masks=masks)
     for i in range(batch):
         core.add(f"r{i}", tuple(prompts[i]),

@@ -163,7 +163,10 @@ async def test_recorder_sees_every_mailbox_message_as_msgpack(draft_model):
     names = {name for name, _ in seen}
     assert {"admission", "scheduler", "hub", "cache_owner", "admission_replies"} <= names
     kinds = {type(decode(data)).__name__ for _, data in seen}
-    assert {"Submit", "Queued", "Token", "Done", "Lease", "Release", "Dequeued"} <= kinds
+    assert {"Submit", "Queued", "StepTokens", "Done", "Lease", "Release", "Dequeued"} <= kinds
+    steps = [m for m in map(decode, (d for n, d in seen if n == "hub"))
+             if type(m).__name__ == "StepTokens"]
+    assert [len(s.rows) for s in steps] == [1, 1, 1]  # one message per step, not per token
 
 
 async def test_untokenizable_prompt_and_bad_ids_are_errors_not_exceptions(draft_model):
@@ -251,3 +254,26 @@ async def test_a_generation_is_iterated_once(draft_model):
         assert isinstance([e async for e in generation][-1], Done)
         with pytest.raises(RuntimeError, match="iterated once"):
             [e async for e in generation]
+
+
+async def test_stop_string_found_by_the_hub_ends_the_request_and_frees_the_row(draft_model):
+    tok = draft_model.tokenizer
+    async with open_engine(Config(), loaded=draft_model) as engine:
+        plain = await drain(engine, request(max_tokens=40))
+        text = "".join(e.text for e in plain if isinstance(e, Token))
+        stop = text[len(text) // 2: len(text) // 2 + 3]  # greedy: the rerun meets it again
+        events = await drain(engine, request(max_tokens=40, stop=[stop]))
+        await engine.wait_idle()
+        books = engine._books.statistics()
+        hub = engine._hub.statistics()
+    tokens = [e for e in events if isinstance(e, Token)]
+    done = events[-1]
+    assert isinstance(done, Done) and done.finish_reason == "stop"
+    assert "".join(t.text for t in tokens) == text[:text.index(stop)]
+    assert done.completion_tokens == len(tokens) < 40  # what was delivered, no more
+    assert [t.token_id for t in tokens] == [e.token_id for e in plain[1:1 + len(tokens)]]
+    assert stop in tok.decode([t.token_id for t in tokens])
+    # tokens sampled after the stop and before its cancel reached the scheduler: the row
+    # ended within a step or two (reply edge hub -> admission -> scheduler)
+    assert hub.num_stopped == 1 and 1 <= hub.num_dropped <= 3
+    assert books.rows_active == 0 and books.releases_by_reason.get("stop") == 1

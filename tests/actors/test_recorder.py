@@ -6,7 +6,8 @@ from __future__ import annotations
 import trio.testing
 
 import tqserve.tools.replay.recorder as recorder_mod
-from tqserve.actors.messages import Done, Error, Queued, Submit, Token, encode
+from tqserve.actors.messages import (Done, Error, Queued, RowTokens, StepTokens, Submit, Token,
+                                     encode)
 from tqserve.engine.sampling import SamplingParams
 from tqserve.tools.replay.recording import read_recording
 
@@ -55,3 +56,30 @@ async def test_full_queue_drops_and_leaves_in_flight_requests_out(tmp_path, monk
     assert records[1]["output_tokens"] == [10, 11]
     s = stats()
     assert s.num_recorded == 3 and s.num_incomplete >= 1
+
+
+async def test_step_tokens_are_recorded_and_cut_at_the_done_count(tmp_path):
+    path = tmp_path / "rec.tqrec"
+    async with recorder_mod.open_recorder(path, {"model": "m", "config": {}}) as (hook, stats):
+        for rid in ("s", "t"):
+            hook("admission", encode(Submit(request_id=rid, prompt_tokens=(2,),
+                                            params=SamplingParams(max_tokens=9))))
+            hook("hub", encode(Queued(request_id=rid)))
+        hook("hub", encode(StepTokens(rows=(RowTokens(request_id="s", index=0,
+                                                      token_ids=(5, 6)),
+                                            RowTokens(request_id="t", index=0,
+                                                      token_ids=(7,))))))
+        hook("hub", encode(StepTokens(rows=(RowTokens(request_id="s", index=2,
+                                                      token_ids=(8,)),))))
+        # a stop string met at token 6 (the hub's cancel counted 2): token 8 is cut
+        hook("hub", encode(Done(request_id="s", finish_reason="stop", prompt_tokens=1,
+                                completion_tokens=2)))
+        hook("hub", encode(Done(request_id="t", finish_reason="length", prompt_tokens=1,
+                                completion_tokens=1)))
+        await trio.testing.wait_all_tasks_blocked()
+        for _ in range(WRITE_POLLS):
+            if stats().num_recorded == 2:
+                break
+            await trio.sleep(0.001)
+    _, records = read_recording(path)
+    assert {r["request_id"]: r["output_tokens"] for r in records} == {"s": [5, 6], "t": [7]}

@@ -11,7 +11,6 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
-from tqserve.engine.detokenize import TextStream
 from tqserve.engine.runner import Runner
 from tqserve.engine.sampling import SamplingParams
 from tqserve.engine.scheduler import Finished, SchedulerCore, TokenOut
@@ -22,8 +21,7 @@ LOGPROB_TOLERANCE = 1e-4  # nats: one full forward vs step-by-step decode in flo
 
 
 def make(loaded, masks: GrammarMasks) -> tuple[SchedulerCore, Runner]:
-    core = SchedulerCore(max_batch=4, prefill_chunk=64, eos_token_ids=loaded.eos_token_ids,
-                         make_text_stream=lambda stop: TextStream(loaded.tokenizer, stop))
+    core = SchedulerCore(max_batch=4, prefill_chunk=64, eos_token_ids=loaded.eos_token_ids)
     return core, Runner(loaded.model, masks=masks)
 
 
@@ -52,23 +50,25 @@ def test_constrained_greedy_logprobs_are_the_models_raw_ones(draft_model):
                                          top_logprobs=3), response_format=fmt)
     core.add("u", prompt, SamplingParams(max_tokens=5, temperature=0.0))
     events = drive(core, runner)
-    tokens = [e for e in events if isinstance(e, TokenOut) and e.request_id == "c"]
+    outs = [e for e in events if isinstance(e, TokenOut) and e.request_id == "c"]
     (done,) = [e for e in events if isinstance(e, Finished) and e.request_id == "c"]
-    text = "".join(t.text for t in tokens)
+    ids = [t for e in outs for t in e.token_ids]
+    logprobs = [lp for e in outs for lp in e.logprobs]
+    tops = [top for e in outs for top in e.top_logprobs]
+    text = draft_model.tokenizer.decode(ids)
     assert done.finish_reason == "stop" and text.endswith("!") and text[:2] in ("ye", "no")
-    assert tokens[-1].token_id not in draft_model.eos_token_ids  # the grammar stopped it
-    ids = [t.token_id for t in tokens]
+    assert outs[-1].final and ids[-1] not in draft_model.eos_token_ids  # the grammar stopped it
     logits = draft_model.model(mx.array(list(prompt) + ids[:-1])[None])[0, len(prompt) - 1:]
     raw = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
     masked_off = 0
-    for i, tok in enumerate(tokens):
-        assert tok.logprob == pytest.approx(raw[i, tok.token_id].item(), abs=LOGPROB_TOLERANCE)
-        top = [t for t, _ in tok.top_logprobs]
+    for i, tok in enumerate(ids):
+        assert logprobs[i] == pytest.approx(raw[i, tok].item(), abs=LOGPROB_TOLERANCE)
+        top = [t for t, _ in tops[i]]
         assert top == mx.argsort(-raw[i])[:3].tolist()
-        masked_off += top[0] != tok.token_id  # the raw favourite that the grammar refused
+        masked_off += top[0] != tok  # the raw favourite that the grammar refused
     assert masked_off > 0  # the grammar did steer this greedy row
     stats = masks.statistics()
-    assert stats.num_rows == 1 and stats.num_masks == len(tokens)
+    assert stats.num_rows == 1 and stats.num_masks == len(ids)
     assert stats.mask_seconds > 0 and stats.consume_seconds > 0
 
 

@@ -104,3 +104,34 @@ def test_stop_prefix_text_is_released_with_the_token_that_rules_it_out(draft_mod
     assert stream.add(b) == "\ny"         # ruled out: released with the token after it
     assert stream.add(newline) == ""
     assert stream.add(newline) == "" and stream.stopped
+
+
+class _DecodeOnly:
+    """The tokenizer seen through `decode` alone (no fast backend to find)."""
+
+    def __init__(self, tok):
+        self.decode = tok.decode
+
+
+def test_fast_decoder_gives_the_tokenizers_text(draft_model):
+    import random
+
+    from tqserve.engine.detokenize import fast_decoder
+
+    tok = draft_model.tokenizer
+    fast = fast_decoder(tok)
+    assert fast is not tok.decode  # the bundled model's tokenizer has a Rust backend
+    rng = random.Random(0)
+    for _ in range(300):
+        ids = [rng.randrange(draft_model.vocab_size) for _ in range(rng.randrange(1, 6))]
+        assert fast(ids) == tok.decode(ids)
+    ids = tok.encode("".join(TEXTS))
+    stops = ("\n\n", "wör")
+    a, b = TextStream(tok, stops), TextStream(_DecodeOnly(tok), stops)
+    out_a, out_b = [], []
+    for t in ids:
+        out_a.append(a.add(t))
+        out_b.append(b.add(t))
+        if a.stopped or b.stopped:
+            break
+    assert out_a == out_b and a.stopped and b.stopped and len(out_a) > 5

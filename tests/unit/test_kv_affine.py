@@ -17,7 +17,6 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
 from tqserve.api.cli import _config, build_parser
 from tqserve.engine.config import Config
-from tqserve.engine.detokenize import TextStream
 from tqserve.engine.kv.affine import PLANES, AffineKVCache, BatchedAffineKVCache
 from tqserve.engine.kv.factory import cache_factory_for, check_affine_head_dims, make_affine_cache_factory
 from tqserve.engine.kv.turboquant import TurboQuantKVCache
@@ -198,9 +197,7 @@ def _greedy(model: Any, prompt: list[int], cache: list[Any], n: int) -> tuple[li
 def _serve(loaded: LoadedModel, factory: Any, prompts: dict[str, list[int]],
            max_tokens: dict[str, int]) -> dict[str, list[int]]:
     """Greedy tokens per request through SchedulerCore + Runner (sync loop, 3 rows)."""
-    tokenizer = loaded.tokenizer
-    core = SchedulerCore(max_batch=3, prefill_chunk=8, eos_token_ids=[],
-                         make_text_stream=lambda stop: TextStream(tokenizer, stop))
+    core = SchedulerCore(max_batch=3, prefill_chunk=8, eos_token_ids=[])
     runner = Runner(loaded.model, make_cache=factory)
     for rid, prompt in prompts.items():
         core.add(rid, tuple(prompt), SamplingParams(temperature=0.0, max_tokens=max_tokens[rid]))
@@ -209,7 +206,7 @@ def _serve(loaded: LoadedModel, factory: Any, prompts: dict[str, list[int]],
         plan, _ = core.schedule()
         for event in core.postprocess(runner.execute(plan)):
             if isinstance(event, TokenOut):
-                tokens[event.request_id].append(event.token_id)
+                tokens[event.request_id] += event.token_ids
     assert runner.kv_bytes() == 0
     return tokens
 

@@ -65,6 +65,74 @@ def test_seeded_row_gives_same_tokens_alone_and_in_any_batch():
     assert len(set(seq_alone)) > 1  # really sampling, not greedy
 
 
+MIXED = [  # seeded rows with every processing step, greedy and penalized rows among them
+    SamplingParams(temperature=0.9, seed=11, max_tokens=40),
+    SamplingParams(temperature=1.2, seed=12, top_k=6, max_tokens=40),
+    SamplingParams(temperature=0.8, seed=13, top_p=0.7, max_tokens=40, logprobs=True),
+    SamplingParams(temperature=1.0, seed=14, min_p=0.1, repetition_penalty=1.5, max_tokens=40),
+    SamplingParams(temperature=0.0, repetition_penalty=1.3, max_tokens=40, top_logprobs=3),
+    SamplingParams(temperature=1.1, seed=2**63 - 1, top_k=10, top_p=0.9, max_tokens=40),
+]
+
+
+def test_mixed_batches_that_change_every_step_give_each_row_its_tokens_alone():
+    """Each row's logits are fixed per row; every step a different subset of rows is
+    batched, in a different order, and rows join late: each row's tokens equal its tokens
+    when it runs alone, step for step."""
+    table = logits_batch(len(MIXED), seed=3)
+    alone = []
+    for i, p in enumerate(MIXED):
+        [row] = rows(p)
+        alone.append([sample_rows(table[i:i + 1], [row]).tokens[0] for _ in range(12)])
+    samplers = rows(*MIXED)
+    got: list[list[int]] = [[] for _ in MIXED]
+    order = np.random.default_rng(0)
+    for step in range(16):
+        members = [int(i) for i in order.permutation(len(MIXED))
+                   if len(got[i]) < 12 and (i < 3 or step >= i)]  # rows 3.. join late
+        if order.random() < 0.3 and len(members) > 1:
+            members = members[:-1]  # a row sits this step out
+        if not members:
+            continue
+        out = sample_rows(table[mx.array(members)], [samplers[i] for i in members])
+        for i, token in zip(members, out.tokens):
+            got[i].append(token)
+    for i in range(len(MIXED)):
+        assert got[i] == alone[i][:len(got[i])] and len(got[i]) >= 8, i
+    assert all(len(set(alone[i])) > 1 for i in (0, 1, 2, 5))  # really sampling
+
+
+def test_noise_is_a_function_of_seed_and_token_index():
+    from tqserve.engine.sampling import gumbel_noise, row_keys
+
+    keys = row_keys([7, 7, 8, 2**63 - 1], [0, 1, 0, 5])
+    assert keys.dtype == np.uint32 and keys.shape == (4, 2)
+    assert np.array_equal(keys[1], row_keys([7], [1])[0])
+    batch = np.array(gumbel_noise(keys, 1000))
+    for i in range(4):  # bit-equal alone and in the batch
+        assert np.array_equal(batch[i], np.array(gumbel_noise(keys[i:i + 1], 1000))[0])
+    assert len({tuple(row[:8]) for row in batch}) == 4  # seeds and indices both matter
+    many = np.array(gumbel_noise(row_keys(range(100), range(100)), 2000)).ravel()
+    assert abs(many.mean() - 0.5772) < 0.02 and abs(many.std() - 1.2825) < 0.02  # Gumbel
+    assert np.isfinite(many).all()
+
+
+def test_extreme_bits_give_finite_noise_and_masked_tokens_are_never_drawn():
+    from tqserve.engine.sampling import open_uniform
+
+    u = np.array(open_uniform(mx.array([0, 1, 2**31, 2**32 - 1], dtype=mx.uint32)))
+    assert (u > 0).all() and (u < 1).all()
+    assert np.isfinite(-np.log(-np.log(u.astype(np.float64)))).all()
+    assert np.isfinite(np.array(-mx.log(-mx.log(mx.array(u))))).all()  # in float32 too
+    masks = np.zeros((ROWS, 1), dtype=np.int32)
+    masks[:, 0] = 0b1010  # tokens 1 and 3 only
+    logits = mx.array(np.tile(DIST_LOGITS.astype(np.float32), (ROWS, 1)))
+    batch = [RowSampler.create(SamplingParams(seed=i, temperature=1.5), (1,))
+             for i in range(ROWS)]
+    for _ in range(4):
+        assert set(sample_rows(logits, batch, masks).tokens) <= {1, 3}
+
+
 def test_different_seeds_differ():
     logits = logits_batch(1)
     a = [sample_rows(logits, r).tokens[0] for r in [rows(SamplingParams(seed=1, max_tokens=30))] * 30]
@@ -108,10 +176,15 @@ def test_top_k_and_min_p_restrict_the_support():
 
 def test_repetition_penalty_pushes_seen_tokens_down():
     logits = mx.array([[3.0, 2.9, -1.0, 0.0]])
-    [row] = rows(SamplingParams(temperature=0.0, repetition_penalty=2.0))
-    row.history = [0]
-    assert sample_rows(logits, [row]).tokens == [1]
-    assert row.history == [0, 1]
+    row = RowSampler.create(SamplingParams(temperature=0.0, repetition_penalty=2.0), (0, 7))
+    assert sample_rows(logits, [row]).tokens == [1]  # 0 was in the prompt: 1.5 < 2.9
+    assert row.seen(4).tolist() == [True, True, False, False]  # 7: outside the vocabulary
+    assert sample_rows(logits, [row]).tokens == [0]  # now 1 was seen too: 1.5 > 1.45
+    plain = RowSampler.create(SamplingParams(temperature=0.0), (0,))
+    both = sample_rows(mx.concatenate([logits, logits]),
+                       [RowSampler.create(SamplingParams(temperature=0.0,
+                                                         repetition_penalty=2.0), (0,)), plain])
+    assert both.tokens == [1, 0]  # the penalty is per row
 
 
 def test_logprob_is_finite_and_negative():

@@ -2,7 +2,6 @@
 
 import pytest
 
-from tqserve.engine.detokenize import TextStream
 from tqserve.engine.sampling import SamplingParams
 from tqserve.engine.scheduler import (Finished, IllegalTransition, RowOutput, RowState, SchedulerCore,
                               Started, StepResult, TokenOut)
@@ -11,18 +10,22 @@ EOS = 0
 
 
 @pytest.fixture
-def core(draft_model):
-    tok = draft_model.tokenizer
-    return SchedulerCore(max_batch=2, prefill_chunk=4, eos_token_ids=[EOS],
-                         make_text_stream=lambda stop: TextStream(tok, stop))
+def core():
+    return SchedulerCore(max_batch=2, prefill_chunk=4, eos_token_ids=[EOS])
 
 
 def step(core, tokens=None):
-    """One schedule + a result giving each decoding row `tokens[rid]` (default 42)."""
+    """One schedule + a result giving each decoding row `tokens[rid]` (default 42; a tuple
+    gives the row several tokens)."""
     plan, started = core.schedule()
     tokens = tokens or {}
-    outs = tuple(RowOutput(request_id=r, token=tokens.get(r, 42)) for r in plan.decode)
+    outs = tuple(RowOutput(request_id=r, tokens=_as_tuple(tokens.get(r, 42)))
+                 for r in plan.decode)
     return plan, started, core.postprocess(StepResult(outputs=outs, kv_bytes=0))
+
+
+def _as_tuple(value):
+    return value if isinstance(value, tuple) else (value,)
 
 
 def test_chunked_prefill_then_join_then_decode(core):
@@ -77,7 +80,7 @@ def test_length_stop_token_and_stop_token_ids(core):
     assert fin["len"].finish_reason == "length" and fin["len"].completion_tokens == 2
     assert fin["eos"].finish_reason == "stop" and fin["eos"].completion_tokens == 2
     eos_token = [e for e in ev if isinstance(e, TokenOut) and e.request_id == "eos"][0]
-    assert eos_token.token_id == EOS and eos_token.text == ""
+    assert eos_token.token_ids == (EOS,) and eos_token.stop_token and eos_token.final
     core.add("ids", (1, 2), SamplingParams(stop_token_ids=(42,)))
     _, _, ev = step(core, {"ids": 7})
     assert not [e for e in ev if isinstance(e, Finished)]
@@ -85,20 +88,41 @@ def test_length_stop_token_and_stop_token_ids(core):
     assert [e.finish_reason for e in ev if isinstance(e, Finished)] == ["stop"]
 
 
-def test_stop_string_cuts_text(core, draft_model):
-    tok = draft_model.tokenizer
-    ids = tok.encode("x = 1\nreturn y")
-    core.add("s", (1, 2), SamplingParams(stop=("return",), max_tokens=50))
-    texts, reason = [], None
-    for t in ids:
-        _, _, ev = step(core, {"s": t})
-        texts += [e.text for e in ev if isinstance(e, TokenOut)]
-        done = [e for e in ev if isinstance(e, Finished)]
-        if done:
-            reason = done[0].finish_reason
-            break
-    assert reason == "stop"
-    assert "".join(texts) == "x = 1\n"
+def test_several_tokens_per_row_are_cut_at_stop_token_and_max_tokens(core):
+    core.add("eos", (1, 2), SamplingParams(max_tokens=9, logprobs=True))
+    core.add("len", (1, 2), SamplingParams(max_tokens=4))
+    step(core, {"eos": 5, "len": 5})  # both join with their first token
+    core.schedule()
+    outs = (RowOutput(request_id="eos", tokens=(6, EOS, 8), logprobs=(-1.0, -2.0, -3.0),
+                      top_logprobs=(((6, -1.0),), ((EOS, -2.0),), ((8, -3.0),))),
+            RowOutput(request_id="len", tokens=(6, 7, 8, 9)))
+    ev = core.postprocess(StepResult(outputs=outs, kv_bytes=0))
+    out = {e.request_id: e for e in ev if isinstance(e, TokenOut)}
+    fin = {e.request_id: e for e in ev if isinstance(e, Finished)}
+    assert out["eos"].index == 1 and out["eos"].token_ids == (6, EOS)
+    assert out["eos"].logprobs == (-1.0, -2.0) and len(out["eos"].top_logprobs) == 2
+    assert out["eos"].final and out["eos"].stop_token
+    assert out["len"].token_ids == (6, 7, 8) and out["len"].final and not out["len"].stop_token
+    assert fin["eos"].finish_reason == "stop" and fin["eos"].completion_tokens == 3
+    assert fin["eos"].tokens == (1, 2, 5, 6, EOS)
+    assert fin["len"].finish_reason == "length" and fin["len"].completion_tokens == 4
+
+
+def test_grammar_done_on_the_last_token_wins_over_length(core):
+    core.add("g", (1, 2), SamplingParams(max_tokens=1))
+    core.schedule()
+    [out, fin] = core.postprocess(StepResult(
+        outputs=(RowOutput(request_id="g", tokens=(5,), grammar_done=True),), kv_bytes=0))
+    assert out.final and fin.finish_reason == "stop"
+
+
+def test_stop_cancel_counts_the_delivered_tokens(core):
+    core.add("s", (1, 2), SamplingParams(max_tokens=50))
+    for t in (5, 6, 7, 8):
+        step(core, {"s": t})
+    [fin] = core.cancel("s", "stop", num_tokens=2)
+    assert fin.finish_reason == "stop" and fin.completion_tokens == 2
+    assert fin.tokens == (1, 2, 5, 6)
 
 
 def test_cancel_in_every_state(core):
@@ -138,7 +162,7 @@ def test_fail_all_finishes_everything_and_clears_releases(core):
 def test_illegal_transition_raises_and_changes_nothing(core):
     from tqserve.engine.scheduler import _Row
 
-    row = _Row("x", (1,), SamplingParams(), TextStream(None))
+    row = _Row("x", (1,), SamplingParams())
     with pytest.raises(IllegalTransition):
         row.move(RowState.DECODING)
     assert row.state is RowState.QUEUED
@@ -150,3 +174,16 @@ def test_started_events_carry_distinct_rows(core):
     _, started, _ = step(core)
     assert all(isinstance(s, Started) for s in started)
     assert sorted(s.row_id for s in started) == [0, 1]
+
+
+def test_release_carries_the_tokens_of_rows_that_finished_normally(core):
+    core.add("len", (1, 2), SamplingParams(max_tokens=2))
+    core.add("gone", (1, 2), SamplingParams(max_tokens=9))
+    step(core, {"len": 5, "gone": 5})
+    step(core, {"len": 6, "gone": 6})
+    core.cancel("gone")
+    plan, _ = core.schedule()
+    released = dict(zip(plan.release, plan.release_tokens))
+    assert released == {"len": (1, 2, 5, 6), "gone": ()}  # a cancelled row's KV is not kept
+    core.add("c", (3, 4), SamplingParams())
+    assert core.prompt("c") == (3, 4)

@@ -20,7 +20,7 @@ from typing import Any, AsyncIterator, Callable
 import attrs
 import trio
 
-from tqserve.actors.messages import Done, Error, Queued, Submit, Token, decode
+from tqserve.actors.messages import Done, Error, Queued, StepTokens, Submit, Token, decode
 from tqserve.tools.replay.recording import RecordingWriter
 
 log = logging.getLogger("tqserve.record")
@@ -89,10 +89,15 @@ async def _write_all(receive: trio.MemoryReceiveChannel[tuple[float, str, bytes,
                 pending[msg.request_id].admitted = True
             case Token() if msg.request_id in pending:
                 pending[msg.request_id].tokens.append(msg.token_id)
+            case StepTokens():
+                for row in msg.rows:
+                    if row.request_id in pending:
+                        pending[row.request_id].tokens += row.token_ids
             case Error():
                 pending.pop(msg.request_id or "", None)
             case Done() if msg.request_id in pending:
                 p = pending.pop(msg.request_id)
+                del p.tokens[msg.completion_tokens:]  # tokens sampled past a stop string
                 if p.admitted:
                     record = {"request_id": msg.request_id, "arrival_s": p.arrival_s,
                               "prompt_tokens": list(p.submit.prompt_tokens),

@@ -1,0 +1,75 @@
+"""The actor graph drawn in actors/engine.py's docstring is the graph open_engine builds:
+the same mailboxes, only the drawn messages cross each, and no cycle but the reply edges."""
+
+import re
+
+from tqserve.actors import engine as engine_module
+from tqserve.actors.engine import open_engine
+from tqserve.actors.messages import Token, decode
+from tqserve.engine.config import Config
+from tqserve.engine.request import GenerateRequest
+from tqserve.engine.sampling import SamplingParams
+
+EDGE = re.compile(r"^    (\w+) -> (\w+): ([\w ]+?)( \(reply edge\))?$")
+OWNER = {"admission_replies": "admission"}  # the mailbox read by another actor's task
+
+
+def drawn_edges():
+    edges = [EDGE.match(line) for line in engine_module.__doc__.splitlines()]
+    return [(m[1], m[2], set(m[3].split()), bool(m[4])) for m in edges if m]
+
+
+def test_the_drawn_graph_is_a_dag_plus_reply_edges():
+    edges = drawn_edges()
+    assert len(edges) == 7
+    graph: dict[str, set[str]] = {}
+    for sender, mailbox, _, reply in edges:
+        if not reply:
+            graph.setdefault(sender, set()).add(OWNER.get(mailbox, mailbox))
+    done: set[str] = set()
+
+    def visit(node, path):
+        assert node not in path, f"cycle through {path + [node]}"
+        if node not in done:
+            for nxt in graph.get(node, ()):
+                visit(nxt, path + [node])
+            done.add(node)
+
+    for node in list(graph):
+        visit(node, [])
+    replies = [(s, OWNER.get(m, m)) for s, m, _, reply in edges if reply]
+    assert replies == [("scheduler", "admission"), ("hub", "admission")]
+
+
+async def test_open_engine_creates_the_drawn_mailboxes_and_only_drawn_messages_cross(
+        draft_model):
+    seen: list[tuple[str, str]] = []
+    params = dict(temperature=0.0, max_tokens=30)
+    async with open_engine(Config(), loaded=draft_model,
+                           recorder=lambda name, data: seen.append(
+                               (name, type(decode(data)).__name__))) as engine:
+        plain = [e async for e in engine.generate(GenerateRequest(
+            prompt="def f(x):\n", params=SamplingParams(**params)))]
+        text = "".join(e.text for e in plain if isinstance(e, Token))
+        stop = text[len(text) // 3:len(text) // 3 + 2]  # met mid-stream: the hub cancels
+        stopped = [e async for e in engine.generate(GenerateRequest(
+            prompt="def f(x):\n", params=SamplingParams(**params, stop=[stop])))]
+        assert stopped[-1].finish_reason == "stop"
+        async for event in engine.generate(GenerateRequest(  # the caller cancels
+                prompt="def g(y):\n", params=SamplingParams(**params))):
+            if isinstance(event, Token):
+                break
+        await engine.wait_idle()
+        mailboxes = engine.mailboxes
+    edges = drawn_edges()
+    assert set(mailboxes) == {mailbox for _, mailbox, _, _ in edges}
+    assert all(size >= 1 for size in mailboxes.values())
+    allowed = {}
+    for _, mailbox, messages, _ in edges:
+        allowed.setdefault(mailbox, set()).update(messages)
+    crossed = set(seen)
+    assert all(kind in allowed[name] for name, kind in crossed), crossed
+    for sender, mailbox, messages, _ in edges:  # every drawn edge carried something
+        assert {kind for name, kind in crossed if name == mailbox} & messages, (sender, mailbox)
+    assert ("hub", "StepTokens") in crossed and ("hub", "Token") not in crossed
+    assert seen.count(("admission", "Cancel")) == 2  # the hub's and the caller's
