@@ -50,6 +50,7 @@ from tqserve.engine.detokenize import TextStream
 from tqserve.engine.kv.factory import cache_factory_for
 from tqserve.engine.codec.turboquant import DEFAULT_ROTATION
 from tqserve.engine.model import LoadedModel, load_model
+from tqserve.engine.speculative.factory import build_speculator
 from tqserve.engine.prefix import cache_namespace
 from tqserve.engine.request import GenerateRequest
 from tqserve.engine.runner import Runner
@@ -297,8 +298,13 @@ async def open_engine(config: Config, *, loaded: LoadedModel | None = None,
             max_batch=config.max_batch, prefill_chunk=config.prefill_chunk,
             eos_token_ids=loaded.eos_token_ids,
             make_text_stream=lambda stop: TextStream(tokenizer, stop))
+        draft = None
+        if config.draft_model is not None:
+            draft = await thread.call(load_model, config.draft_model, config.dtype)
+        speculator = await thread.call(build_speculator, config, loaded, draft)
         runner = Runner(loaded.model, make_cache,
-                        GrammarMasks(tokenizer, loaded.vocab_size, loaded.eos_token_ids))
+                        GrammarMasks(tokenizer, loaded.vocab_size, loaded.eos_token_ids),
+                        speculator)
         control = AdmissionControl(max_queued_requests=config.max_queued_requests,
                                    max_queued_tokens=config.max_queued_tokens)
         books = RowBooks()

@@ -94,6 +94,19 @@ def _config_flags(p: argparse.ArgumentParser, *, server: bool) -> None:
                         "--turboquant wins if both are given (default: off)")
     p.add_argument("--kv-group-size", type=int, choices=KV_GROUP_SIZES,
                    default=defaults.kv_group_size, help="elements per scale/bias of --kv-quant")
+    p.add_argument("--speculative", choices=("draft", "mtp", "lookup"), default=None,
+                   help="speculative decoding inside the batch: draft model, the target's "
+                        "MTP head, or prompt lookup (default: off; requests may opt out)")
+    p.add_argument("--draft-model", default=None,
+                   help="draft model (same tokenizer) for --speculative draft; with it set, "
+                        "requests may also ask for method draft")
+    p.add_argument("--num-speculative-tokens", type=int,
+                   default=defaults.num_speculative_tokens,
+                   help="tokens proposed per row and step (1..16)")
+    p.add_argument("--speculative-max-batch", type=int, default=defaults.speculative_max_batch,
+                   help="no row proposes while more rows than this decode (0 = no limit)")
+    p.add_argument("--speculative-ngram", type=int, default=defaults.speculative_ngram,
+                   help="longest n-gram prompt lookup matches (1..16)")
     p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
                    help="never reuse KV of earlier requests")
     p.add_argument("--cache-dir", default=None,

@@ -35,6 +35,11 @@ row's prefill, each next one while the forward just launched runs); sampling app
 the batch's masks per row (unconstrained rows get all-ones masks, so their tokens are
 unchanged). When a token completes the grammar the row's output says so
 (`grammar_done`) and the scheduler stops it with finish_reason "stop".
+
+Speculation (engine.speculative): a runner built with a `Speculator` runs every decode
+step as one verify step (Speculator.step: proposals, one forward of [last token +
+proposal] per row, acceptance, per-row rollback) instead of the pipelined forward; a row
+then outputs 1..k+1 tokens per step. Grammar rows never propose.
 """
 
 from __future__ import annotations
@@ -51,6 +56,7 @@ from tqserve.engine.scheduler import RowOutput, SnapshotMade, SpillPayload, Step
 from tqserve.engine.snapshot import (PlaneLayout, Snapshot, describe, extract_snapshot, from_planes,
                              layer_kinds_text, plane_layout, row_from_snapshot, snapshot_kinds,
                              snapshot_of_row, to_planes)
+from tqserve.engine.speculative.speculator import SpecRow, Speculator
 from tqserve.engine.structured import GrammarMasks, RowGrammar
 
 CacheFactory = Callable[[Any], list[Any]]
@@ -63,6 +69,7 @@ class _RowRuntime:
     cache: list[Any] | None
     last_token: int
     grammar: RowGrammar | None = None
+    generated: list[int] = attrs.Factory(list)  # kept only when speculating
 
 
 @attrs.frozen(kw_only=True)
@@ -97,8 +104,10 @@ class Runner:
     """Owns the model, the per-row caches and the batch cache."""
 
     def __init__(self, model: Any, make_cache: CacheFactory | None = None,
-                 masks: GrammarMasks | None = None) -> None:
+                 masks: GrammarMasks | None = None,
+                 speculator: Speculator | None = None) -> None:
         self._model = model
+        self.speculator = speculator
         self._make_cache = make_cache or make_prompt_cache
         self.masks = masks
         self._rows: dict[str, _RowRuntime] = {}
@@ -127,6 +136,8 @@ class Runner:
                 last_token=new.prompt[-1],
                 grammar=self._open_grammar(new.response_format),
             )
+            if self.speculator is not None:
+                self.speculator.open_row(new.request_id, new.speculative)
         for key in plan.drop:
             self._snapshots.pop(key, None)
         for chunk in plan.prefill:
@@ -145,6 +156,11 @@ class Runner:
         ready = self._sample_pending()
         for rid in plan.join:
             self._join(rid)
+        if self.speculator is not None and self.speculator.any_active(self._batch):
+            # a forward still in flight from the plain path is read first, not followed
+            outputs = self._finalize(ready) if ready is not None else self._speculate()
+            return StepResult(outputs=outputs, kv_bytes=self.kv_bytes(),
+                              snapshots=snapshots, spills=spills, writes=writes)
         if ready is None and self._batch:  # nothing in flight: this step's forward now
             self._launch(None)
             ready = self._sample_pending()
@@ -153,6 +169,32 @@ class Runner:
         outputs = self._finalize(ready) if ready is not None else ()
         return StepResult(outputs=outputs, kv_bytes=self.kv_bytes(), snapshots=snapshots,
                           spills=spills, writes=writes)
+
+    def _speculate(self) -> tuple[RowOutput, ...]:
+        """One verify step of the whole batch (see the module doc)."""
+        if self.speculator is None or self._batch_cache is None:
+            raise RuntimeError("a verify step without a speculator or a batch")
+        rows = [self._rows[rid] for rid in self._batch]
+        spec_rows = [SpecRow(request_id=rid, context=(*r.prompt, *r.generated),
+                             sampler=r.sampler, can_propose=r.grammar is None)
+                     for rid, r in zip(self._batch, rows)]
+        results = self.speculator.step(self._model, self._batch_cache, spec_rows,
+                                       [r.last_token for r in rows],
+                                       self._batch_masks(self._batch))
+        outputs = []
+        for rid, row, res in zip(self._batch, rows, results):
+            self._num_forward_tokens += 1 + res.num_proposed
+            row.generated.extend(res.tokens)
+            row.last_token = res.tokens[-1]
+            if row.grammar is not None:
+                row.grammar.advance(res.tokens[0])
+            outputs.append(RowOutput(
+                request_id=rid, tokens=res.tokens, logprobs=res.logprobs,
+                top_logprobs=res.top_logprobs, num_proposed=res.num_proposed,
+                num_accepted=res.num_accepted,
+                grammar_done=row.grammar is not None and row.grammar.stopped,
+                error=row.grammar.error if row.grammar is not None else None))
+        return tuple(outputs)
 
     def _open_grammar(self, fmt: Any) -> RowGrammar | None:
         if fmt is None:
@@ -249,7 +291,8 @@ class Runner:
     def _release(self, request_ids: tuple[str, ...]) -> None:
         gone = set(request_ids)
         for rid in request_ids:
-            self._rows.pop(rid, None)
+            if self._rows.pop(rid, None) is not None and self.speculator is not None:
+                self.speculator.close_row(rid)
         if not gone.intersection(self._batch):
             return
         keep = [i for i, rid in enumerate(self._batch) if rid not in gone]
@@ -309,15 +352,20 @@ class Runner:
             grammar = self._rows[rid].grammar
             if grammar is not None:
                 grammar.advance(sampled.tokens[i])
+            if self.speculator is not None:  # a later verify step needs the context
+                self._rows[rid].generated.append(sampled.tokens[i])
+                self._rows[rid].last_token = sampled.tokens[i]
             outputs.append(RowOutput(
-                request_id=rid, token=sampled.tokens[i], logprob=sampled.logprobs[i],
-                top_logprobs=tuple((int(t), float(v)) for t, v in top) if top else None,
+                request_id=rid, tokens=(sampled.tokens[i],), logprobs=(sampled.logprobs[i],),
+                top_logprobs=(tuple((int(t), float(v)) for t, v in top) if top else None,),
                 grammar_done=grammar is not None and grammar.stopped,
                 error=grammar.error if grammar is not None else None))
         return tuple(outputs)
 
     def reset(self) -> None:
         """Drop every row and the batch (after a failed step)."""
+        if self.speculator is not None:
+            self.speculator.close_all(list(self._rows))
         self._rows.clear()
         self._batch = []
         self._batch_cache = None

@@ -61,6 +61,8 @@ class NewRow:
     reuse: str | None = None
     cached: int = 0
     response_format: ResponseFormat | None = None
+    # speculation: the request's SpecChoice, False (never) or None (the server's default)
+    speculative: object = None
 
 
 @attrs.frozen(kw_only=True)
@@ -99,10 +101,15 @@ class StepPlan:
 
 @attrs.frozen(kw_only=True)
 class RowOutput:
+    """What one row produced in one step: one token, or (a speculative verify step) the
+    accepted proposals plus the target's next token, in order; logprobs per token."""
+
     request_id: str
-    token: int
-    logprob: float | None = None
-    top_logprobs: tuple[tuple[int, float], ...] | None = None
+    tokens: tuple[int, ...]
+    logprobs: tuple[float | None, ...] = ()
+    top_logprobs: tuple[tuple[tuple[int, float], ...] | None, ...] = ()
+    num_proposed: int = 0   # speculative tokens verified this step
+    num_accepted: int = 0   # of which the target kept (len(tokens) - 1 when it proposed)
     grammar_done: bool = False  # the row's grammar is complete: nothing but EOS could follow
     error: str | None = None    # the row's grammar failed: finish it with this message
 
@@ -167,9 +174,24 @@ class Finished:
     cached_tier: str | None = None
     tokens: tuple[int, ...] = ()  # prompt + generated: what the row's KV may cover
     error: str | None = None  # set with finish_reason "error": what went wrong (client-facing)
+    speculative: SpeculativeUsage | None = None  # set when the row verified proposals
 
 
 Event = Started | TokenOut | Finished
+
+
+@attrs.frozen(kw_only=True)
+class SpeculativeUsage:
+    """A request's speculation: tokens proposed, accepted, and verify steps that had a
+    proposal (`mean_accepted_length` = accepted / verify steps)."""
+
+    proposed: int
+    accepted: int
+    verify_steps: int
+
+    @property
+    def mean_accepted_length(self) -> float:
+        return self.accepted / self.verify_steps if self.verify_steps else 0.0
 
 
 @attrs.define
@@ -189,6 +211,10 @@ class _Row:
     response_format: ResponseFormat | None = None
     looked_up: bool = False  # the prefix cache was asked for a donor
     held: bool = False       # queued, not schedulable: its donor's KV is loading
+    num_proposed: int = 0
+    num_accepted: int = 0
+    num_verify_steps: int = 0
+    speculative: object = None
 
     def move(self, new: RowState) -> None:
         if new not in _TRANSITIONS[self.state]:
@@ -232,9 +258,9 @@ class SchedulerCore:
 
     def add(self, request_id: str, prompt: tuple[int, ...], params: SamplingParams, *,
             reuse: str | None = None, cached: int = 0, cached_tier: str | None = None,
-            response_format: ResponseFormat | None = None) -> None:
+            response_format: ResponseFormat | None = None, speculative: object = None) -> None:
         """Queue a request, optionally reusing `cached` positions of snapshot `reuse`,
-        optionally constrained by `response_format`.
+        optionally constrained by `response_format`; `speculative` goes to its NewRow.
 
         Raises ValueError for a duplicate id, an empty prompt or a bad cached length."""
         if request_id in self._rows:
@@ -246,7 +272,8 @@ class SchedulerCore:
         stream = self._make_text_stream(params.stop)
         self._rows[request_id] = _Row(request_id, tuple(prompt), params, stream,
                                       num_prefilled=cached, reuse=reuse, cached=cached,
-                                      cached_tier=cached_tier, response_format=response_format)
+                                      cached_tier=cached_tier, response_format=response_format,
+                                      speculative=speculative)
         self._queue.append(request_id)
 
     def next_to_start(self) -> list[tuple[str, tuple[int, ...]]]:
@@ -334,7 +361,8 @@ class SchedulerCore:
             self._prefilling.append(row.request_id)
             new_rows.append(NewRow(request_id=row.request_id, row_id=row.row_id,
                                    prompt=row.prompt, params=row.params, reuse=row.reuse,
-                                   cached=row.cached, response_format=row.response_format))
+                                   cached=row.cached, response_format=row.response_format,
+                                   speculative=row.speculative))
             events.append(Started(request_id=row.request_id, row_id=row.row_id,
                                   num_prompt_tokens=len(row.prompt)))
         chunks, joins = self._plan_prefill()
@@ -379,24 +407,38 @@ class SchedulerCore:
             if out.error is not None:  # its token was sampled without the grammar: dropped
                 events.append(self._finish(row, "error", error=out.error))
                 continue
-            row.num_generated += 1
-            row.generated.append(out.token)
-            params = row.params
-            is_stop_token = out.token in self._eos or out.token in params.stop_token_ids
-            text = "" if is_stop_token else row.text.add(out.token)
-            reason = None
-            if is_stop_token or row.text.stopped or out.grammar_done:
-                reason = "stop"
-            elif row.num_generated >= params.max_tokens:
-                reason = "length"
-            if is_stop_token or reason == "length" or out.grammar_done:
-                text += row.text.flush()
-            events.append(TokenOut(
-                request_id=row.request_id, index=row.num_generated - 1, token_id=out.token,
-                text=text, logprob=out.logprob, top_logprobs=out.top_logprobs))
-            if reason is not None:
-                events.append(self._finish(row, reason))
+            if out.num_proposed:
+                row.num_proposed += out.num_proposed
+                row.num_accepted += out.num_accepted
+                row.num_verify_steps += 1
+            for n, token in enumerate(out.tokens):
+                last = n == len(out.tokens) - 1
+                reason = self._add_token(row, token, out, n, out.grammar_done and last, events)
+                if reason is not None:  # tokens after a stop are dropped
+                    events.append(self._finish(row, reason))
+                    break
         return events
+
+    def _add_token(self, row: _Row, token: int, out: RowOutput, n: int, grammar_done: bool,
+                   events: list[Event]) -> str | None:
+        """Append the n-th token of `out` to the row; its finish reason, if it ends it."""
+        row.num_generated += 1
+        row.generated.append(token)
+        params = row.params
+        is_stop_token = token in self._eos or token in params.stop_token_ids
+        text = "" if is_stop_token else row.text.add(token)
+        reason = None
+        if is_stop_token or row.text.stopped or grammar_done:
+            reason = "stop"
+        elif row.num_generated >= params.max_tokens:
+            reason = "length"
+        if is_stop_token or reason == "length" or grammar_done:
+            text += row.text.flush()
+        events.append(TokenOut(
+            request_id=row.request_id, index=row.num_generated - 1, token_id=token,
+            text=text, logprob=out.logprobs[n] if out.logprobs else None,
+            top_logprobs=out.top_logprobs[n] if out.top_logprobs else None))
+        return reason
 
     def _finish(self, row: _Row, reason: str, error: str | None = None) -> Finished:
         was_queued = row.state is RowState.QUEUED
@@ -417,7 +459,10 @@ class SchedulerCore:
             completion_tokens=row.num_generated,
             cached_tokens=row.cached, row_id=row.row_id,
             was_queued=was_queued, cached_tier=row.cached_tier,
-            tokens=row.prompt + tuple(row.generated), error=error)
+            tokens=row.prompt + tuple(row.generated), error=error,
+            speculative=SpeculativeUsage(proposed=row.num_proposed, accepted=row.num_accepted,
+                                         verify_steps=row.num_verify_steps)
+            if row.num_verify_steps else None)
 
     def statistics(self) -> SchedulerStatistics:
         return SchedulerStatistics(

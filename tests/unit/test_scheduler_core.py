@@ -21,7 +21,7 @@ def step(core, tokens=None):
     """One schedule + a result giving each decoding row `tokens[rid]` (default 42)."""
     plan, started = core.schedule()
     tokens = tokens or {}
-    outs = tuple(RowOutput(request_id=r, token=tokens.get(r, 42)) for r in plan.decode)
+    outs = tuple(RowOutput(request_id=r, tokens=(tokens.get(r, 42),)) for r in plan.decode)
     return plan, started, core.postprocess(StepResult(outputs=outs, kv_bytes=0))
 
 

@@ -1,0 +1,103 @@
+"""The runner's speculation: proposers by method, the per-row policy, the verify step.
+
+Lives on the runner thread, called by engine.runner when the engine was built with
+speculation: every step then runs as one verify step (rows that do not propose are fed
+their one token), without the plain path's pipelining (a proposal depends on the tokens
+just accepted). A row's choice: its request's `SpecChoice`, `False` (never), or `None`
+(the server's default).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+import attrs
+import numpy as np
+
+from tqserve.engine.sampling import RowSampler
+from tqserve.engine.speculative.policy import SpecChoice, SpecPolicy, SpeculationPolicy
+from tqserve.engine.speculative.proposers import Proposer
+from tqserve.engine.speculative.verify import Verified, VerifyRow, verify_step
+
+RequestChoice = SpecChoice | bool | None
+
+
+@attrs.frozen(kw_only=True)
+class SpecRow:
+    """A batch row as the verify step sees it."""
+
+    request_id: str
+    context: Sequence[int]   # prompt + output so far; its last token is fed next
+    sampler: RowSampler
+    can_propose: bool        # False for grammar rows (their proposals are not checked)
+
+
+class Speculator:
+    """Proposers by method, the per-row policy, one verify step per engine step."""
+
+    def __init__(self, proposers: Mapping[str, Proposer], default: SpecChoice | None = None,
+                 policy: SpecPolicy = SpecPolicy()) -> None:
+        if default is not None and default.method not in proposers:
+            raise ValueError(f"--speculative {default.method} has no proposer")
+        self.proposers = dict(proposers)
+        self.default = default
+        self.policy = SpeculationPolicy(policy)
+
+    def resolve(self, choice: RequestChoice) -> SpecChoice | None:
+        """A request's effective choice. ValueError naming the field if its method is not
+        served here."""
+        if choice is False:
+            return None
+        if choice is None or choice is True:
+            return self.default
+        if choice.method not in self.proposers:
+            raise ValueError(f"speculative.method {choice.method!r} is not served here "
+                             f"(available: {', '.join(sorted(self.proposers)) or 'none'})")
+        return choice
+
+    def open_row(self, request_id: str, choice: RequestChoice) -> None:
+        resolved = self.resolve(choice)
+        self.policy.open_row(request_id, resolved)
+        if resolved is not None:
+            self.proposers[resolved.method].open_row(request_id)
+
+    def close_row(self, request_id: str) -> None:
+        choice = self.policy.choice(request_id)
+        if choice is not None:
+            self.proposers[choice.method].close_row(request_id)
+        self.policy.close_row(request_id)
+
+    def any_active(self, request_ids: Sequence[str]) -> bool:
+        """Whether any of these rows speculates at all (else the plain path runs)."""
+        return any(self.policy.choice(rid) is not None for rid in request_ids)
+
+    def close_all(self, request_ids: Sequence[str]) -> None:
+        for rid in list(request_ids):
+            self.close_row(rid)
+
+    def proposals(self, rows: Sequence[SpecRow]) -> list[tuple[int, ...]]:
+        """Every row's proposal this step (empty for rows that do not propose)."""
+        asks: dict[str, list[tuple[int, str, Sequence[int], int]]] = {}
+        for i, row in enumerate(rows):
+            remaining = row.sampler.params.max_tokens - row.sampler.num_sampled
+            k = self.policy.num_tokens(row.request_id, len(rows), remaining)
+            choice = self.policy.choice(row.request_id)
+            if k > 0 and row.can_propose and choice is not None:
+                asks.setdefault(choice.method, []).append((i, row.request_id, row.context, k))
+        out: list[tuple[int, ...]] = [()] * len(rows)
+        for method, items in asks.items():
+            got = self.proposers[method].propose([(rid, ctx, k) for _, rid, ctx, k in items])
+            for (i, _, _, k), tokens in zip(items, got):
+                out[i] = tuple(tokens[:k])
+        return out
+
+    def step(self, model: Any, cache: list[Any], rows: Sequence[SpecRow],
+             last_tokens: Sequence[int], masks: np.ndarray | None) -> list[Verified]:
+        """Propose, verify in one forward, roll back; the books learn the acceptance."""
+        proposals = self.proposals(rows)
+        verify_rows = [VerifyRow(last_token=t, proposal=p, sampler=r.sampler)
+                       for r, t, p in zip(rows, last_tokens, proposals)]
+        results, _ = verify_step(model, cache, verify_rows, masks)
+        for row, res in zip(rows, results):
+            self.policy.verified(row.request_id, res.num_proposed, res.num_accepted)
+        return results
