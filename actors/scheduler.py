@@ -77,14 +77,17 @@ async def run_scheduler(
                         request_id=event.request_id, finish_reason=event.finish_reason,
                         prompt_tokens=event.prompt_tokens,
                         completion_tokens=event.completion_tokens,
-                        cached_tokens=event.cached_tokens, cached_tier=event.cached_tier))
+                        cached_tokens=event.cached_tokens, cached_tier=event.cached_tier,
+                        speculative=None if event.speculative is None else (
+                            event.speculative.proposed, event.speculative.accepted,
+                            event.speculative.verify_steps)))
 
     async def handle(msg: Submit | Cancel) -> None:
         match msg:
             case Submit():
                 try:
                     core.add(msg.request_id, msg.prompt_tokens, msg.params,
-                             response_format=msg.response_format)
+                             response_format=msg.response_format, speculative=msg.speculative)
                 except ValueError as exc:
                     admission_replies.send_nowait(Dequeued(
                         request_id=msg.request_id, num_prompt_tokens=len(msg.prompt_tokens)))

@@ -241,6 +241,7 @@ class SchedulerCore:
         prefill_chunk: int,
         eos_token_ids: Iterable[int],
         make_text_stream: Callable[[tuple[str, ...]], TextStream],
+        speculative_methods: Iterable[str] = (),
     ) -> None:
         if max_batch < 1 or prefill_chunk < 1:
             raise ValueError("max_batch and prefill_chunk must be >= 1")
@@ -248,6 +249,7 @@ class SchedulerCore:
         self._prefill_chunk = prefill_chunk
         self._eos = frozenset(eos_token_ids)
         self._make_text_stream = make_text_stream
+        self._speculative_methods = frozenset(speculative_methods)
         self._rows: dict[str, _Row] = {}
         self._queue: deque[str] = deque()
         self._prefilling: list[str] = []
@@ -267,6 +269,11 @@ class SchedulerCore:
             raise ValueError(f"duplicate request id {request_id!r}")
         if not prompt:
             raise ValueError("prompt must hold at least one token")
+        method = getattr(speculative, "method", None)
+        if method is not None and method not in self._speculative_methods:
+            served = ", ".join(sorted(self._speculative_methods)) or "none"
+            raise ValueError(f"speculative.method {method!r} is not served here (served: "
+                             f"{served}; see --speculative and --draft-model)")
         if not 0 <= cached <= len(prompt) - 1 or (cached > 0) != (reuse is not None):
             raise ValueError(f"cannot reuse {cached} tokens of a {len(prompt)}-token prompt")
         stream = self._make_text_stream(params.stop)

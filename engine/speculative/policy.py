@@ -41,6 +41,23 @@ class SpecChoice:
     num_tokens: int = attrs.field(default=4, validator=_num_tokens)
 
 
+def parse_speculative(value: object) -> SpecChoice | bool | None:
+    """A request's `speculative` field: {"method": ..., "num_tokens": ...} (num_tokens
+    optional, default 4), false (never speculate), true/null (the server's default).
+    ValueError naming the field otherwise."""
+    if value is None or isinstance(value, bool):
+        return value
+    if isinstance(value, SpecChoice):
+        return value
+    if not isinstance(value, dict) or set(value) - {"method", "num_tokens"} or "method" not in value:
+        raise ValueError('speculative must be false, true or {"method": "draft"|"mtp"|"lookup", '
+                         '"num_tokens": 1..16}')
+    try:
+        return SpecChoice(**value)
+    except ValueError as exc:
+        raise ValueError(f"speculative.{exc}") from None
+
+
 @attrs.frozen(kw_only=True)
 class SpecPolicy:
     """Batch-size policy and back-off settings (see the module doc)."""
@@ -68,6 +85,7 @@ class SpeculationStatistics:
     num_accepted: int
     num_verify_steps: int
     num_backoffs: int
+    mean_accepted_length: float  # accepted tokens per verify step that proposed
 
 
 class SpeculationPolicy:
@@ -124,4 +142,5 @@ class SpeculationPolicy:
         return SpeculationStatistics(
             num_rows=len(self._rows), num_proposed=self._num_proposed,
             num_accepted=self._num_accepted, num_verify_steps=self._num_steps,
-            num_backoffs=self._num_backoffs)
+            num_backoffs=self._num_backoffs,
+            mean_accepted_length=self._num_accepted / self._num_steps if self._num_steps else 0.0)
