@@ -40,7 +40,8 @@ EXAMPLES = [
 
 
 def test_every_registered_class_has_an_example():
-    covered = {type(e).__name__ for e in EXAMPLES} | {"SamplingParams", "ResponseFormat"}
+    covered = {type(e).__name__ for e in EXAMPLES} | {"SamplingParams", "ResponseFormat",
+                                                      "SpecChoice"}
     assert covered == set(m._CLASSES)
 
 
