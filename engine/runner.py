@@ -145,7 +145,10 @@ class Runner:
             if row.cache is None:
                 raise RuntimeError(f"{chunk.request_id} prefilled after joining the batch")
             tokens = mx.array(row.prompt[chunk.start:chunk.end])[None]
-            self._model(tokens, cache=row.cache)
+            if self.speculator is not None:
+                self.speculator.prefill(self._model, chunk.request_id, tokens, row.cache)
+            else:
+                self._model(tokens, cache=row.cache)
             mx.eval([c.state for c in row.cache])
             self._num_forward_tokens += chunk.end - chunk.start
         snapshots += self._snapshot_prompts(plan.prompt_snapshot)

@@ -12,9 +12,11 @@ from __future__ import annotations
 from typing import Any, Mapping, Sequence
 
 import attrs
+import mlx.core as mx
 import numpy as np
 
 from tqserve.engine.sampling import RowSampler
+from tqserve.engine.speculative.mtp import forward_with_hidden
 from tqserve.engine.speculative.policy import SpecChoice, SpecPolicy, SpeculationPolicy
 from tqserve.engine.speculative.proposers import Proposer
 from tqserve.engine.speculative.verify import Verified, VerifyRow, verify_step
@@ -67,6 +69,25 @@ class Speculator:
             self.proposers[choice.method].close_row(request_id)
         self.policy.close_row(request_id)
 
+    def wants_hidden(self, request_id: str) -> bool:
+        """Whether the row's proposer needs the target's hidden states (MTP)."""
+        choice = self.policy.choice(request_id)
+        return choice is not None and getattr(self.proposers[choice.method], "wants_hidden",
+                                              False)
+
+    def prefill(self, model: Any, request_id: str, tokens: mx.array, cache: list[Any]) -> None:
+        """A prefill chunk of the row's own cache; hands the hidden states to its MTP head."""
+        if not self.wants_hidden(request_id):
+            model(tokens, cache=cache)
+            return
+        _, hidden = forward_with_hidden(model, tokens, cache)
+        self._record_hidden(request_id, hidden)
+
+    def _record_hidden(self, request_id: str, hidden: mx.array) -> None:
+        choice = self.policy.choice(request_id)
+        if choice is not None:
+            self.proposers[choice.method].record_hidden(request_id, hidden)  # type: ignore
+
     def any_active(self, request_ids: Sequence[str]) -> bool:
         """Whether any of these rows speculates at all (else the plain path runs)."""
         return any(self.policy.choice(rid) is not None for rid in request_ids)
@@ -97,7 +118,14 @@ class Speculator:
         proposals = self.proposals(rows)
         verify_rows = [VerifyRow(last_token=t, proposal=p, sampler=r.sampler)
                        for r, t, p in zip(rows, last_tokens, proposals)]
-        results, _ = verify_step(model, cache, verify_rows, masks)
-        for row, res in zip(rows, results):
+        hidden_rows = [self.wants_hidden(r.request_id) for r in rows]
+        forward = None
+        if any(hidden_rows):
+            def forward(inputs: mx.array, c: list[Any]) -> tuple[mx.array, mx.array]:
+                return forward_with_hidden(model, inputs, c)
+        results, hidden = verify_step(model, cache, verify_rows, masks, forward)
+        for i, (row, res) in enumerate(zip(rows, results)):
             self.policy.verified(row.request_id, res.num_proposed, res.num_accepted)
+            if hidden_rows[i] and hidden is not None:
+                self._record_hidden(row.request_id, hidden[i:i + 1, :len(res.tokens)])
         return results

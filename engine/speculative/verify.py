@@ -64,7 +64,7 @@ def verify_step(model: Any, cache: list[Any], rows: Sequence[VerifyRow],
     `masks` (B, W) are the rows' grammar masks (rows with a grammar propose nothing).
     `forward(inputs, cache)`, when given, replaces `model(inputs, cache=cache)` and
     returns (logits, hidden) (the MTP proposer needs the hidden state). Returns the rows'
-    results and the hidden states (B, L, D) or None... as the second element."""
+    results and those hidden states (B, L, D), or None without `forward`."""
     length = 1 + max(len(r.proposal) for r in rows)
     inputs = [[r.last_token, *r.proposal] + [r.last_token] * (length - 1 - len(r.proposal))
               for r in rows]
