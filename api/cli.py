@@ -1,5 +1,5 @@
 """`tqserve` command line: serve | generate | replay | attack | bench | bench-kv | bench-prefix |
-eval-kv | bench-gpu.
+eval-kv | bench-gpu | bench-spec.
 
 serve and generate map their flags 1:1 onto engine.config.Config; bench, bench-kv,
 bench-prefix and eval-kv hand their arguments to tools.bench, tools.bench_kv,
@@ -153,6 +153,8 @@ def build_parser() -> argparse.ArgumentParser:
                                         "(tools/bench_prefix)"),
                        ("bench-gpu", "tqserve vs mlx-lm at B1..B64 on random Qwen3 shapes "
                                      "(tools/bench_gpu)"),
+                       ("bench-spec", "speculative decoding per method vs plain at B1/B4/B8 "
+                                      "(tools/bench_spec)"),
                        ("eval-kv", "KV-cache quality: perplexity and KL (tools/eval_kv)"),
                        ("replay", "replay, record-verify and A/B traces (tools/replay)"),
                        ("attack", "bounded attack run on a loopback server (tools/attack)")):
@@ -286,7 +288,8 @@ def _leaves(group: BaseExceptionGroup) -> list[BaseException]:
 
 _TOOLS = {"replay": "tqserve.tools.replay.cli", "bench": "tqserve.tools.bench", "bench-kv": "tqserve.tools.bench_kv",
           "eval-kv": "tqserve.tools.eval_kv", "bench-prefix": "tqserve.tools.bench_prefix",
-          "bench-gpu": "tqserve.tools.bench_gpu", "attack": "tqserve.tools.attack"}
+          "bench-gpu": "tqserve.tools.bench_gpu", "attack": "tqserve.tools.attack",
+          "bench-spec": "tqserve.tools.bench_spec"}
 
 
 def _blas_line(choice: str) -> str | None:
