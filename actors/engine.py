@@ -131,6 +131,7 @@ class Engine:
         if bad is not None:
             raise ValueError(f"stop_token_ids holds id {bad}, outside the vocabulary "
                              f"(size {vocab})")
+        self._core.check_speculative(request.speculative)
         try:
             if request.num_chars <= TOKENIZE_INLINE_CHARS:
                 tokens = request.token_ids(self.model.tokenizer)

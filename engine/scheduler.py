@@ -269,11 +269,7 @@ class SchedulerCore:
             raise ValueError(f"duplicate request id {request_id!r}")
         if not prompt:
             raise ValueError("prompt must hold at least one token")
-        method = getattr(speculative, "method", None)
-        if method is not None and method not in self._speculative_methods:
-            served = ", ".join(sorted(self._speculative_methods)) or "none"
-            raise ValueError(f"speculative.method {method!r} is not served here (served: "
-                             f"{served}; see --speculative and --draft-model)")
+        self.check_speculative(speculative)
         if not 0 <= cached <= len(prompt) - 1 or (cached > 0) != (reuse is not None):
             raise ValueError(f"cannot reuse {cached} tokens of a {len(prompt)}-token prompt")
         stream = self._make_text_stream(params.stop)
@@ -282,6 +278,14 @@ class SchedulerCore:
                                       cached_tier=cached_tier, response_format=response_format,
                                       speculative=speculative)
         self._queue.append(request_id)
+
+    def check_speculative(self, speculative: object) -> None:
+        """ValueError naming speculative.method if the request's method is not served."""
+        method = getattr(speculative, "method", None)
+        if method is not None and method not in self._speculative_methods:
+            served = ", ".join(sorted(self._speculative_methods)) or "none"
+            raise ValueError(f"speculative.method {method!r} is not served here (served: "
+                             f"{served}; see --speculative and --draft-model)")
 
     def next_to_start(self) -> list[tuple[str, tuple[int, ...]]]:
         """Queued requests that would take a row at the next `schedule` and were not yet

@@ -22,7 +22,7 @@ MAX_SPECULATIVE_TOKENS = 16
 
 def _method(inst: object, attr: attrs.Attribute, value: str) -> None:
     if value not in METHODS:
-        raise ValueError(f"speculative method must be one of {', '.join(METHODS)}, "
+        raise ValueError(f"method must be one of {', '.join(METHODS)}, "
                          f"got {value!r}")
 
 
