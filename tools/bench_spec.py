@@ -62,13 +62,15 @@ async def _run(loaded: Any, draft_path: str | None, method: str | None, task_pro
 
     from tqserve.actors.engine import open_engine
     from tqserve.engine.config import Config
+    from tqserve.engine.model import DTYPES
 
     extra: dict[str, Any] = {}
     if method is not None:
         extra = {"speculative": method, "num_speculative_tokens": k}
         if method == "draft":
             extra["draft_model"] = draft_path
-    config = Config(model=str(loaded.path), dtype=loaded.dtype, max_batch=max(batches),
+    config = Config(model=str(loaded.path), dtype=loaded.dtype if loaded.dtype in DTYPES
+                    else "auto", max_batch=max(batches),
                     max_tokens_cap=max(4096, n), prefix_cache=False, **extra)
     no_eos = attrs.evolve(loaded, eos_token_ids=frozenset())
     out: dict[int, dict] = {}

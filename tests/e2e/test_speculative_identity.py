@@ -56,8 +56,9 @@ async def _batch(engine, picks, limits, speculative):
 
 LOOKUP = ("lookup", "draft_model", {})
 DRAFT = ("draft", "big_model", {"draft_model": str(DEFAULT_MODEL)})  # 29m verifies draft-4m
+MTP = ("mtp", "big_model", {})
 CASES = [(*LOOKUP, 1, True), (*LOOKUP, 4, False), (*LOOKUP, 8, True),
-         (*DRAFT, 1, True), (*DRAFT, 5, False)]
+         (*DRAFT, 1, True), (*DRAFT, 5, False), (*MTP, 3, True)]
 
 
 @pytest.mark.parametrize("method,model,extra,batch,prefix", CASES,
