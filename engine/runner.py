@@ -39,7 +39,9 @@ unchanged). When a token completes the grammar the row's output says so
 Speculation (engine.speculative): a runner built with a `Speculator` runs every decode
 step as one verify step (Speculator.step: proposals, one forward of [last token +
 proposal] per row, acceptance, per-row rollback) instead of the pipelined forward; a row
-then outputs 1..k+1 tokens per step. Grammar rows never propose.
+then outputs 1..k+1 tokens per step. A grammar row's proposal is cut to the prefix its
+grammar accepts, and each verified position samples under the mask after the proposals
+before it.
 """
 
 from __future__ import annotations
@@ -179,7 +181,7 @@ class Runner:
             raise RuntimeError("a verify step without a speculator or a batch")
         rows = [self._rows[rid] for rid in self._batch]
         spec_rows = [SpecRow(request_id=rid, context=(*r.prompt, *r.generated),
-                             sampler=r.sampler, can_propose=r.grammar is None)
+                             sampler=r.sampler, grammar=r.grammar)
                      for rid, r in zip(self._batch, rows)]
         results = self.speculator.step(self._model, self._batch_cache, spec_rows,
                                        [r.last_token for r in rows],
@@ -190,7 +192,7 @@ class Runner:
             row.generated.extend(res.tokens)
             row.last_token = res.tokens[-1]
             if row.grammar is not None:
-                row.grammar.advance(res.tokens[0])
+                row.grammar.advance_many(res.tokens)
             outputs.append(RowOutput(
                 request_id=rid, tokens=res.tokens, logprobs=res.logprobs,
                 top_logprobs=res.top_logprobs, num_proposed=res.num_proposed,

@@ -31,7 +31,7 @@ class SpecRow:
     request_id: str
     context: Sequence[int]   # prompt + output so far; its last token is fed next
     sampler: RowSampler
-    can_propose: bool        # False for grammar rows (their proposals are not checked)
+    grammar: Any = None      # a RowGrammar: proposals are cut to what it accepts
 
 
 class Speculator:
@@ -103,7 +103,7 @@ class Speculator:
             remaining = row.sampler.params.max_tokens - row.sampler.num_sampled
             k = self.policy.num_tokens(row.request_id, len(rows), remaining)
             choice = self.policy.choice(row.request_id)
-            if k > 0 and row.can_propose and choice is not None:
+            if k > 0 and choice is not None:
                 asks.setdefault(choice.method, []).append((i, row.request_id, row.context, k))
         out: list[tuple[int, ...]] = [()] * len(rows)
         for method, items in asks.items():
@@ -116,8 +116,14 @@ class Speculator:
              last_tokens: Sequence[int], masks: np.ndarray | None) -> list[Verified]:
         """Propose, verify in one forward, roll back; the books learn the acceptance."""
         proposals = self.proposals(rows)
-        verify_rows = [VerifyRow(last_token=t, proposal=p, sampler=r.sampler)
-                       for r, t, p in zip(rows, last_tokens, proposals)]
+        position_masks: list[list[np.ndarray]] = [[] for _ in rows]
+        for i, row in enumerate(rows):
+            if row.grammar is not None and proposals[i]:
+                num, position_masks[i] = row.grammar.check_proposal(proposals[i])
+                proposals[i] = proposals[i][:num]
+        verify_rows = [VerifyRow(last_token=t, proposal=p, sampler=r.sampler,
+                                 masks=tuple(m))
+                       for r, t, p, m in zip(rows, last_tokens, proposals, position_masks)]
         hidden_rows = [self.wants_hidden(r.request_id) for r in rows]
         forward = None
         if any(hidden_rows):

@@ -35,6 +35,7 @@ class VerifyRow:
     last_token: int
     proposal: tuple[int, ...]
     sampler: RowSampler
+    masks: tuple[np.ndarray, ...] = ()  # grammar rows: the masks after proposal[:j], j >= 1
 
 
 @attrs.frozen(kw_only=True)
@@ -61,7 +62,8 @@ def verify_step(model: Any, cache: list[Any], rows: Sequence[VerifyRow],
                 forward: Any = None) -> tuple[list[Verified], mx.array]:
     """Feed every row its block, sample every verified position, accept, roll back.
 
-    `masks` (B, W) are the rows' grammar masks (rows with a grammar propose nothing).
+    `masks` (B, W) are the rows' grammar masks for their first position (a grammar row's
+    later positions use its VerifyRow.masks).
     `forward(inputs, cache)`, when given, replaces `model(inputs, cache=cache)` and
     returns (logits, hidden) (the MTP proposer needs the hidden state). Returns the rows'
     results and those hidden states (B, L, D), or None without `forward`."""
@@ -81,7 +83,14 @@ def verify_step(model: Any, cache: list[Any], rows: Sequence[VerifyRow],
             samplers.append(_position_sampler(r.sampler, r.proposal, j))
             owner.append(i)
     flat = logits.reshape(len(rows) * length, -1)[mx.array(flat_index)]
-    flat_masks = masks[np.array(owner)] if masks is not None else None
+    flat_masks = None
+    if masks is not None:
+        flat_masks = masks[np.array(owner)]
+        pos = 0
+        for r in rows:
+            for j, bits in enumerate(r.masks):
+                flat_masks[pos + 1 + j] = bits
+            pos += len(r.proposal) + 1
     sampled = finalize_sample(build_sample(flat, samplers, flat_masks), samplers)
     results, trims, pos = [], [], 0
     for r in rows:
