@@ -240,7 +240,7 @@ def _generate(model: Any, factory: Any, prompts: dict[str, list[int]], n: int,
         done.update(finished)
         plan = plans.pop(0) if plans else StepPlan()
         for out in runner.execute(attrs.evolve(plan, release=finished)).outputs:
-            tokens[out.request_id].append(out.token)
+            tokens[out.request_id].extend(out.tokens)
     return {x: t[:n] for x, t in tokens.items()}
 
 
