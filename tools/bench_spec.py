@@ -144,19 +144,22 @@ def format_table(report: dict[str, Any]) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="tqserve bench-spec", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="tqserve bench-spec", description=__doc__.split("\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", default=DEFAULT_MODEL, help="target model (relative to the repo)")
     p.add_argument("--draft-model", default=None, help="draft model (default: the bundled one)")
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                   help="bfloat16 on a GPU")
     p.add_argument("--blas", default="auto", help="auto | none | PATH (engine/blas.py)")
     p.add_argument("--batches", default="1,4,8", help="comma-separated batch sizes")
     p.add_argument("--methods", default="lookup,draft,mtp", help="comma-separated methods")
-    p.add_argument("--new-tokens", type=int, default=96)
+    p.add_argument("--new-tokens", type=int, default=96, help="tokens per request")
     p.add_argument("--prompt-tokens", type=int, default=128, help="continuation prompt length")
-    p.add_argument("--num-speculative-tokens", type=int, default=3)
-    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--num-speculative-tokens", type=int, default=3, help="k per verify step")
+    p.add_argument("--repeats", type=int, default=2, help="runs per figure (median)")
     p.add_argument("--quick", action="store_true", help="tiny sizes (smoke test)")
-    p.add_argument("--out", type=Path, default=Path("bench-out/bench-spec.json"))
+    p.add_argument("--out", type=Path, default=Path("bench-out/bench-spec.json"),
+                   help="JSON report")
     return p
 
 
