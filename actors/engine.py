@@ -77,6 +77,8 @@ from tqserve.engine.detokenize import TextStream
 from tqserve.engine.kv.factory import cache_factory_for
 from tqserve.engine.codec.turboquant import DEFAULT_ROTATION
 from tqserve.engine.model import LoadedModel, load_model
+from tqserve.engine.speculative.factory import build_speculator
+from tqserve.engine.speculative.policy import SpeculationStatistics
 from tqserve.engine.prefix import cache_namespace
 from tqserve.engine.request import GenerateRequest
 from tqserve.engine.runner import Runner
@@ -117,6 +119,7 @@ class EngineStatistics:
     model: str
     dtype: str
     prefix_cache: PrefixCacheStatistics | None
+    speculative: SpeculationStatistics | None = None  # with --speculative / --draft-model
 
 
 class Engine:
@@ -157,6 +160,7 @@ class Engine:
         if bad is not None:
             raise ValueError(f"stop_token_ids holds id {bad}, outside the vocabulary "
                              f"(size {vocab})")
+        self._core.check_speculative(request.speculative)
         try:
             if request.num_chars <= TOKENIZE_INLINE_CHARS:
                 tokens = request.token_ids(self.model.tokenizer)
@@ -307,7 +311,15 @@ class Engine:
             streams_open=self._hub.statistics().num_streams,
             steps=self._core.statistics().num_steps,
             model=self.model.path.name, dtype=self.model.dtype,
-            prefix_cache=self.prefix.statistics() if self.prefix is not None else None)
+            prefix_cache=self.prefix.statistics() if self.prefix is not None else None,
+            speculative=self._speculative_statistics())
+
+    def _speculative_statistics(self) -> SpeculationStatistics | None:
+        """The speculation books (plain counters the runner thread updates)."""
+        runner = self.runner
+        if runner is None or runner.speculator is None:
+            return None
+        return runner.speculator.policy.statistics()
 
 
 @asynccontextmanager
@@ -323,11 +335,17 @@ async def open_engine(config: Config, *, loaded: LoadedModel | None = None,
                                        config.quantized_kv_start, config.kv_quant,
                                        config.kv_group_size)
         tokenizer = loaded.tokenizer
+        draft = None
+        if config.draft_model is not None:
+            draft = await thread.call(load_model, config.draft_model, config.dtype)
+        speculator = await thread.call(build_speculator, config, loaded, draft)
         core = SchedulerCore(
             max_batch=config.max_batch, prefill_chunk=config.prefill_chunk,
-            eos_token_ids=loaded.eos_token_ids)
+            eos_token_ids=loaded.eos_token_ids,
+            speculative_methods=speculator.proposers if speculator is not None else ())
         runner = Runner(loaded.model, make_cache,
-                        GrammarMasks(tokenizer, loaded.vocab_size, loaded.eos_token_ids))
+                        GrammarMasks(tokenizer, loaded.vocab_size, loaded.eos_token_ids),
+                        speculator)
         control = AdmissionControl(max_queued_requests=config.max_queued_requests,
                                    max_queued_tokens=config.max_queued_tokens)
         books = RowBooks()

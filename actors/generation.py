@@ -106,7 +106,8 @@ class EventStream:
         try:
             engine.submit_nowait(Submit(request_id=self._internal, prompt_tokens=tokens,
                                         params=self._request.params,
-                                        response_format=self._request.constraint))
+                                        response_format=self._request.constraint,
+                                        speculative=self._request.speculative))
         except trio.WouldBlock:
             self._end(cancel=False)
             engine.note_rejection("overloaded")

@@ -17,6 +17,7 @@ import attrs
 import msgpack
 
 from tqserve.engine.sampling import SamplingParams
+from tqserve.engine.speculative.policy import SpecChoice
 from tqserve.engine.structured import ResponseFormat
 
 
@@ -34,6 +35,7 @@ class Submit:
     prompt_tokens: tuple[int, ...] = attrs.field(converter=lambda v: tuple(int(t) for t in v))
     params: SamplingParams
     response_format: ResponseFormat | None = None  # validated; its grammar text travels
+    speculative: SpecChoice | bool | None = None  # the request's choice (None: server default)
 
 
 @attrs.frozen(kw_only=True)
@@ -144,6 +146,10 @@ class StepTokens:
     rows: tuple[RowTokens, ...] = attrs.field(converter=tuple)
 
 
+def _optional_ints(value: Any) -> tuple[int, ...] | None:
+    return None if value is None else tuple(int(v) for v in value)
+
+
 @attrs.frozen(kw_only=True)
 class Done:
     """-> hub -> client: the request finished; its row is released."""
@@ -154,6 +160,9 @@ class Done:
     completion_tokens: int
     cached_tokens: int = 0
     cached_tier: str | None = None  # "ram" or "ssd": where the reused prefix came from
+    # speculation: tokens proposed, accepted, verify steps that proposed (None: it did not)
+    speculative: tuple[int, int, int] | None = attrs.field(default=None,
+                                                           converter=_optional_ints)
 
     @property
     def cached_tokens_by_tier(self) -> dict[str, int]:
@@ -166,7 +175,16 @@ class Done:
                 "usage": {"prompt_tokens": self.prompt_tokens,
                           "completion_tokens": self.completion_tokens,
                           "cached_tokens": self.cached_tokens,
-                          "cached_tokens_by_tier": self.cached_tokens_by_tier}}
+                          "cached_tokens_by_tier": self.cached_tokens_by_tier,
+                          **self.speculative_usage()}}
+
+    def speculative_usage(self) -> dict[str, Any]:
+        """{"speculative": {proposed, accepted, mean_accepted_length}} or {}."""
+        if self.speculative is None:
+            return {}
+        proposed, accepted, steps = self.speculative
+        return {"speculative": {"proposed": proposed, "accepted": accepted,
+                                "mean_accepted_length": accepted / steps if steps else 0.0}}
 
 
 @attrs.frozen(kw_only=True)
@@ -186,7 +204,7 @@ Event = Queued | Token | Done | Error
 
 _CLASSES: dict[str, type] = {cls.__name__: cls for cls in (
     Submit, Cancel, Dequeued, Lease, Release, KvUsage, Queued, Token, RowTokens, StepTokens,
-    Done, Error, SamplingParams, ResponseFormat)}
+    Done, Error, SamplingParams, ResponseFormat, SpecChoice)}
 
 
 class CodecError(ValueError):

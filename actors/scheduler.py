@@ -91,7 +91,8 @@ class _Scheduler:
             case Submit():
                 try:
                     self.core.add(msg.request_id, msg.prompt_tokens, msg.params,
-                                  response_format=msg.response_format)
+                                  response_format=msg.response_format,
+                                  speculative=msg.speculative)
                 except ValueError as exc:
                     self.admission_replies.send_nowait(Dequeued(
                         request_id=msg.request_id, num_prompt_tokens=len(msg.prompt_tokens)))
@@ -142,7 +143,10 @@ class _Scheduler:
             await self.hub.send(Done(
                 request_id=event.request_id, finish_reason=event.finish_reason,
                 prompt_tokens=event.prompt_tokens, completion_tokens=event.completion_tokens,
-                cached_tokens=event.cached_tokens, cached_tier=event.cached_tier))
+                cached_tokens=event.cached_tokens, cached_tier=event.cached_tier,
+                speculative=None if event.speculative is None else (
+                    event.speculative.proposed, event.speculative.accepted,
+                    event.speculative.verify_steps)))
 
     async def report_usage(self, usage: KvUsage) -> None:
         """Tell the cache owner, only when it changed (the cache grows every 256 steps)."""

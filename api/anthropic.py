@@ -34,7 +34,8 @@ _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
                 413: "request_too_large", 415: "invalid_request_error", 429: "rate_limit_error",
                 503: "overloaded_error"}
 FIELDS = frozenset(("model", "max_tokens", "messages", "system", "stop_sequences", "stream",
-                    "temperature", "top_p", "top_k", "metadata", "tools", "tool_choice"))
+                    "temperature", "top_p", "top_k", "metadata", "tools", "tool_choice",
+                    "speculative"))
 
 
 def error_response(status: int, message: str) -> Response:
@@ -103,7 +104,8 @@ def register(app: QuartTrio, engine: Engine, metrics: Metrics) -> None:
             value = body.get(name, kind)
             if value is not None:
                 params[name] = value
-        gen = build_request(params, messages=_prompt(body))
+        gen = build_request(params, messages=_prompt(body),
+                            speculative=body.get("speculative", (dict, bool)))
         try:
             prompt_tokens = len(await engine.validate(gen))
         except ValueError as exc:

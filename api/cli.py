@@ -1,5 +1,5 @@
 """`tqserve` command line: serve | generate | route | replay | attack | bench | bench-kv |
-bench-prefix | eval-kv | bench-gpu.
+bench-prefix | eval-kv | bench-gpu | bench-spec.
 
 serve and generate map their flags 1:1 onto engine.config.Config; bench, bench-kv,
 bench-prefix and eval-kv hand their arguments to tools.bench, tools.bench_kv,
@@ -96,6 +96,19 @@ def _config_flags(p: argparse.ArgumentParser, *, server: bool) -> None:
                         "--turboquant wins if both are given (default: off)")
     p.add_argument("--kv-group-size", type=int, choices=KV_GROUP_SIZES,
                    default=defaults.kv_group_size, help="elements per scale/bias of --kv-quant")
+    p.add_argument("--speculative", choices=("draft", "mtp", "lookup"), default=None,
+                   help="speculative decoding inside the batch: draft model, the target's "
+                        "MTP head, or prompt lookup (default: off; requests may opt out)")
+    p.add_argument("--draft-model", default=None,
+                   help="draft model (same tokenizer) for --speculative draft; with it set, "
+                        "requests may also ask for method draft")
+    p.add_argument("--num-speculative-tokens", type=int,
+                   default=defaults.num_speculative_tokens,
+                   help="tokens proposed per row and step (1..16)")
+    p.add_argument("--speculative-max-batch", type=int, default=defaults.speculative_max_batch,
+                   help="no row proposes while more rows than this decode (0 = no limit)")
+    p.add_argument("--speculative-ngram", type=int, default=defaults.speculative_ngram,
+                   help="longest n-gram prompt lookup matches (1..16)")
     p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
                    help="never reuse KV of earlier requests")
     p.add_argument("--cache-dir", default=None,
@@ -142,6 +155,8 @@ def build_parser() -> argparse.ArgumentParser:
                                         "(tools/bench_prefix)"),
                        ("bench-gpu", "tqserve vs mlx-lm at B1..B64 on random Qwen3 shapes "
                                      "(tools/bench_gpu)"),
+                       ("bench-spec", "speculative decoding per method vs plain at B1/B4/B8 "
+                                      "(tools/bench_spec)"),
                        ("eval-kv", "KV-cache quality: perplexity and KL (tools/eval_kv)"),
                        ("replay", "replay, record-verify and A/B traces (tools/replay)"),
                        ("route", "prefix-aware router in front of N servers (api/router)"),
@@ -279,7 +294,8 @@ def _leaves(group: BaseExceptionGroup) -> list[BaseException]:
 _TOOLS = {"replay": "tqserve.tools.replay.cli", "bench": "tqserve.tools.bench", "bench-kv": "tqserve.tools.bench_kv",
           "eval-kv": "tqserve.tools.eval_kv", "bench-prefix": "tqserve.tools.bench_prefix",
           "bench-gpu": "tqserve.tools.bench_gpu", "attack": "tqserve.tools.attack",
-          "route": "tqserve.api.router.cli", "route-sim": "tqserve.tools.route_sim"}
+          "route": "tqserve.api.router.cli", "route-sim": "tqserve.tools.route_sim",
+          "bench-spec": "tqserve.tools.bench_spec"}
 
 
 def _blas_line(choice: str) -> str | None:

@@ -28,7 +28,7 @@ SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                "X-Accel-Buffering": "no"}
 _FIELD_PREFIXES = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed",
                    "repetition_penalty", "top_logprobs", "logprobs", "stop", "prompt_tokens",
-                   "prompt", "messages", "response_format")
+                   "prompt", "messages", "response_format", "speculative")
 
 
 def param_of(message: str) -> str | None:
@@ -138,9 +138,10 @@ def build_request(params: dict[str, Any], **prompt: Any) -> GenerateRequest:
     from tqserve.engine.sampling import SamplingParams
 
     response_format = prompt.pop("response_format", None)
+    speculative = prompt.pop("speculative", None)
     try:
         return GenerateRequest(params=SamplingParams(**params), response_format=response_format,
-                               **prompt)
+                               speculative=speculative, **prompt)
     except (ValueError, TypeError) as exc:
         raise ApiError(400, str(exc), param_of(str(exc))) from None
 

@@ -71,6 +71,14 @@ class _EngineCollector(Collector):
         yield counter("tqserve:requests", "Requests that reached admission.", stats.requests_total)
         yield counter("tqserve:admission_rejections", "Requests refused at admission "
                       "(queue full: code overloaded, HTTP 429).", stats.requests_rejected)
+        spec = stats.speculative
+        if spec is not None:  # vLLM's spec-decode names
+            yield counter("vllm:spec_decode_num_draft_tokens", "Speculative tokens proposed.",
+                          spec.num_proposed)
+            yield counter("vllm:spec_decode_num_accepted_tokens", "Speculative tokens the "
+                          "target accepted.", spec.num_accepted)
+            yield counter("vllm:spec_decode_num_drafts", "Verify steps of rows that proposed.",
+                          spec.num_verify_steps)
         prefix = stats.prefix_cache
         if prefix is None:
             return

@@ -37,7 +37,7 @@ _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
 _COMMON = ("model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "n",
            "stop", "seed", "logprobs", "user", "presence_penalty", "frequency_penalty",
            "logit_bias", "response_format", "top_k", "min_p", "repetition_penalty",
-           "stop_token_ids")
+           "stop_token_ids", "speculative")
 COMPLETION_FIELDS = frozenset(_COMMON + ("prompt", "echo", "best_of", "suffix"))
 CHAT_FIELDS = frozenset(_COMMON + ("messages", "max_completion_tokens", "top_logprobs",
                                    "tools", "tool_choice", "parallel_tool_calls"))
@@ -102,7 +102,8 @@ def _usage(run: Run) -> dict[str, Any]:
     cached = done.cached_tokens if done is not None else 0
     return {"prompt_tokens": prompt, "completion_tokens": completion,
             "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": cached}}
+            "prompt_tokens_details": {"cached_tokens": cached},
+            **(done.speculative_usage() if done is not None else {})}
 
 
 def _finish(run: Run) -> str:
@@ -156,7 +157,8 @@ def register(app: QuartTrio, engine: Engine, metrics: Metrics) -> None:
         include_usage = _stream_options(body)
         stream = body.get("stream", bool, False)
         response_format = body.get("response_format", dict)
-        gen = build_request(params, response_format=response_format, **prompt)
+        gen = build_request(params, response_format=response_format,
+                            speculative=body.get("speculative", (dict, bool)), **prompt)
         rid = new_id("chatcmpl-" if chat else "cmpl-")
         g.tracked = True
         g.request_id = rid

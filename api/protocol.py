@@ -7,7 +7,7 @@ Client -> server:
     {"type": "generate", "id": str, "prompt": str | "prompt_tokens": [int] |
      "messages": [{"role", "content"}], "max_tokens", "temperature", "top_p",
      "top_k", "min_p", "repetition_penalty", "seed", "logprobs", "top_logprobs",
-     "stop", "stop_token_ids", "response_format"}
+     "stop", "stop_token_ids", "response_format", "speculative"}
     {"type": "cancel", "id": str}
 Server -> client: queued, token, done, error (see actors.messages).
 
@@ -31,7 +31,7 @@ _SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p",
                     "repetition_penalty", "seed", "logprobs", "top_logprobs", "stop",
                     "stop_token_ids")
 _PROMPT_FIELDS = ("prompt", "prompt_tokens", "messages")
-_GENERATE_FIELDS = frozenset(("type", "id", "response_format") + _PROMPT_FIELDS
+_GENERATE_FIELDS = frozenset(("type", "id", "response_format", "speculative") + _PROMPT_FIELDS
                              + _SAMPLING_FIELDS)
 _LIST_FIELDS = ("prompt_tokens", "messages", "stop", "stop_token_ids")
 
@@ -124,6 +124,7 @@ def parse_command(obj: dict[str, Any], default_max_tokens: int) -> Command:
     try:
         params = SamplingParams(**sampling)
         request = GenerateRequest(params=params, response_format=obj.get("response_format"),
+                                  speculative=obj.get("speculative"),
                                   **{k: obj[k] for k in _PROMPT_FIELDS if obj.get(k) is not None})
     except (ValueError, TypeError) as exc:
         raise ProtocolError("invalid_request", str(exc), rid) from None

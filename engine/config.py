@@ -93,6 +93,16 @@ def _ssd_write(inst: object, attr: attrs.Attribute, value: str) -> None:
         raise ValueError(f"ssd-write must be through or back, got {value!r}")
 
 
+def _speculative(inst: object, attr: attrs.Attribute, value: str | None) -> None:
+    if value is not None and value not in ("draft", "mtp", "lookup"):
+        raise ValueError(f"--speculative must be draft, mtp or lookup (or unset), got {value!r}")
+
+
+def _num_speculative(inst: object, attr: attrs.Attribute, value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 16:
+        raise ValueError(f"{_flag(attr)} must be an integer in [1, 16], got {value!r}")
+
+
 @attrs.frozen(kw_only=True)
 class Config:
     """Engine and server settings (defaults suit a laptop and the bundled model)."""
@@ -131,6 +141,13 @@ class Config:
     ssd_cache_bytes: int = attrs.field(default=16 << 30, validator=_positive)
     ssd_flush: str = attrs.field(default="async", validator=_ssd_flush)
     ssd_write: str = attrs.field(default="through", validator=_ssd_write)
+    # Speculative decoding (engine.speculative; README "Speculative decoding"): the
+    # server's default method (requests may choose another one that is served, or none).
+    speculative: str | None = attrs.field(default=None, validator=_speculative)
+    draft_model: str | None = None
+    num_speculative_tokens: int = attrs.field(default=4, validator=_num_speculative)
+    speculative_max_batch: int = attrs.field(default=0, validator=_non_negative)
+    speculative_ngram: int = attrs.field(default=3, validator=_num_speculative)
     # HTTP and WebSocket exposure (api.auth): a bearer key, browser origins for WebSockets.
     api_key: str | None = attrs.field(default=None, validator=_api_key, repr=False)
     allowed_origins: tuple[str, ...] = attrs.field(default=(), converter=_origins)
@@ -139,6 +156,8 @@ class Config:
         if self.quantized_kv_start > 0 and self.kv_quant is not None and self.turboquant is None:
             raise ValueError("--quantized-kv-start applies to TurboQuant only; --kv-quant "
                              "quantizes from the first token")
+        if self.speculative == "draft" and self.draft_model is None:
+            raise ValueError("--speculative draft needs --draft-model")
         if self.default_max_tokens > self.max_tokens_cap:
             raise ValueError(
                 f"--default-max-tokens ({self.default_max_tokens}) exceeds --max-tokens-cap "

@@ -18,6 +18,7 @@ from typing import Any, Iterable
 import attrs
 
 from tqserve.engine.sampling import MAX_TOKEN_ID, SamplingParams
+from tqserve.engine.speculative.policy import SpecChoice, parse_speculative
 from tqserve.engine.structured import ResponseFormat, validate_response_format
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -62,6 +63,9 @@ class GenerateRequest:
         default=None, converter=_optional_tuple, validator=_messages)
     params: SamplingParams = attrs.field(factory=SamplingParams)
     response_format: dict[str, Any] | None = None
+    # speculation: {"method", "num_tokens"}, false, or null (the server's default)
+    speculative: SpecChoice | bool | None = attrs.field(default=None,
+                                                        converter=parse_speculative)
     constraint: ResponseFormat | None = attrs.field(init=False, eq=False, repr=False)
 
     def __attrs_post_init__(self) -> None:

@@ -35,6 +35,13 @@ row's prefill, each next one while the forward just launched runs); sampling app
 the batch's masks per row (unconstrained rows get all-ones masks, so their tokens are
 unchanged). When a token completes the grammar the row's output says so
 (`grammar_done`) and the scheduler stops it with finish_reason "stop".
+
+Speculation (engine.speculative): a runner built with a `Speculator` runs every decode
+step as one verify step (Speculator.step: proposals, one forward of [last token +
+proposal] per row, acceptance, per-row rollback) instead of the pipelined forward; a row
+then outputs 1..k+1 tokens per step. A grammar row's proposal is cut to the prefix its
+grammar accepts, and each verified position samples under the mask after the proposals
+before it.
 """
 
 from __future__ import annotations
@@ -53,6 +60,7 @@ from tqserve.engine.scheduler import RowOutput, SnapshotMade, SpillPayload, Step
 from tqserve.engine.snapshot import (PlaneLayout, Snapshot, describe, extract_snapshot, from_planes,
                              layer_kinds_text, plane_layout, row_from_snapshot, snapshot_kinds,
                              snapshot_of_row, to_planes)
+from tqserve.engine.speculative.speculator import SpecRow, Speculator
 from tqserve.engine.structured import GrammarMasks, RowGrammar
 
 CacheFactory = Callable[[Any], list[Any]]
@@ -66,6 +74,7 @@ class _RowRuntime:
     cache: list[Any] | None
     last_token: int
     grammar: RowGrammar | None = None
+    generated: list[int] = attrs.Factory(list)  # kept only when speculating
 
 
 @attrs.frozen(kw_only=True)
@@ -102,8 +111,10 @@ class Runner:
     """Owns the model, the per-row caches and the batch cache."""
 
     def __init__(self, model: Any, make_cache: CacheFactory | None = None,
-                 masks: GrammarMasks | None = None) -> None:
+                 masks: GrammarMasks | None = None,
+                 speculator: Speculator | None = None) -> None:
         self._model = model
+        self.speculator = speculator
         self._make_cache = make_cache or make_prompt_cache
         self.masks = masks
         self._rows: dict[str, _RowRuntime] = {}
@@ -153,6 +164,8 @@ class Runner:
                 last_token=new.prompt[-1],
                 grammar=self._open_grammar(new.response_format),
             )
+            if self.speculator is not None:
+                self.speculator.open_row(new.request_id, new.speculative)
         for key in plan.drop:
             self._snapshots.pop(key, None)
         for chunk in plan.prefill:
@@ -160,7 +173,10 @@ class Runner:
             if row.cache is None:
                 raise RuntimeError(f"{chunk.request_id} prefilled after joining the batch")
             tokens = mx.array(row.prompt[chunk.start:chunk.end])[None]
-            self._model(tokens, cache=row.cache)
+            if self.speculator is not None:
+                self.speculator.prefill(self._model, chunk.request_id, tokens, row.cache)
+            else:
+                self._model(tokens, cache=row.cache)
             mx.eval([c.state for c in row.cache])
             self._num_forward_tokens += chunk.end - chunk.start
         snapshots += self._snapshot_prompts(plan.prompt_snapshot)
@@ -171,6 +187,11 @@ class Runner:
         ready = self._sample_pending()
         for rid in plan.join:
             self._join(rid)
+        if self.speculator is not None and self.speculator.any_active(self._batch):
+            # a forward still in flight from the plain path is read first, not followed
+            outputs = self._finalize(ready) if ready is not None else self._speculate()
+            return StepResult(outputs=outputs, kv_bytes=self.kv_bytes(),
+                              snapshots=snapshots, spills=spills, writes=writes)
         if ready is None and self._batch:  # nothing in flight: this step's forward now
             self._launch(None)
             ready = self._sample_pending()
@@ -179,6 +200,35 @@ class Runner:
         outputs = self._finalize(ready) if ready is not None else ()
         return StepResult(outputs=outputs, kv_bytes=self.kv_bytes(), snapshots=snapshots,
                           spills=spills, writes=writes)
+
+    def _speculate(self) -> tuple[RowOutput, ...]:
+        """One verify step of the whole batch (see the module doc)."""
+        if self.speculator is None or self._batch_cache is None:
+            raise RuntimeError("a verify step without a speculator or a batch")
+        rows = [self._rows[rid] for rid in self._batch]
+        spec_rows = [SpecRow(request_id=rid, context=(*r.prompt, *r.generated),
+                             sampler=r.sampler, grammar=r.grammar)
+                     for rid, r in zip(self._batch, rows)]
+        results = self.speculator.step(self._model, self._batch_cache, spec_rows,
+                                       [r.last_token for r in rows],
+                                       self._batch_masks(self._batch))
+        outputs = []
+        for rid, row, res in zip(self._batch, rows, results):
+            self._num_forward_tokens += 1 + res.num_proposed
+            row.generated.extend(res.tokens)
+            row.last_token = res.tokens[-1]
+            if row.grammar is not None:
+                row.grammar.advance_many(res.tokens)
+            wants = row.sampler.params
+            outputs.append(RowOutput(
+                request_id=rid, tokens=res.tokens,
+                logprobs=res.logprobs if wants.logprobs or wants.top_logprobs else None,
+                top_logprobs=res.top_logprobs if wants.top_logprobs else None,
+                num_proposed=res.num_proposed,
+                num_accepted=res.num_accepted,
+                grammar_done=row.grammar is not None and row.grammar.stopped,
+                error=row.grammar.error if row.grammar is not None else None))
+        return tuple(outputs)
 
     def _open_grammar(self, fmt: Any) -> RowGrammar | None:
         if fmt is None:
@@ -275,7 +325,8 @@ class Runner:
     def _release(self, request_ids: tuple[str, ...]) -> None:
         gone = set(request_ids)
         for rid in request_ids:
-            self._rows.pop(rid, None)
+            if self._rows.pop(rid, None) is not None and self.speculator is not None:
+                self.speculator.close_row(rid)
         if not gone.intersection(self._batch):
             return
         keep = [i for i, rid in enumerate(self._batch) if rid not in gone]
@@ -335,6 +386,9 @@ class Runner:
             grammar = self._rows[rid].grammar
             if grammar is not None:
                 grammar.advance(sampled.tokens[i])
+            if self.speculator is not None:  # a later verify step needs the context
+                self._rows[rid].generated.append(sampled.tokens[i])
+                self._rows[rid].last_token = sampled.tokens[i]
             lp = sampled.logprobs[i]
             outputs.append(RowOutput(
                 request_id=rid, tokens=(sampled.tokens[i],),
@@ -346,6 +400,8 @@ class Runner:
 
     def reset(self) -> None:
         """Drop every row and the batch (after a failed step)."""
+        if self.speculator is not None:
+            self.speculator.close_all(list(self._rows))
         self._rows.clear()
         self._batch = []
         self._batch_cache = None

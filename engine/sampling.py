@@ -153,6 +153,15 @@ class RowSampler:
         if self.penalized:
             self._unseen.append(token)
 
+    def advanced(self, tokens: Sequence[int]) -> "RowSampler":
+        """A copy as it would be after recording `tokens` (this sampler is unchanged): the
+        sampler of a later position of a speculative verify block. Its noise is that of
+        the same token index in plain decoding."""
+        seen = None if self._seen is None else self._seen.copy()
+        unseen = [*self._unseen, *tokens] if self.penalized else []
+        return RowSampler(params=self.params, seed=self.seed,
+                          num_sampled=self.num_sampled + len(tokens), unseen=unseen, seen=seen)
+
 
 @attrs.frozen
 class SampleOutput:

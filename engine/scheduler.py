@@ -63,6 +63,8 @@ class NewRow:
     reuse: str | None = None
     cached: int = 0
     response_format: ResponseFormat | None = None
+    # speculation: the request's SpecChoice, False (never) or None (the server's default)
+    speculative: object = None
 
 
 @attrs.frozen(kw_only=True)
@@ -104,13 +106,16 @@ class StepPlan:
 
 @attrs.frozen(kw_only=True)
 class RowOutput:
-    """One row's tokens of one step (several when speculation accepted some), with one
-    logprob / top-logprobs entry per token when the row asked for them."""
+    """One row's tokens of one step (several when speculation accepted some: the accepted
+    proposals plus the target's next token, in order), with one logprob / top-logprobs
+    entry per token when the row asked for them."""
 
     request_id: str
     tokens: tuple[int, ...]
     logprobs: tuple[float, ...] | None = None
     top_logprobs: tuple[tuple[tuple[int, float], ...], ...] | None = None
+    num_proposed: int = 0   # speculative tokens verified this step
+    num_accepted: int = 0   # of which the target kept (len(tokens) - 1 when it proposed)
     grammar_done: bool = False  # the row's grammar is complete: nothing but EOS could follow
     error: str | None = None    # the row's grammar failed: finish it with this message
 
@@ -179,9 +184,24 @@ class Finished:
     cached_tier: str | None = None
     tokens: tuple[int, ...] = ()  # prompt + generated: what the row's KV may cover
     error: str | None = None  # set with finish_reason "error": what went wrong (client-facing)
+    speculative: SpeculativeUsage | None = None  # set when the row verified proposals
 
 
 Event = Started | TokenOut | Finished
+
+
+@attrs.frozen(kw_only=True)
+class SpeculativeUsage:
+    """A request's speculation: tokens proposed, accepted, and verify steps that had a
+    proposal (`mean_accepted_length` = accepted / verify steps)."""
+
+    proposed: int
+    accepted: int
+    verify_steps: int
+
+    @property
+    def mean_accepted_length(self) -> float:
+        return self.accepted / self.verify_steps if self.verify_steps else 0.0
 
 
 @attrs.define
@@ -200,6 +220,10 @@ class _Row:
     response_format: ResponseFormat | None = None
     looked_up: bool = False  # the prefix cache was asked for a donor
     held: bool = False       # queued, not schedulable: its donor's KV is loading
+    num_proposed: int = 0
+    num_accepted: int = 0
+    num_verify_steps: int = 0
+    speculative: object = None
 
     def move(self, new: RowState) -> None:
         if new not in _TRANSITIONS[self.state]:
@@ -225,12 +249,14 @@ class SchedulerCore:
         max_batch: int,
         prefill_chunk: int,
         eos_token_ids: Iterable[int],
+        speculative_methods: Iterable[str] = (),
     ) -> None:
         if max_batch < 1 or prefill_chunk < 1:
             raise ValueError("max_batch and prefill_chunk must be >= 1")
         self._max_batch = max_batch
         self._prefill_chunk = prefill_chunk
         self._eos = frozenset(eos_token_ids)
+        self._speculative_methods = frozenset(speculative_methods)
         self._rows: dict[str, _Row] = {}
         self._queue: deque[str] = deque()
         self._prefilling: list[str] = []
@@ -242,21 +268,31 @@ class SchedulerCore:
 
     def add(self, request_id: str, prompt: tuple[int, ...], params: SamplingParams, *,
             reuse: str | None = None, cached: int = 0, cached_tier: str | None = None,
-            response_format: ResponseFormat | None = None) -> None:
+            response_format: ResponseFormat | None = None, speculative: object = None) -> None:
         """Queue a request, optionally reusing `cached` positions of snapshot `reuse`,
-        optionally constrained by `response_format`.
+        optionally constrained by `response_format`; `speculative` goes to its NewRow.
 
         Raises ValueError for a duplicate id, an empty prompt or a bad cached length."""
         if request_id in self._rows:
             raise ValueError(f"duplicate request id {request_id!r}")
         if not prompt:
             raise ValueError("prompt must hold at least one token")
+        self.check_speculative(speculative)
         if not 0 <= cached <= len(prompt) - 1 or (cached > 0) != (reuse is not None):
             raise ValueError(f"cannot reuse {cached} tokens of a {len(prompt)}-token prompt")
         self._rows[request_id] = _Row(request_id, tuple(prompt), params,
                                       num_prefilled=cached, reuse=reuse, cached=cached,
-                                      cached_tier=cached_tier, response_format=response_format)
+                                      cached_tier=cached_tier, response_format=response_format,
+                                      speculative=speculative)
         self._queue.append(request_id)
+
+    def check_speculative(self, speculative: object) -> None:
+        """ValueError naming speculative.method if the request's method is not served."""
+        method = getattr(speculative, "method", None)
+        if method is not None and method not in self._speculative_methods:
+            served = ", ".join(sorted(self._speculative_methods)) or "none"
+            raise ValueError(f"speculative.method {method!r} is not served here (served: "
+                             f"{served}; see --speculative and --draft-model)")
 
     def next_to_start(self) -> list[tuple[str, tuple[int, ...]]]:
         """Queued requests that would take a row at the next `schedule` and were not yet
@@ -353,7 +389,8 @@ class SchedulerCore:
             self._prefilling.append(row.request_id)
             new_rows.append(NewRow(request_id=row.request_id, row_id=row.row_id,
                                    prompt=row.prompt, params=row.params, reuse=row.reuse,
-                                   cached=row.cached, response_format=row.response_format))
+                                   cached=row.cached, response_format=row.response_format,
+                                   speculative=row.speculative))
             events.append(Started(request_id=row.request_id, row_id=row.row_id,
                                   num_prompt_tokens=len(row.prompt)))
         chunks, joins = self._plan_prefill()
@@ -400,6 +437,10 @@ class SchedulerCore:
             if out.error is not None:  # its token was sampled without the grammar: dropped
                 events.append(self._finish(row, "error", error=out.error))
                 continue
+            if out.num_proposed:
+                row.num_proposed += out.num_proposed
+                row.num_accepted += out.num_accepted
+                row.num_verify_steps += 1
             first = row.num_generated
             reason, stop_token = None, False
             for token in out.tokens:
@@ -409,7 +450,7 @@ class SchedulerCore:
                     reason, stop_token = "stop", True
                 elif row.num_generated >= row.params.max_tokens:
                     reason = "length"
-                if reason is not None:
+                if reason is not None:  # tokens after a stop are dropped
                     break
             n = row.num_generated - first
             if out.grammar_done and n == len(out.tokens):  # the grammar ended on the last one
@@ -444,7 +485,10 @@ class SchedulerCore:
             completion_tokens=row.num_generated,
             cached_tokens=row.cached, row_id=row.row_id,
             was_queued=was_queued, cached_tier=row.cached_tier,
-            tokens=row.prompt + tuple(row.generated), error=error)
+            tokens=row.prompt + tuple(row.generated), error=error,
+            speculative=SpeculativeUsage(proposed=row.num_proposed, accepted=row.num_accepted,
+                                         verify_steps=row.num_verify_steps)
+            if row.num_verify_steps else None)
 
     def statistics(self) -> SchedulerStatistics:
         return SchedulerStatistics(

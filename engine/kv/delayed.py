@@ -309,6 +309,22 @@ class BatchedDelayedTurboQuantKVCache(_BaseCache):
         self.quantized.trim(n)
         return n
 
+    def trim_rows(self, amounts: Sequence[int]) -> None:
+        """Drop the last amounts[i] positions of row i (speculative rollback), on encoded
+        bytes. Contract: amounts[i] <= offset_i - minimum_reusable_offset_i (a converted
+        row's boundary is never crossed), else ValueError and nothing changes. A plain row
+        whose verify block crossed `quantized_kv_start` stays plain here and converts at
+        its retained offset on the next append, so rejected tokens never set a boundary."""
+        amounts = [int(a) for a in amounts]
+        room = [off - b for off, b in zip(self.offsets(), self.minimum_reusable_offsets)]
+        if len(amounts) != len(room) or any(not 0 <= a <= r for a, r in zip(amounts, room)):
+            raise ValueError(f"cannot trim {amounts} from rows with room {room}")
+        shared = min(amounts, default=0)
+        self.plain.trim(shared)
+        self.quantized.rows.trim(shared)
+        for flag, part in ((False, self.plain), (True, self.quantized.rows)):
+            part.shift_rows([amounts[i] - shared for i in self._rows(flag)])
+
     def is_trimmable(self) -> bool:
         return True
 

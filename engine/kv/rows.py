@@ -227,6 +227,36 @@ class KvTensorRows:
         self._idx -= n
         return n
 
+    def trim_rows(self, amounts: Sequence[int]) -> None:
+        """Drop the last amounts[i] positions of row i (speculative rollback).
+
+        Contract: 0 <= amounts[i] <= offsets[i], one amount per row, else ValueError and
+        nothing changes. Afterwards row i holds offsets[i] - amounts[i] positions and its
+        kept bytes are unchanged. The shared part (the smallest amount) lowers the write
+        index; each row's rest is rolled to its left padding (encoded bytes only)."""
+        amounts = [int(a) for a in amounts]
+        if len(amounts) != self.num_rows or any(
+                not 0 <= a <= off for a, off in zip(amounts, self.offsets)):
+            raise ValueError(f"cannot trim {amounts} from rows holding {list(self.offsets)}")
+        shared = min(amounts, default=0)
+        self._idx -= shared
+        self.shift_rows([a - shared for a in amounts])
+
+    def shift_rows(self, amounts: Sequence[int]) -> None:
+        """Turn the last amounts[i] positions of row i into left padding: the row ends
+        amounts[i] positions earlier while the write index stays (see `trim_rows`)."""
+        amounts = [int(a) for a in amounts]
+        if len(amounts) != self.num_rows or any(
+                not 0 <= a <= off for a, off in zip(amounts, self.offsets)):
+            raise ValueError(f"cannot shift {amounts} in rows holding {list(self.offsets)}")
+        if not any(amounts):
+            return
+        if self._planes is not None:
+            shifts = mx.array(amounts)
+            self._planes = {n: _roll_right(a[:, :, : self._idx], shifts)
+                            for n, a in self._planes.items()}
+        self._left_padding = [p + a for p, a in zip(self._left_padding, amounts)]
+
     def prepare(self, *, left_padding: Sequence[int] | None = None,
                 right_padding: Sequence[int] | None = None) -> None:
         """mlx-lm's batch prefill hooks: add left padding (empty rows only) or note the
@@ -350,3 +380,7 @@ class PlanesCache(_BaseCache):
     def trim(self, n: int) -> int:
         """Drop the last n positions (at most the shortest row); returns how many."""
         return self.rows.trim(n)
+
+    def trim_rows(self, amounts: Sequence[int]) -> None:
+        """Drop the last amounts[i] positions of row i (KvTensorRows.trim_rows)."""
+        self.rows.trim_rows(amounts)

@@ -28,7 +28,7 @@ import logging
 import time
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Sequence
 
 import attrs
 import llguidance
@@ -162,6 +162,41 @@ class RowGrammar:
             log.warning("%s", self.error)
             return None
         return self._bits
+
+    def check_proposal(self, proposal: Sequence[int]) -> tuple[int, list[np.ndarray]]:
+        """Speculation: how many leading tokens of `proposal` the grammar accepts, and the
+        masks for the positions after each of them (computed here, on the caller's
+        thread, once `mask()` has returned; the matcher is rolled back afterwards)."""
+        matcher = self._matcher
+        if self.error is not None or matcher is None or self.stopped or not proposal:
+            return 0, []
+        num = int(matcher.validate_tokens(list(proposal)))
+        masks = []
+        for token in proposal[:num]:
+            if not matcher.consume_token(token) or matcher.is_stopped():
+                matcher.rollback(len(masks) + 1)
+                return len(masks), masks  # cut before a token that ends or breaks it
+            bits = np.zeros_like(self._bits)
+            matcher.unsafe_compute_mask_ptr(bits.ctypes.data, bits.nbytes)
+            masks.append(bits)
+        matcher.rollback(num)
+        return num, masks
+
+    def advance_many(self, tokens: Sequence[int]) -> None:
+        """Consume several tokens (a verify step's output), then compute the next mask."""
+        for token in tokens[:-1]:
+            matcher = self._matcher
+            if self.error is not None or matcher is None or self.stopped:
+                return
+            if not matcher.consume_token(token) or matcher.is_error():
+                self.error = f"response_format matcher refused token {token}: " \
+                             f"{matcher.get_error()}"
+                log.error("%s", self.error)
+                return
+            if matcher.is_stopped():
+                self.stopped = True
+                return
+        self.advance(tokens[-1])
 
     def advance(self, token: int) -> None:
         """Consume the row's sampled token; then the worker computes the next mask."""

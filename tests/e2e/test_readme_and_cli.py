@@ -95,7 +95,8 @@ def test_cli_help_describes_every_flag_with_its_default(command):
     assert "--max-tokens-cap" in entries and "(default: 4096)" in entries["--max-tokens-cap"]
 
 
-@pytest.mark.parametrize("command", ["bench", "bench-kv", "bench-prefix", "bench-gpu", "eval-kv"])
+@pytest.mark.parametrize("command", ["bench", "bench-kv", "bench-prefix", "bench-gpu", "eval-kv",
+                                     "bench-spec"])
 def test_tool_help_shows_every_default(command):
     result = run([sys.executable, "-m", "tqserve.api.cli", command, "--help"])
     assert result.returncode == 0, result.stderr

@@ -6,6 +6,7 @@ import pytest
 
 from tqserve.actors import messages as m
 from tqserve.engine.sampling import SamplingParams
+from tqserve.engine.speculative.policy import SpecChoice
 from tqserve.engine.structured import validate_response_format
 
 EXAMPLES = [
@@ -38,11 +39,17 @@ EXAMPLES = [
     m.Done(request_id="r1", finish_reason="stop", prompt_tokens=30, completion_tokens=5,
            cached_tokens=24, cached_tier="ssd"),
     m.Error(request_id=None, code="bad_frame", message="nope"),
+    m.Submit(request_id="r3", prompt_tokens=(4,), params=SamplingParams(),
+             speculative=SpecChoice(method="draft", num_tokens=3)),
+    m.Submit(request_id="r4", prompt_tokens=(4,), params=SamplingParams(), speculative=False),
+    m.Done(request_id="r1", finish_reason="stop", prompt_tokens=3, completion_tokens=9,
+           speculative=(12, 7, 4)),
 ]
 
 
 def test_every_registered_class_has_an_example():
-    covered = {type(e).__name__ for e in EXAMPLES} | {"SamplingParams", "ResponseFormat"}
+    covered = {type(e).__name__ for e in EXAMPLES} | {"SamplingParams", "ResponseFormat",
+                                                      "SpecChoice"}
     assert covered == set(m._CLASSES)
 
 

@@ -1,0 +1,33 @@
+"""Build the engine's Speculator from its Config (or none: the plain pipelined path)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tqserve.engine.speculative.policy import SpecChoice, SpecPolicy
+from tqserve.engine.speculative.proposers import (DraftProposer, LookupProposer, LookupSettings,
+                                                  Proposer)
+from tqserve.engine.speculative.speculator import Speculator
+
+
+def build_speculator(config: Any, loaded: Any, draft: Any = None) -> Speculator | None:
+    """The proposers this server offers: lookup always, draft with `draft` (a LoadedModel of
+    `--draft-model`, same vocabulary), mtp where the target has an MTP head. None when
+    neither --speculative nor --draft-model is set. ValueError naming the flag otherwise."""
+    if config.speculative is None and config.draft_model is None:
+        return None
+    proposers: dict[str, Proposer] = {
+        "lookup": LookupProposer(LookupSettings(max_ngram=config.speculative_ngram))}
+    if draft is not None:
+        if draft.vocab_size != loaded.vocab_size:
+            raise ValueError(f"--draft-model has a vocabulary of {draft.vocab_size} tokens, the "
+                             f"model {loaded.vocab_size}: they must share the tokenizer")
+        proposers["draft"] = DraftProposer(draft.model)
+    if config.speculative == "mtp":
+        from tqserve.engine.speculative.mtp import MtpProposer, load_mtp_head
+        proposers["mtp"] = MtpProposer(loaded.model, load_mtp_head(loaded.path, loaded.model))
+    default = None
+    if config.speculative is not None:
+        default = SpecChoice(method=config.speculative,
+                             num_tokens=config.num_speculative_tokens)
+    return Speculator(proposers, default, SpecPolicy(max_batch=config.speculative_max_batch))

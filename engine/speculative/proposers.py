@@ -1,0 +1,144 @@
+"""Proposers: what a speculating row guesses its next tokens to be.
+
+Every proposer is deterministic given a row's context (prompt + output so far): `lookup`
+matches n-grams, `draft` takes the draft model's argmax, `mtp` the MTP head's argmax. So
+the proposal distribution q is a point mass, and exact rejection sampling reduces to:
+accept proposal x_j with probability p_j(x_j), otherwise draw from p_j with x_j removed.
+The verifier (engine.speculative.verify) does exactly that by drawing the target's own
+token at every verified position with the row's per-position seeded key and accepting
+while it equals the proposal: the output is the target's distribution, token for token
+the same as without speculation for the same seed.
+
+A proposer holds per-row state (`open_row` / `close_row`), proposes on the runner thread
+(`propose`), and learns what the target kept (`verified`) so it can roll back its own
+caches. All of them see `context`, whose last token is the one the target is fed next.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, Sequence
+
+import attrs
+import mlx.core as mx
+from mlx_lm.models.cache import make_prompt_cache
+
+class Proposer(Protocol):
+    """What the verifier needs of a proposal method."""
+
+    def open_row(self, request_id: str) -> None: ...
+
+    def close_row(self, request_id: str) -> None: ...
+
+    def propose(self, rows: Sequence[tuple[str, Sequence[int], int]]) -> list[tuple[int, ...]]:
+        """For each (request id, context, k): at most k proposed tokens."""
+        ...
+
+
+@attrs.frozen(kw_only=True)
+class LookupSettings:
+    """Prompt lookup: match the last `max_ngram` .. `min_ngram` tokens of the context at
+    an earlier place (most recent first) and propose what followed it."""
+
+    max_ngram: int = 3
+    min_ngram: int = 1
+
+    def __attrs_post_init__(self) -> None:
+        if not 1 <= self.min_ngram <= self.max_ngram <= 16:
+            raise ValueError("lookup n-gram sizes must satisfy 1 <= min <= max <= 16, got "
+                             f"{self.min_ngram}..{self.max_ngram}")
+
+
+def lookup_tokens(context: Sequence[int], k: int, settings: LookupSettings) -> tuple[int, ...]:
+    """Up to k tokens following the most recent earlier match of the context's tail."""
+    n_ctx = len(context)
+    for n in range(min(settings.max_ngram, n_ctx - 1), settings.min_ngram - 1, -1):
+        tail = list(context[n_ctx - n:])
+        for start in range(n_ctx - n - 1, -1, -1):
+            if list(context[start:start + n]) == tail:
+                follow = context[start + n:start + n + k]
+                return tuple(int(t) for t in follow)
+    return ()
+
+
+class LookupProposer:
+    """N-gram lookup over prompt + output so far; holds no per-row state."""
+
+    def __init__(self, settings: LookupSettings = LookupSettings()) -> None:
+        self.settings = settings
+
+    def open_row(self, request_id: str) -> None:
+        pass
+
+    def close_row(self, request_id: str) -> None:
+        pass
+
+    def propose(self, rows: Sequence[tuple[str, Sequence[int], int]]) -> list[tuple[int, ...]]:
+        return [lookup_tokens(ctx, k, self.settings) if k > 0 else () for _, ctx, k in rows]
+
+
+@attrs.define
+class _DraftRow:
+    cache: list[Any]
+    tokens: list[int] = attrs.Factory(list)  # what the draft cache holds, in order
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+class DraftProposer:
+    """A second, smaller model with the same tokenizer, one plain KV cache per row.
+
+    Before proposing, the row's draft cache is rolled back to the longest prefix it shares
+    with the context (rejected proposals go) and fed the rest of the context in one forward
+    (the whole prompt on a row's first proposal); then k-1 more greedy steps. The k
+    forwards are built lazily and evaluated once per call."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self._rows: dict[str, _DraftRow] = {}
+
+    def open_row(self, request_id: str) -> None:
+        self._rows[request_id] = _DraftRow(cache=make_prompt_cache(self.model))
+
+    def close_row(self, request_id: str) -> None:
+        self._rows.pop(request_id, None)
+
+    def _catch_up(self, row: _DraftRow, context: Sequence[int]) -> mx.array:
+        keep = _common_prefix(row.tokens, context[:-1])
+        drop = len(row.tokens) - keep
+        if drop:
+            for c in row.cache:
+                c.trim(drop)
+            del row.tokens[keep:]
+        feed = list(context[keep:])
+        logits = self.model(mx.array(feed)[None], cache=row.cache)[:, -1, :]
+        row.tokens.extend(feed)
+        return mx.argmax(logits, axis=-1)
+
+    def propose(self, rows: Sequence[tuple[str, Sequence[int], int]]) -> list[tuple[int, ...]]:
+        drafts: list[list[mx.array]] = []
+        for rid, context, k in rows:
+            if k <= 0:
+                drafts.append([])
+                continue
+            row = self._rows[rid]
+            toks = [self._catch_up(row, context)]
+            for _ in range(k - 1):
+                logits = self.model(toks[-1][None], cache=row.cache)[:, -1, :]
+                toks.append(mx.argmax(logits, axis=-1))
+            drafts.append(toks)
+        flat = [t for d in drafts for t in d]
+        if flat:
+            mx.eval(flat)
+        out = []
+        for (rid, _, k), d in zip(rows, drafts):
+            tokens = tuple(int(t.item()) for t in d)
+            if d:
+                self._rows[rid].tokens.extend(tokens[:-1])
+            out.append(tokens)
+        return out

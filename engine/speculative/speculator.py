@@ -1,0 +1,137 @@
+"""The runner's speculation: proposers by method, the per-row policy, the verify step.
+
+Lives on the runner thread, called by engine.runner when the engine was built with
+speculation: every step then runs as one verify step (rows that do not propose are fed
+their one token), without the plain path's pipelining (a proposal depends on the tokens
+just accepted). A row's choice: its request's `SpecChoice`, `False` (never), or `None`
+(the server's default).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+import attrs
+import mlx.core as mx
+import numpy as np
+
+from tqserve.engine.sampling import RowSampler
+from tqserve.engine.speculative.mtp import forward_with_hidden
+from tqserve.engine.speculative.policy import SpecChoice, SpecPolicy, SpeculationPolicy
+from tqserve.engine.speculative.proposers import Proposer
+from tqserve.engine.speculative.verify import Verified, VerifyRow, verify_step
+
+RequestChoice = SpecChoice | bool | None
+
+
+@attrs.frozen(kw_only=True)
+class SpecRow:
+    """A batch row as the verify step sees it."""
+
+    request_id: str
+    context: Sequence[int]   # prompt + output so far; its last token is fed next
+    sampler: RowSampler
+    grammar: Any = None      # a RowGrammar: proposals are cut to what it accepts
+
+
+class Speculator:
+    """Proposers by method, the per-row policy, one verify step per engine step."""
+
+    def __init__(self, proposers: Mapping[str, Proposer], default: SpecChoice | None = None,
+                 policy: SpecPolicy = SpecPolicy()) -> None:
+        if default is not None and default.method not in proposers:
+            raise ValueError(f"--speculative {default.method} has no proposer")
+        self.proposers = dict(proposers)
+        self.default = default
+        self.policy = SpeculationPolicy(policy)
+
+    def resolve(self, choice: RequestChoice) -> SpecChoice | None:
+        """A request's effective choice. ValueError naming the field if its method is not
+        served here."""
+        if choice is False:
+            return None
+        if choice is None or choice is True:
+            return self.default
+        if choice.method not in self.proposers:
+            raise ValueError(f"speculative.method {choice.method!r} is not served here "
+                             f"(available: {', '.join(sorted(self.proposers)) or 'none'})")
+        return choice
+
+    def open_row(self, request_id: str, choice: RequestChoice) -> None:
+        resolved = self.resolve(choice)
+        self.policy.open_row(request_id, resolved)
+        if resolved is not None:
+            self.proposers[resolved.method].open_row(request_id)
+
+    def close_row(self, request_id: str) -> None:
+        choice = self.policy.choice(request_id)
+        if choice is not None:
+            self.proposers[choice.method].close_row(request_id)
+        self.policy.close_row(request_id)
+
+    def wants_hidden(self, request_id: str) -> bool:
+        """Whether the row's proposer needs the target's hidden states (MTP)."""
+        choice = self.policy.choice(request_id)
+        return choice is not None and getattr(self.proposers[choice.method], "wants_hidden",
+                                              False)
+
+    def prefill(self, model: Any, request_id: str, tokens: mx.array, cache: list[Any]) -> None:
+        """A prefill chunk of the row's own cache; hands the hidden states to its MTP head."""
+        if not self.wants_hidden(request_id):
+            model(tokens, cache=cache)
+            return
+        _, hidden = forward_with_hidden(model, tokens, cache)
+        self._record_hidden(request_id, hidden)
+
+    def _record_hidden(self, request_id: str, hidden: mx.array) -> None:
+        choice = self.policy.choice(request_id)
+        if choice is not None:
+            self.proposers[choice.method].record_hidden(request_id, hidden)  # type: ignore
+
+    def any_active(self, request_ids: Sequence[str]) -> bool:
+        """Whether any of these rows speculates at all (else the plain path runs)."""
+        return any(self.policy.choice(rid) is not None for rid in request_ids)
+
+    def close_all(self, request_ids: Sequence[str]) -> None:
+        for rid in list(request_ids):
+            self.close_row(rid)
+
+    def proposals(self, rows: Sequence[SpecRow]) -> list[tuple[int, ...]]:
+        """Every row's proposal this step (empty for rows that do not propose)."""
+        asks: dict[str, list[tuple[int, str, Sequence[int], int]]] = {}
+        for i, row in enumerate(rows):
+            remaining = row.sampler.params.max_tokens - row.sampler.num_sampled
+            k = self.policy.num_tokens(row.request_id, len(rows), remaining)
+            choice = self.policy.choice(row.request_id)
+            if k > 0 and choice is not None:
+                asks.setdefault(choice.method, []).append((i, row.request_id, row.context, k))
+        out: list[tuple[int, ...]] = [()] * len(rows)
+        for method, items in asks.items():
+            got = self.proposers[method].propose([(rid, ctx, k) for _, rid, ctx, k in items])
+            for (i, _, _, k), tokens in zip(items, got):
+                out[i] = tuple(tokens[:k])
+        return out
+
+    def step(self, model: Any, cache: list[Any], rows: Sequence[SpecRow],
+             last_tokens: Sequence[int], masks: np.ndarray | None) -> list[Verified]:
+        """Propose, verify in one forward, roll back; the books learn the acceptance."""
+        proposals = self.proposals(rows)
+        position_masks: list[list[np.ndarray]] = [[] for _ in rows]
+        for i, row in enumerate(rows):
+            if row.grammar is not None and proposals[i]:
+                num, position_masks[i] = row.grammar.check_proposal(proposals[i])
+                proposals[i] = proposals[i][:num]
+        verify_rows = [VerifyRow(last_token=t, proposal=p, sampler=r.sampler,
+                                 masks=tuple(m))
+                       for r, t, p, m in zip(rows, last_tokens, proposals, position_masks)]
+        hidden_rows = [self.wants_hidden(r.request_id) for r in rows]
+        forward = None
+        if any(hidden_rows):
+            def forward(inputs: mx.array, c: list[Any]) -> tuple[mx.array, mx.array]:
+                return forward_with_hidden(model, inputs, c)
+        results, hidden = verify_step(model, cache, verify_rows, masks, forward)
+        for i, (row, res) in enumerate(zip(rows, results)):
+            self.policy.verified(row.request_id, res.num_proposed, res.num_accepted)
+            if hidden_rows[i] and hidden is not None:
+                self._record_hidden(row.request_id, hidden[i:i + 1, :len(res.tokens)])
+        return results

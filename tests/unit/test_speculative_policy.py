@@ -1,0 +1,62 @@
+"""Sans-io parts of speculation: prompt lookup, the per-row policy (batch-size limit,
+back-off), and the request field's validation."""
+
+from __future__ import annotations
+
+import pytest
+
+from tqserve.engine.speculative.policy import (SpecChoice, SpecPolicy, SpeculationPolicy,
+                                               parse_speculative)
+from tqserve.engine.speculative.proposers import LookupSettings, lookup_tokens
+
+
+def test_lookup_proposes_what_followed_the_latest_match() -> None:
+    s = LookupSettings(max_ngram=3, min_ngram=1)
+    assert lookup_tokens([1, 2, 3, 4, 5, 9, 1, 2, 3], 2, s) == (4, 5)
+    # the most recent match of the longest n-gram wins
+    assert lookup_tokens([1, 2, 7, 8, 1, 2, 5, 6, 1, 2], 3, s) == (5, 6, 1)
+    assert lookup_tokens([5, 6, 7], 4, s) == ()
+    assert lookup_tokens([3, 3], 4, s) == (3,)
+    with pytest.raises(ValueError, match="n-gram"):
+        LookupSettings(max_ngram=2, min_ngram=3)
+
+
+def test_policy_limits_by_batch_remaining_tokens_and_backs_off() -> None:
+    policy = SpeculationPolicy(SpecPolicy(max_batch=4, backoff_threshold=0.5, backoff_steps=2,
+                                          ema_weight=0.5))
+    policy.open_row("a", SpecChoice(method="lookup", num_tokens=4))
+    policy.open_row("plain", None)
+    assert policy.num_tokens("plain", 1, 100) == 0
+    assert policy.num_tokens("a", 4, 100) == 4
+    assert policy.num_tokens("a", 5, 100) == 0      # batch larger than the policy's limit
+    assert policy.num_tokens("a", 1, 3) == 2        # a verify step emits up to k + 1
+    policy.verified("a", 4, 4)
+    assert policy.num_tokens("a", 1, 100) == 4
+    policy.verified("a", 4, 0)                      # rate 0.5 -> 0.5: not below
+    policy.verified("a", 4, 0)                      # 0.25: backs off for 2 steps
+    assert [policy.num_tokens("a", 1, 100) for _ in range(3)] == [0, 0, 4]
+    stats = policy.statistics()
+    assert (stats.num_proposed, stats.num_accepted, stats.num_verify_steps,
+            stats.num_backoffs) == (12, 4, 3, 1)
+    policy.verified("a", 4, 0)                      # back at the threshold: one bad step
+    assert policy.num_tokens("a", 1, 100) == 0
+    policy.close_row("a")
+    assert policy.num_tokens("a", 1, 100) == 0 and policy.statistics().num_rows == 1
+
+
+@pytest.mark.parametrize("value,message", [
+    ({"method": "beam"}, "speculative.method must be one of"),
+    ({"method": "draft", "num_tokens": 0}, "speculative.num_tokens must be"),
+    ({"method": "draft", "extra": 1}, "speculative must be false, true or"),
+    ("draft", "speculative must be false, true or"),
+    ({"num_tokens": 3}, "speculative must be false, true or"),
+])
+def test_bad_speculative_fields_are_named(value, message) -> None:
+    with pytest.raises(ValueError) as info:
+        parse_speculative(value)
+    assert str(info.value).startswith(message)
+
+
+def test_speculative_field_forms() -> None:
+    assert parse_speculative(None) is None and parse_speculative(False) is False
+    assert parse_speculative({"method": "mtp"}) == SpecChoice(method="mtp", num_tokens=4)
