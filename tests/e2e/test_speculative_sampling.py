@@ -21,8 +21,8 @@ from tqserve.engine.sampling import SamplingParams
 # The first token after this prompt is 8 spaces with p = 0.998 (pycoder-29m), so the second
 # token's distribution is, up to 0.2%, p(x2 | prompt + that token): computable exactly.
 PROMPT = "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, x):\n"
-NUM_SEEDS = 200
-TWINS = 12
+NUM_SEEDS = 120
+TWINS = 6
 
 
 def _chi2_critical(df: int, z: float = 3.09) -> float:
