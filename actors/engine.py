@@ -295,6 +295,7 @@ async def open_engine(config: Config, *, loaded: LoadedModel | None = None,
         tokenizer = loaded.tokenizer
         core = SchedulerCore(
             max_batch=config.max_batch, prefill_chunk=config.prefill_chunk,
+            max_step_tokens=config.max_step_tokens,
             eos_token_ids=loaded.eos_token_ids,
             make_text_stream=lambda stop: TextStream(tokenizer, stop))
         runner = Runner(loaded.model, make_cache,

@@ -1,10 +1,12 @@
 """Executes a StepPlan on MLX. Runs on the one runner thread; holds every array.
 
-Rows prefill on their own single-row caches (mlx-lm's `make_prompt_cache`, so any
-cache class on mlx-lm's protocol plugs in), then join the decode batch through
-the cache class's `merge` (e.g. KVCache -> BatchKVCache) and `extend`. Physical
-left padding stays per row inside the batch cache; `filter` retires rows. The
-decode batch runs one forward per step for all rows, then per-row sampling.
+Rows prefill in groups (engine.prefill: one left-padded forward per group and step,
+into one batch cache that joins the decode batch at once through `extend`); a row that
+reuses a snapshot, or any row when the cache kind cannot be batched, prefills on its
+own single-row caches and joins through the cache class's `merge` (e.g. KVCache ->
+BatchKVCache) and `extend`. Physical left padding stays per row inside the batch
+cache; `filter` retires rows. The decode batch runs one forward per step for all
+rows, then per-row sampling.
 
 Pipelining (as mlx-lm's generate_step): at the end of a step the forward of the NEXT
 step is built on the still-lazy sampled tokens and started (`mx.async_eval`) before
@@ -46,6 +48,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 
+from tqserve.engine.prefill import PrefillGroups
 from tqserve.engine.sampling import LazySample, RowSampler, build_sample, finalize_sample
 from tqserve.engine.scheduler import RowOutput, SnapshotMade, SpillPayload, StepPlan, StepResult
 from tqserve.engine.snapshot import (PlaneLayout, Snapshot, describe, extract_snapshot, from_planes,
@@ -109,6 +112,7 @@ class Runner:
         self._snapshots: dict[str, Snapshot] = {}
         self.step_hook: Callable[[StepPlan], None] | None = None
         self._layout: PlaneLayout | None = None
+        self._groups = PrefillGroups(model)
 
     def execute(self, plan: StepPlan) -> StepResult:
         """Run one step: snapshot, release, spill, admit, prefill, join, decode."""
@@ -120,6 +124,9 @@ class Runner:
                 cache = row_from_snapshot(self._snapshots[new.reuse], new.cached)
             else:
                 cache = self._make_cache(self._model)
+                if new.group and PrefillGroups.can_batch(cache):
+                    self._groups.add(new.request_id, new.group, new.pad, cache)
+                    cache = None
             self._rows[new.request_id] = _RowRuntime(
                 sampler=RowSampler.create(new.params, new.prompt),
                 prompt=new.prompt,
@@ -129,7 +136,12 @@ class Runner:
             )
         for key in plan.drop:
             self._snapshots.pop(key, None)
+        grouped = [c for c in plan.prefill if c.request_id in self._groups]
+        self._num_forward_tokens += self._groups.run(
+            grouped, {c.request_id: self._rows[c.request_id].prompt for c in grouped})
         for chunk in plan.prefill:
+            if chunk.request_id in self._groups or chunk.start == chunk.end:
+                continue
             row = self._rows[chunk.request_id]
             if row.cache is None:
                 raise RuntimeError(f"{chunk.request_id} prefilled after joining the batch")
@@ -187,7 +199,9 @@ class Runner:
         made = []
         for rid, key in orders:
             row = self._rows.get(rid)
-            if row is not None and row.cache is not None:
+            if rid in self._groups:
+                made.append(self._hold(key, rid, self._groups.snapshot(rid)))
+            elif row is not None and row.cache is not None:
                 made.append(self._hold(key, rid, snapshot_of_row(row.cache)))
         return tuple(m for m in made if m is not None)
 
@@ -250,6 +264,7 @@ class Runner:
         gone = set(request_ids)
         for rid in request_ids:
             self._rows.pop(rid, None)
+        self._groups.release(request_ids)
         if not gone.intersection(self._batch):
             return
         keep = [i for i, rid in enumerate(self._batch) if rid not in gone]
@@ -264,6 +279,11 @@ class Runner:
             c.filter(keep)
 
     def _join(self, request_id: str) -> None:
+        if request_id in self._groups:
+            self._join_group(request_id)
+            return
+        if request_id in self._batch:  # its group joined with an earlier row of it
+            return
         row = self._rows[request_id]
         if row.cache is None:
             raise RuntimeError(f"{request_id} joined twice")
@@ -275,6 +295,19 @@ class Runner:
                 mine.extend(theirs)
         row.cache = None
         self._batch.append(request_id)
+
+    def _join_group(self, request_id: str) -> None:
+        """The completed prefill group of `request_id` joins at once (one `extend`)."""
+        taken = self._groups.take(request_id)
+        if taken is None:
+            return
+        rows, cache = taken
+        if self._batch_cache is None:
+            self._batch_cache = cache
+        else:
+            for mine, theirs in zip(self._batch_cache, cache):
+                mine.extend(theirs)
+        self._batch += rows
 
     def _launch(self, ready: tuple[list[str], LazySample] | None) -> None:
         """Start the batch's next forward: sampled tokens feed their rows, joiners their
@@ -319,6 +352,7 @@ class Runner:
     def reset(self) -> None:
         """Drop every row and the batch (after a failed step)."""
         self._rows.clear()
+        self._groups.clear()
         self._batch = []
         self._batch_cache = None
         self._pending = None
@@ -331,7 +365,7 @@ class Runner:
 
     def kv_bytes(self) -> int:
         """Resident KV bytes: the batch cache plus every prefilling row's cache."""
-        return _cache_nbytes(self._batch_cache) + sum(
+        return _cache_nbytes(self._batch_cache) + self._groups.nbytes + sum(
             _cache_nbytes(r.cache) for r in self._rows.values())
 
     def statistics(self) -> RunnerStatistics:
