@@ -48,6 +48,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 
+from tqserve.engine.kv.slots import RowSlotsKVCache, retire_order
 from tqserve.engine.prefill import PrefillGroups
 from tqserve.engine.sampling import LazySample, RowSampler, build_sample, finalize_sample
 from tqserve.engine.scheduler import RowOutput, SnapshotMade, SpillPayload, StepPlan, StepResult
@@ -78,18 +79,13 @@ class RunnerStatistics:
     snapshot_bytes: int
 
 
-def _as_batch(cache: Any) -> Any:
-    """One row's cache as a batch of one. A plain KVCache hands its buffers over as they
-    are (no copy: the row's cache is dropped after joining, and its spare capacity means
-    the next append does not re-copy the whole history, as `BatchKVCache.merge`'s
-    exact-size buffer would); other kinds go through their class's `merge`."""
-    if type(cache) is not KVCache or cache.keys is None:
-        return type(cache).merge([cache])
-    batch = BatchKVCache([0])
-    batch.keys, batch.values = cache.keys, cache.values
-    batch.offset = mx.array([cache.offset])
-    batch._idx = cache.offset
-    return batch
+def _as_batch(cache: Any, is_batch: bool = False) -> Any:
+    """One row's cache (or a prefill group's batch cache) as the decode batch's cache:
+    plain KV layers go into per-row slots (engine.kv.slots: later joins and retirements
+    move only their own rows); other kinds through their class's `merge` (a batch as is)."""
+    if type(cache) in (KVCache, BatchKVCache):
+        return RowSlotsKVCache.merge([cache])
+    return cache if is_batch else type(cache).merge([cache])
 
 
 def _cache_nbytes(cache: list[Any] | None) -> int:
@@ -267,7 +263,11 @@ class Runner:
         self._groups.release(request_ids)
         if not gone.intersection(self._batch):
             return
-        keep = [i for i, rid in enumerate(self._batch) if rid not in gone]
+        if all(isinstance(c, RowSlotsKVCache) for c in self._batch_cache or ()):
+            keep = retire_order(len(self._batch), [i for i, rid in enumerate(self._batch)
+                                                   if rid in gone])
+        else:
+            keep = [i for i, rid in enumerate(self._batch) if rid not in gone]
         self._batch = [self._batch[i] for i in keep]
         if self._pending is not None:
             logits, rows = self._pending
@@ -303,7 +303,7 @@ class Runner:
             return
         rows, cache = taken
         if self._batch_cache is None:
-            self._batch_cache = cache
+            self._batch_cache = [_as_batch(c, is_batch=True) for c in cache]
         else:
             for mine, theirs in zip(self._batch_cache, cache):
                 mine.extend(theirs)
