@@ -12,7 +12,8 @@ lives in slot i with its own length `lengths[i]`, its KV LEFT-aligned at positio
 * joining (`extend`) writes only the joining rows into free slots [n, n + m);
 * retiring (`filter(keep)`) moves only the rows whose slot changes: the runner keeps
   rows in "swap the last row into the hole" order (`retire_order`), so one retirement
-  moves at most one row; a suffix of rows leaving moves nothing;
+  moves at most one row; a suffix of rows leaving moves nothing (a move evaluates the
+  moved row first, one host sync on that step: see `filter`);
 * `trim_rows(amounts)` rolls back each row by its own amount (speculative rollback),
   by lowering its length: nothing moves.
 Capacities grow by doubling (rows) and by STEP positions; only growth copies every row.
@@ -145,10 +146,15 @@ class RowSlotsKVCache(_BaseCache):
                                  else batch_indices)]
         moves = [(j, src) for j, src in enumerate(keep) if j != src]
         if moves and self.keys is not None and self.values is not None:
-            dst = mx.array([j for j, _ in moves])
-            src = mx.array([s for _, s in moves])
-            self.keys[dst] = self.keys[src]
-            self.values[dst] = self.values[src]
+            # The moved rows are evaluated into their own buffers first: an update whose
+            # value still reads the planes cannot write them in place (MLX then copies
+            # every row, which is what the slots avoid). One sync, on retirement only.
+            moved = [(mx.contiguous(self.keys[s:s + 1]), mx.contiguous(self.values[s:s + 1]))
+                     for _, s in moves]
+            mx.eval(moved)
+            for (j, _), (k, v) in zip(moves, moved):
+                self.keys[j:j + 1] = k
+                self.values[j:j + 1] = v
         self._set_lengths([self.lengths[i] for i in keep])
 
     def trim_rows(self, amounts: Sequence[int]) -> list[int]:
