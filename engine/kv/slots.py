@@ -70,7 +70,7 @@ class RowSlotsKVCache(_BaseCache):
         self.lengths = lengths
         self._offset = None
 
-    def _reserve(self, rows: int, positions: int, like: mx.array, values_like: mx.array) -> None:
+    def _reserve(self, rows: int, positions: int, like: Any, values_like: Any) -> None:
         """Make the planes hold `rows` slots of `positions` (growing copies everything)."""
         if self.keys is None:
             shape_k = (max(rows, 1), like.shape[1], STEP * -(-positions // STEP), like.shape[3])
@@ -120,16 +120,17 @@ class RowSlotsKVCache(_BaseCache):
         """Append the rows of `other` (a BatchKVCache, KVCache or RowSlotsKVCache) in free
         slots: only their KV is written."""
         rows = _rows_of(other)
-        if not rows:
-            return
         n = self.num_rows
-        longest = max(k.shape[2] for k, _ in rows)
-        self._reserve(n + len(rows), longest, rows[0][0], rows[0][1])
-        assert self.keys is not None and self.values is not None
-        for j, (k, v) in enumerate(rows):
-            self.keys[n + j:n + j + 1, :, :k.shape[2]] = k
-            self.values[n + j:n + j + 1, :, :v.shape[2]] = v
-        self._set_lengths(self.lengths + [k.shape[2] for k, _ in rows])
+        written = [(j, k, v) for j, (k, v) in enumerate(rows) if k is not None]
+        if written:
+            longest = max(k.shape[2] for _, k, _ in written)
+            self._reserve(n + len(rows), longest, written[0][1], written[0][2])
+        elif self.keys is not None:  # empty rows (one-token prompts): slots, no positions
+            self._reserve(n + len(rows), 0, self.keys, self.values)
+        for j, k, v in written:
+            self.keys[n + j:n + j + 1, :, :k.shape[2]] = k  # type: ignore[index]
+            self.values[n + j:n + j + 1, :, :v.shape[2]] = v  # type: ignore[index]
+        self._set_lengths(self.lengths + [0 if k is None else k.shape[2] for k, _ in rows])
 
     @classmethod
     def merge(cls, caches: Sequence[Any]) -> RowSlotsKVCache:
@@ -209,19 +210,22 @@ class RowSlotsKVCache(_BaseCache):
         self._set_lengths([int(x) for x in v[2].tolist()])
 
 
-def _rows_of(cache: Any) -> list[tuple[mx.array, mx.array]]:
-    """Each row's valid (keys, values), (1, H, length, D), of a plain cache or batch."""
+def _rows_of(cache: Any) -> list[tuple[Any, Any]]:
+    """Each row's valid (keys, values), (1, H, length, D), of a plain cache or batch;
+    (None, None) for a row that holds no position yet."""
     if isinstance(cache, RowSlotsKVCache):
-        return [(cache.keys[i:i + 1, :, :p], cache.values[i:i + 1, :, :p])  # type: ignore
+        if cache.keys is None or cache.values is None:
+            return [(None, None)] * cache.num_rows
+        return [(cache.keys[i:i + 1, :, :p], cache.values[i:i + 1, :, :p]) if p else (None, None)
                 for i, p in enumerate(cache.lengths)]
     if isinstance(cache, BatchKVCache):
-        if cache.keys is None:
-            raise ValueError("an empty BatchKVCache cannot join a slot batch")
         pads = cache.left_padding.tolist()
-        return [(cache.keys[i:i + 1, :, p:cache._idx], cache.values[i:i + 1, :, p:cache._idx])
-                for i, p in enumerate(pads)]
-    if type(cache) is KVCache:
         if cache.keys is None:
-            raise ValueError("an empty KVCache cannot join a slot batch")
+            return [(None, None)] * len(pads)
+        return [(cache.keys[i:i + 1, :, p:cache._idx], cache.values[i:i + 1, :, p:cache._idx])
+                if cache._idx > p else (None, None) for i, p in enumerate(pads)]
+    if type(cache) is KVCache:
+        if cache.keys is None or cache.offset == 0:
+            return [(None, None)]
         return [(cache.keys[..., :cache.offset, :], cache.values[..., :cache.offset, :])]
     raise TypeError(f"a {type(cache).__name__} cannot join a plain slot batch")

@@ -74,3 +74,17 @@ def test_block_of_positions_matches_batch_kv_cache_attention():
     out_s = mx.fast.scaled_dot_product_attention(q, k_s, v_s, scale=0.3, mask=mask_s)
     out_b = mx.fast.scaled_dot_product_attention(q, k_b, v_b, scale=0.3, mask=mask_b)
     assert mx.allclose(out_s, out_b, atol=1e-5)
+
+
+def test_rows_with_no_position_yet_join_and_then_decode():
+    """A one-token prompt joins with an empty cache (it prefilled nothing)."""
+    slots = RowSlotsKVCache.merge([KVCache()])
+    assert slots.lengths == [0] and slots.nbytes == 0
+    slots.extend(_row(3, 5))
+    slots.extend(KVCache())
+    assert slots.lengths == [0, 3, 0]
+    new = mx.ones((3, H, 1, D))
+    keys, _ = slots.update_and_fetch(new, new)
+    assert keys.shape == (3, H, 4, D) and slots.lengths == [1, 4, 1]
+    assert mx.array_equal(slots.keys[2, :, 0], mx.ones((H, D)))
+    assert slots.make_mask(1)[0, 0, 0].tolist() == [True, True, False, False, False]
