@@ -341,6 +341,7 @@ async def open_engine(config: Config, *, loaded: LoadedModel | None = None,
         speculator = await thread.call(build_speculator, config, loaded, draft)
         core = SchedulerCore(
             max_batch=config.max_batch, prefill_chunk=config.prefill_chunk,
+            max_step_tokens=config.max_step_tokens,
             eos_token_ids=loaded.eos_token_ids,
             speculative_methods=speculator.proposers if speculator is not None else ())
         runner = Runner(loaded.model, make_cache,

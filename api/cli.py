@@ -29,7 +29,9 @@ if TYPE_CHECKING:
 
 _INT_FLAGS = {  # Config field -> help; every one maps 1:1 onto engine.config.Config
     "max_batch": "rows decoding together in one batched forward",
-    "prefill_chunk": "prompt tokens prefilled per engine step",
+    "prefill_chunk": "prompt positions one prefill group advances per engine step (at most)",
+    "max_step_tokens": "tokens one engine step processes: one per decoding row, prefill "
+                       "(left padding included) the rest; >= --max-batch",
     "max_queued_requests": "admission bound: requests waiting for a row (more are refused "
                            "at once with code overloaded)",
     "max_queued_tokens": "admission bound: prompt tokens of the waiting requests",

@@ -111,6 +111,9 @@ class Config:
     dtype: str = attrs.field(default="auto", validator=_dtype)
     max_batch: int = attrs.field(default=32, validator=_positive)
     prefill_chunk: int = attrs.field(default=512, validator=_positive)
+    # Tokens one engine step processes: decoding rows one each, prefill (padding included)
+    # the rest (engine.scheduler's module doc; README "Batched prefill" for the default).
+    max_step_tokens: int = attrs.field(default=1024, validator=_positive)
     max_queued_requests: int = attrs.field(default=64, validator=_positive)
     max_queued_tokens: int = attrs.field(default=65536, validator=_positive)
     max_tokens_cap: int = attrs.field(default=4096, validator=_positive)
@@ -158,6 +161,10 @@ class Config:
                              "quantizes from the first token")
         if self.speculative == "draft" and self.draft_model is None:
             raise ValueError("--speculative draft needs --draft-model")
+        if self.max_step_tokens < self.max_batch:
+            raise ValueError(f"--max-step-tokens ({self.max_step_tokens}) must be >= "
+                             f"--max-batch ({self.max_batch}): each decoding row takes one "
+                             f"token of a step")
         if self.default_max_tokens > self.max_tokens_cap:
             raise ValueError(
                 f"--default-max-tokens ({self.default_max_tokens}) exceeds --max-tokens-cap "

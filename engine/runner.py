@@ -1,10 +1,12 @@
 """Executes a StepPlan on MLX. Runs on the one runner thread; holds every array.
 
-Rows prefill on their own single-row caches (mlx-lm's `make_prompt_cache`, so any
-cache class on mlx-lm's protocol plugs in), then join the decode batch through
-the cache class's `merge` (e.g. KVCache -> BatchKVCache) and `extend`. Physical
-left padding stays per row inside the batch cache; `filter` retires rows. The
-decode batch runs one forward per step for all rows, then per-row sampling.
+Rows prefill in groups (engine.prefill: one left-padded forward per group and step,
+into one batch cache that joins the decode batch at once through `extend`); a row that
+reuses a snapshot, or any row when the cache kind cannot be batched, prefills on its
+own single-row caches and joins through the cache class's `merge` (e.g. KVCache ->
+BatchKVCache) and `extend`. Physical left padding stays per row inside the batch
+cache; `filter` retires rows. The decode batch runs one forward per step for all
+rows, then per-row sampling.
 
 Pipelining (as mlx-lm's generate_step): at the end of a step the forward of the NEXT
 step is built on the still-lazy sampled tokens and started (`mx.async_eval`) before
@@ -55,6 +57,8 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 
+from tqserve.engine.kv.slots import RowSlotsKVCache, retire_order
+from tqserve.engine.prefill import PrefillGroups
 from tqserve.engine.sampling import LazySample, RowSampler, build_sample, finalize_sample
 from tqserve.engine.scheduler import RowOutput, SnapshotMade, SpillPayload, StepPlan, StepResult
 from tqserve.engine.snapshot import (PlaneLayout, Snapshot, describe, extract_snapshot, from_planes,
@@ -89,18 +93,13 @@ class RunnerStatistics:
     step_gap_seconds: float   # their sum: the runner thread idled, the trio side worked
 
 
-def _as_batch(cache: Any) -> Any:
-    """One row's cache as a batch of one. A plain KVCache hands its buffers over as they
-    are (no copy: the row's cache is dropped after joining, and its spare capacity means
-    the next append does not re-copy the whole history, as `BatchKVCache.merge`'s
-    exact-size buffer would); other kinds go through their class's `merge`."""
-    if type(cache) is not KVCache or cache.keys is None:
-        return type(cache).merge([cache])
-    batch = BatchKVCache([0])
-    batch.keys, batch.values = cache.keys, cache.values
-    batch.offset = mx.array([cache.offset])
-    batch._idx = cache.offset
-    return batch
+def _as_batch(cache: Any, is_batch: bool = False) -> Any:
+    """One row's cache (or a prefill group's batch cache) as the decode batch's cache:
+    plain KV layers go into per-row slots (engine.kv.slots: later joins and retirements
+    move only their own rows); other kinds through their class's `merge` (a batch as is)."""
+    if type(cache) in (KVCache, BatchKVCache):
+        return RowSlotsKVCache.merge([cache])
+    return cache if is_batch else type(cache).merge([cache])
 
 
 def _cache_nbytes(cache: list[Any] | None) -> int:
@@ -129,6 +128,7 @@ class Runner:
         self._step_gaps: deque[float] = deque(maxlen=STEP_GAPS_KEPT)
         self._num_step_gaps = 0
         self._step_gap_seconds = 0.0
+        self._groups = PrefillGroups(model)
 
     def execute(self, plan: StepPlan) -> StepResult:
         """Run one step: snapshot, release, spill, admit, prefill, join, decode.
@@ -153,10 +153,18 @@ class Runner:
         self._release(plan.release)
         spills = tuple(self._spill(key) for key in plan.spill)
         for new in plan.new_rows:
+            if self.speculator is not None:
+                self.speculator.open_row(new.request_id, new.speculative)
             if new.reuse is not None:
                 cache = row_from_snapshot(self._snapshots[new.reuse], new.cached)
             else:
                 cache = self._make_cache(self._model)
+                if new.group and PrefillGroups.can_batch(cache) and not (
+                        self.speculator is not None
+                        and self.speculator.wants_hidden(new.request_id)):
+                    # (an MTP row prefills alone: its head reads the target's hidden states)
+                    self._groups.add(new.request_id, new.group, new.pad, cache)
+                    cache = None
             self._rows[new.request_id] = _RowRuntime(
                 sampler=RowSampler.create(new.params, new.prompt),
                 prompt=new.prompt,
@@ -164,11 +172,14 @@ class Runner:
                 last_token=new.prompt[-1],
                 grammar=self._open_grammar(new.response_format),
             )
-            if self.speculator is not None:
-                self.speculator.open_row(new.request_id, new.speculative)
         for key in plan.drop:
             self._snapshots.pop(key, None)
+        grouped = [c for c in plan.prefill if c.request_id in self._groups]
+        self._num_forward_tokens += self._groups.run(
+            grouped, {c.request_id: self._rows[c.request_id].prompt for c in grouped})
         for chunk in plan.prefill:
+            if chunk.request_id in self._groups or chunk.start == chunk.end:
+                continue
             row = self._rows[chunk.request_id]
             if row.cache is None:
                 raise RuntimeError(f"{chunk.request_id} prefilled after joining the batch")
@@ -263,7 +274,9 @@ class Runner:
         made = []
         for rid, key in orders:
             row = self._rows.get(rid)
-            if row is not None and row.cache is not None:
+            if rid in self._groups:
+                made.append(self._hold(key, rid, self._groups.snapshot(rid)))
+            elif row is not None and row.cache is not None:
                 made.append(self._hold(key, rid, snapshot_of_row(row.cache)))
         return tuple(m for m in made if m is not None)
 
@@ -327,9 +340,14 @@ class Runner:
         for rid in request_ids:
             if self._rows.pop(rid, None) is not None and self.speculator is not None:
                 self.speculator.close_row(rid)
+        self._groups.release(request_ids)
         if not gone.intersection(self._batch):
             return
-        keep = [i for i, rid in enumerate(self._batch) if rid not in gone]
+        if all(isinstance(c, RowSlotsKVCache) for c in self._batch_cache or ()):
+            keep = retire_order(len(self._batch), [i for i, rid in enumerate(self._batch)
+                                                   if rid in gone])
+        else:
+            keep = [i for i, rid in enumerate(self._batch) if rid not in gone]
         self._batch = [self._batch[i] for i in keep]
         if self._pending is not None:
             logits, rows = self._pending
@@ -341,6 +359,11 @@ class Runner:
             c.filter(keep)
 
     def _join(self, request_id: str) -> None:
+        if request_id in self._groups:
+            self._join_group(request_id)
+            return
+        if request_id in self._batch:  # its group joined with an earlier row of it
+            return
         row = self._rows[request_id]
         if row.cache is None:
             raise RuntimeError(f"{request_id} joined twice")
@@ -352,6 +375,19 @@ class Runner:
                 mine.extend(theirs)
         row.cache = None
         self._batch.append(request_id)
+
+    def _join_group(self, request_id: str) -> None:
+        """The completed prefill group of `request_id` joins at once (one `extend`)."""
+        taken = self._groups.take(request_id)
+        if taken is None:
+            return
+        rows, cache = taken
+        if self._batch_cache is None:
+            self._batch_cache = [_as_batch(c, is_batch=True) for c in cache]
+        else:
+            for mine, theirs in zip(self._batch_cache, cache):
+                mine.extend(theirs)
+        self._batch += rows
 
     def _launch(self, ready: tuple[list[str], LazySample] | None) -> None:
         """Start the batch's next forward: sampled tokens feed their rows, joiners their
@@ -403,6 +439,7 @@ class Runner:
         if self.speculator is not None:
             self.speculator.close_all(list(self._rows))
         self._rows.clear()
+        self._groups.clear()
         self._batch = []
         self._batch_cache = None
         self._pending = None
@@ -415,7 +452,7 @@ class Runner:
 
     def kv_bytes(self) -> int:
         """Resident KV bytes: the batch cache plus every prefilling row's cache."""
-        return _cache_nbytes(self._batch_cache) + sum(
+        return _cache_nbytes(self._batch_cache) + self._groups.nbytes + sum(
             _cache_nbytes(r.cache) for r in self._rows.values())
 
     def statistics(self) -> RunnerStatistics:

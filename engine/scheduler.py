@@ -7,11 +7,23 @@ No clock, no I/O, no MLX. The scheduler actor drives it:
     events = core.postprocess(result)        # tokens, finishes
 
 A request's row goes QUEUED -> PREFILLING -> DECODING -> FINISHED (or straight to
-FINISHED when cancelled). A row prefills `prompt[:-1]` in chunks of at most
-`prefill_chunk` tokens (one chunk per step, oldest row first); it then joins the
-decode batch with its last prompt token as input, exactly as mlx-lm's
-generate_step does, so its first sampled token comes from the decode batch.
-Finished and cancelled rows are released at the start of the next step.
+FINISHED when cancelled). A row prefills `prompt[:-1]`; it then joins the decode
+batch with its last prompt token as input, exactly as mlx-lm's generate_step does,
+so its first sampled token comes from the decode batch. Finished and cancelled rows
+are released at the start of the next step.
+
+Batched prefill under a token budget: the rows that start prefilling from scratch in
+one `schedule` call form a prefill group. The group's prompts are left-padded to the
+longest (`NewRow.pad`) and prefilled together, `columns` positions of every row per
+step in ONE forward (the runner keeps the group in one batch cache), so all of them
+finish in the same step and join together. A row that reuses a prefix snapshot
+prefills alone (its group holds only it). Each step processes at most
+`max_step_tokens` tokens: the rows decoding when the step is planned take one each,
+and the prefill groups share the rest oldest first, a group costing `columns` times
+its number of rows (padding included), at most `prefill_chunk` columns per step.
+`max_step_tokens >= max_batch` guarantees the oldest group at least one column per
+step; the rows joining in a step decode their first token in that same step, on top
+of the budget.
 
 Every generated token is reported, the stop token included; `completion_tokens` counts
 them all. A row may emit several tokens in one step (speculation's accepted tokens): they
@@ -65,13 +77,20 @@ class NewRow:
     response_format: ResponseFormat | None = None
     # speculation: the request's SpecChoice, False (never) or None (the server's default)
     speculative: object = None
+    group: int = 0  # the prefill group (see the module doc)
+    pad: int = 0    # padding positions before the row's first prompt token in its group
 
 
 @attrs.frozen(kw_only=True)
 class PrefillChunk:
+    """Prompt positions [start, end) of one row; its group's forward this step is
+    `columns` wide: the row's tokens are right-aligned in it, padding before them."""
+
     request_id: str
     start: int
     end: int
+    group: int = 0
+    columns: int = 0
 
 
 @attrs.frozen(kw_only=True)
@@ -224,6 +243,8 @@ class _Row:
     num_accepted: int = 0
     num_verify_steps: int = 0
     speculative: object = None
+    group: int = 0           # its prefill group, once started
+    pad: int = 0             # its left padding in that group
 
     def move(self, new: RowState) -> None:
         if new not in _TRANSITIONS[self.state]:
@@ -238,6 +259,18 @@ class SchedulerStatistics:
     num_decoding: int
     num_queued_tokens: int
     num_steps: int
+    num_prefill_groups: int
+    num_prefill_tokens: int  # padding included: what the prefill forwards processed
+
+
+@attrs.define
+class _Group:
+    """Rows prefilled together (module doc): `done` of `width` columns are prefilled."""
+
+    group_id: int
+    rows: list[str]
+    width: int
+    done: int = 0
 
 
 class SchedulerCore:
@@ -250,11 +283,22 @@ class SchedulerCore:
         prefill_chunk: int,
         eos_token_ids: Iterable[int],
         speculative_methods: Iterable[str] = (),
+        max_step_tokens: int | None = None,
     ) -> None:
+        """`max_step_tokens` None: `max(prefill_chunk, max_batch)` (the module doc)."""
         if max_batch < 1 or prefill_chunk < 1:
             raise ValueError("max_batch and prefill_chunk must be >= 1")
+        if max_step_tokens is None:
+            max_step_tokens = max(prefill_chunk, max_batch)
+        if max_step_tokens < max_batch:
+            raise ValueError(f"max_step_tokens ({max_step_tokens}) must be >= max_batch "
+                             f"({max_batch})")
         self._max_batch = max_batch
         self._prefill_chunk = prefill_chunk
+        self._max_step_tokens = max_step_tokens
+        self._groups: dict[int, _Group] = {}
+        self._next_group = 0
+        self._num_prefill_tokens = 0
         self._eos = frozenset(eos_token_ids)
         self._speculative_methods = frozenset(speculative_methods)
         self._rows: dict[str, _Row] = {}
@@ -376,7 +420,7 @@ class SchedulerCore:
     def schedule(self) -> tuple[StepPlan, list[Event]]:
         """Decide the next step. Rows released here were finished in earlier calls."""
         events: list[Event] = []
-        new_rows = []
+        started = []
         for rid in list(self._queue):
             if len(self._prefilling) + len(self._decoding) >= self._max_batch:
                 break
@@ -387,17 +431,20 @@ class SchedulerCore:
             row.move(RowState.PREFILLING)
             row.row_id = self._free_row_ids.pop()
             self._prefilling.append(row.request_id)
-            new_rows.append(NewRow(request_id=row.request_id, row_id=row.row_id,
-                                   prompt=row.prompt, params=row.params, reuse=row.reuse,
-                                   cached=row.cached, response_format=row.response_format,
-                                   speculative=row.speculative))
+            started.append(row)
             events.append(Started(request_id=row.request_id, row_id=row.row_id,
                                   num_prompt_tokens=len(row.prompt)))
+        self._form_groups(started)
+        new_rows = tuple(NewRow(request_id=row.request_id, row_id=row.row_id,  # type: ignore
+                                prompt=row.prompt, params=row.params, reuse=row.reuse,
+                                cached=row.cached, response_format=row.response_format,
+                                speculative=row.speculative, group=row.group, pad=row.pad)
+                         for row in started)
         chunks, joins = self._plan_prefill()
         plan = StepPlan(
             release=tuple(self._to_release),
             release_tokens=tuple(self._release_tokens.pop(r, ()) for r in self._to_release),
-            new_rows=tuple(new_rows),
+            new_rows=new_rows,
             prefill=tuple(chunks),
             join=tuple(joins),
             decode=tuple(self._decoding),
@@ -406,24 +453,47 @@ class SchedulerCore:
         self._num_steps += 1
         return plan, events
 
+    def _form_groups(self, started: list[_Row]) -> None:
+        """One group for the rows starting from scratch, one per reusing row; rows with
+        nothing to prefill get no group (they join at once)."""
+        fresh = [row for row in started if row.cached == 0 and len(row.prompt) > 1]
+        alone = [[row] for row in started if row.cached > 0 and len(row.prompt) - 1 > row.cached]
+        for rows in ([fresh] if fresh else []) + alone:
+            width = max(len(row.prompt) - 1 - row.cached for row in rows)
+            self._next_group += 1
+            for row in rows:
+                row.group = self._next_group
+                row.pad = width - (len(row.prompt) - 1 - row.cached)
+            self._groups[self._next_group] = _Group(
+                group_id=self._next_group, rows=[row.request_id for row in rows], width=width)
+
     def _plan_prefill(self) -> tuple[list[PrefillChunk], list[str]]:
-        budget = self._prefill_chunk
-        chunks, joins = [], []
-        for rid in list(self._prefilling):
-            row = self._rows[rid]
-            todo = len(row.prompt) - 1 - row.num_prefilled
-            if todo > 0 and budget > 0:
-                n = min(todo, budget)
-                chunks.append(PrefillChunk(request_id=rid, start=row.num_prefilled,
-                                           end=row.num_prefilled + n))
-                row.num_prefilled += n
-                budget -= n
-                todo -= n
-            if todo == 0:
-                row.move(RowState.DECODING)
-                self._prefilling.remove(rid)
-                self._decoding.append(rid)
-                joins.append(rid)
+        budget = self._max_step_tokens - len(self._decoding)
+        chunks: list[PrefillChunk] = []
+        joins = [rid for rid in self._prefilling if self._rows[rid].group == 0]
+        for group in list(self._groups.values()):
+            columns = min(self._prefill_chunk, group.width - group.done,
+                          budget // len(group.rows))
+            if columns <= 0:
+                continue
+            end_col = group.done + columns
+            for rid in group.rows:
+                row = self._rows[rid]
+                start = row.cached + max(0, group.done - row.pad)
+                end = row.cached + max(0, end_col - row.pad)
+                chunks.append(PrefillChunk(request_id=rid, start=start, end=end,
+                                           group=group.group_id, columns=columns))
+                row.num_prefilled = end
+            group.done = end_col
+            budget -= columns * len(group.rows)
+            self._num_prefill_tokens += columns * len(group.rows)
+            if group.done == group.width:
+                del self._groups[group.group_id]
+                joins += group.rows
+        for rid in joins:
+            self._rows[rid].move(RowState.DECODING)
+            self._prefilling.remove(rid)
+            self._decoding.append(rid)
         return chunks, joins
 
     def postprocess(self, result: StepResult) -> list[Event]:
@@ -470,6 +540,11 @@ class SchedulerCore:
             self._queue.remove(row.request_id)
         elif row.state is RowState.PREFILLING:
             self._prefilling.remove(row.request_id)
+            group = self._groups.get(row.group)
+            if group is not None:
+                group.rows.remove(row.request_id)
+                if not group.rows:
+                    del self._groups[row.group]
         else:
             self._decoding.remove(row.request_id)
         if not was_queued:
@@ -497,5 +572,7 @@ class SchedulerCore:
             num_decoding=len(self._decoding),
             num_queued_tokens=sum(len(self._rows[r].prompt) for r in self._queue),
             num_steps=self._num_steps,
+            num_prefill_groups=len(self._groups),
+            num_prefill_tokens=self._num_prefill_tokens,
         )
 

@@ -14,6 +14,13 @@ Random weights (`qwen3-0.6b`, `qwen3-8b`: tools.bench_kv.SHAPES, the real vocabu
 near-tied logits, so token equality is only meaningful with real weights: `--shape bundled`
 (pycoder-draft-4m) or `--model PATH`. The tokenizer is the bundled model's (ids past its
 8,192 decode to nothing; the figures count tokens, not text). Needs a GPU to mean anything.
+
+Greedy equality on real weights in the same command: `--equality-model` (default
+../shared/models/pycoder-29m, relative to the working directory; `bundled` for
+pycoder-draft-4m, `none` to skip) runs --equality-count prompts through tqserve as one
+burst and through BatchGenerator, and the first through stream_generate, and reports
+whether the tokens are identical (`equality` in the JSON). `--max-step-tokens` sets the
+engine's per-step token budget (default: Config's), so one command can sweep it.
 """
 
 from __future__ import annotations
@@ -52,18 +59,47 @@ def _loaded(shape: str, model: str | None, dtype: str) -> Any:
                         context_length=65536)
 
 
-async def _measure(loaded: Any, levels: list[int], prompt_tokens: int, n: int,
-                   repeats: int) -> dict[str, Any]:
+def _config(loaded: Any, top: int, prompt_tokens: int, n: int,
+            max_step_tokens: int | None) -> Any:
+    from tqserve.engine.config import Config
+
+    extra = {} if max_step_tokens is None else {"max_step_tokens": max(max_step_tokens, top,
+                                                                       32)}
+    return Config(model=str(loaded.path), dtype=loaded.dtype, max_batch=max(32, top),
+                  max_queued_requests=max(64, top), max_queued_tokens=max(65536, top *
+                  prompt_tokens), max_tokens_cap=max(4096, n), prefix_cache=False, **extra)
+
+
+async def _equality(path: str, dtype: str, count: int, prompt_tokens: int, n: int,
+                    max_step_tokens: int | None) -> dict[str, Any]:
+    """Greedy tokens of a real model: tqserve burst vs BatchGenerator and stream_generate."""
     import attrs
 
     from tqserve.actors.engine import open_engine
-    from tqserve.engine.config import Config
+    from tqserve.engine.model import DEFAULT_MODEL, load_model
+
+    loaded = load_model(str(DEFAULT_MODEL) if path == "bundled" else path, dtype)
+    loaded = attrs.evolve(loaded, eos_token_ids=frozenset())
+    prompts = make_prompts(loaded.tokenizer, count, prompt_tokens)
+    async with open_engine(_config(loaded, count, prompt_tokens, n, max_step_tokens),
+                           loaded=loaded) as engine:
+        ours = [t.tokens for t in await tq_batch(engine, prompts, n)]
+    batch = [t.tokens for t in mlx_batch(loaded, prompts, n)]
+    single = mlx_stream(loaded, prompts[0], n)[0].tokens
+    return {"model": str(loaded.path), "count": count, "new_tokens": n,
+            "batch_match": ours == batch, "stream_match": ours[0] == single,
+            "rows_differing_from_batch": sum(a != b for a, b in zip(ours, batch))}
+
+
+async def _measure(loaded: Any, levels: list[int], prompt_tokens: int, n: int,
+                   repeats: int, max_step_tokens: int | None = None) -> dict[str, Any]:
+    import attrs
+
+    from tqserve.actors.engine import open_engine
 
     top = max(levels)
     prompts = make_prompts(loaded.tokenizer, top, prompt_tokens)
-    config = Config(model=str(loaded.path), dtype=loaded.dtype, max_batch=max(32, top),
-                    max_queued_requests=max(64, top), max_queued_tokens=max(65536, top *
-                    prompt_tokens), max_tokens_cap=max(4096, n), prefix_cache=False)
+    config = _config(loaded, top, prompt_tokens, n, max_step_tokens)
     no_eos = attrs.evolve(loaded, eos_token_ids=frozenset())
     out: dict[str, Any] = {}
     async with open_engine(config, loaded=no_eos) as engine:
@@ -87,11 +123,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     loaded = _loaded(args.shape, args.model, args.dtype)
     levels = sorted({int(x) for x in args.concurrency.split(",")})
     figures = trio.run(_measure, loaded, levels, args.prompt_tokens, args.new_tokens,
-                       args.repeats)
-    return {"machine": machine(Settings(model=str(loaded.path), dtype=loaded.dtype)),
+                       args.repeats, args.max_step_tokens)
+    equality = None
+    if args.equality_model != "none":
+        equality = trio.run(_equality, args.equality_model, args.dtype, args.equality_count,
+                            args.prompt_tokens, args.new_tokens, args.max_step_tokens)
+    return {"equality": equality,"machine": machine(Settings(model=str(loaded.path), dtype=loaded.dtype)),
             "model": {"shape": args.shape, "path": str(loaded.path), "dtype": loaded.dtype},
             "settings": {"concurrency": levels, "prompt_tokens": args.prompt_tokens,
                          "new_tokens": args.new_tokens, "repeats": args.repeats,
+                         "max_step_tokens": args.max_step_tokens,
                          "greedy": True, "ignore_eos": True},
             "figures": figures}
 
@@ -115,6 +156,11 @@ def table(report: dict[str, Any]) -> str:
                          f"{s['mlx_lm']['median']:.1f} tok/s, ratio {s['ratio']:.2f}, "
                          f"ms/step {1000 / s['tqserve']['median']:.2f} vs "
                          f"{1000 / s['mlx_lm']['median']:.2f}")
+    eq = report.get("equality")
+    if eq is not None:
+        lines.append(f"greedy equality on {eq['model']} ({eq['count']} prompts, "
+                     f"{eq['new_tokens']} tokens): BatchGenerator {eq['batch_match']}, "
+                     f"stream_generate {eq['stream_match']}")
     return "\n".join(lines)
 
 
@@ -131,6 +177,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--prompt-tokens", type=int, default=256, help="tokens of each prompt")
     p.add_argument("--new-tokens", type=int, default=128, help="tokens generated per request")
     p.add_argument("--repeats", type=int, default=3, help="runs per figure (median)")
+    p.add_argument("--max-step-tokens", type=int, default=None,
+                   help="the engine's per-step token budget (default: Config's)")
+    p.add_argument("--equality-model", default="../shared/models/pycoder-29m",
+                   help="real model for the greedy token check (bundled, none, or a path)")
+    p.add_argument("--equality-count", type=int, default=8,
+                   help="prompts of the greedy token check (one burst)")
     p.add_argument("--out", type=Path, default=Path("bench-out/bench_gpu.json"),
                    help="JSON results file")
     args = p.parse_args(argv)

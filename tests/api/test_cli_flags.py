@@ -67,3 +67,13 @@ def test_serve_takes_the_key_from_the_environment_and_prints_the_access_log():
     assert len(access) == 2, err
     assert "status=401" in access[0] and "status=200" in access[1]
     assert "completion_tokens=2" in access[1] and "secret_marker" not in err
+
+
+def test_max_step_tokens_flag_maps_and_is_checked_against_max_batch(capsys):
+    assert serve_config([]).max_step_tokens == 1024
+    assert serve_config(["--max-step-tokens", "2048"]).max_step_tokens == 2048
+    assert main(["serve", "--max-batch", "64", "--max-step-tokens", "32"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--max-step-tokens (32) must be >= --max-batch (64)" in err[0]
+    assert main(["serve", "--max-step-tokens", "0"]) == 2
+    assert "--max-step-tokens must be a positive integer" in capsys.readouterr().err

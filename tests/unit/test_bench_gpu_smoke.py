@@ -9,9 +9,12 @@ def test_bench_gpu_bundled_tiny(tmp_path, capsys):
     out = tmp_path / "gpu.json"
     assert bench_gpu.main(["--shape", "bundled", "--dtype", "float32", "--concurrency", "2,1",
                            "--new-tokens", "4", "--prompt-tokens", "8", "--repeats", "1",
-                           "--out", str(out)]) == 0
+                           "--max-step-tokens", "16", "--equality-model", "bundled",
+                           "--equality-count", "3", "--out", str(out)]) == 0
     report = json.loads(out.read_text())
     assert report["settings"]["concurrency"] == [1, 2]
+    assert report["settings"]["max_step_tokens"] == 16
+    assert report["equality"]["batch_match"] is True and report["equality"]["stream_match"] is True
     figures = report["figures"]
     assert set(figures) == {"c1", "c2"} and "decode_vs_stream" in figures["c1"]
     for fig in figures.values():
@@ -20,4 +23,5 @@ def test_bench_gpu_bundled_tiny(tmp_path, capsys):
             assert fig[name]["tqserve"]["median"] > 0 and fig[name]["mlx_lm"]["median"] > 0
     assert fig["decode"]["ratio"] == (fig["decode"]["tqserve"]["median"]
                                       / fig["decode"]["mlx_lm"]["median"])
-    assert "vs stream_generate" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "vs stream_generate" in printed and "greedy equality" in printed

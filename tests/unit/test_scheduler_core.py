@@ -50,12 +50,52 @@ def test_one_token_prompt_joins_at_once(core):
     assert events[0].index == 0
 
 
-def test_prefill_budget_is_shared_oldest_first(core):
+def test_rows_started_together_prefill_as_one_left_padded_group(core):
     core.add("a", tuple(range(1, 4)), SamplingParams())   # 2 to prefill
     core.add("b", tuple(range(1, 8)), SamplingParams())   # 6 to prefill
     plan, _, _ = step(core)
-    assert [(c.request_id, c.start, c.end) for c in plan.prefill] == [("a", 0, 2), ("b", 0, 2)]
-    assert plan.join == ("a",)
+    assert [(n.request_id, n.group, n.pad) for n in plan.new_rows] == [("a", 1, 4), ("b", 1, 0)]
+    # budget max(prefill_chunk, max_batch) = 4 tokens: 2 columns of the 2-row group
+    assert [(c.request_id, c.start, c.end, c.group, c.columns) for c in plan.prefill] == [
+        ("a", 0, 0, 1, 2), ("b", 0, 2, 1, 2)]
+    plan, _, _ = step(core)
+    assert [(c.request_id, c.start, c.end) for c in plan.prefill] == [("a", 0, 0), ("b", 2, 4)]
+    plan, _, _ = step(core)
+    assert [(c.request_id, c.start, c.end) for c in plan.prefill] == [("a", 0, 2), ("b", 4, 6)]
+    assert plan.join == ("a", "b") and plan.decode == ("a", "b")
+    assert core.statistics().num_prefill_tokens == 12 and core.statistics().num_prefill_groups == 0
+
+
+def test_decoding_rows_take_their_tokens_of_the_budget():
+    core = SchedulerCore(max_batch=4, prefill_chunk=64, max_step_tokens=8, eos_token_ids=[EOS])
+    core.add("a", (1, 2), SamplingParams(max_tokens=50))
+    core.add("b", (1, 2), SamplingParams(max_tokens=50))
+    step(core)  # both prefill their one token and join
+    core.add("c", tuple(range(1, 40)), SamplingParams())
+    plan, _, _ = step(core)
+    assert plan.decode == ("a", "b") and [(c.start, c.end) for c in plan.prefill] == [(0, 6)]
+    with pytest.raises(ValueError, match="max_step_tokens"):
+        SchedulerCore(max_batch=4, prefill_chunk=2, max_step_tokens=3, eos_token_ids=[EOS])
+
+
+@pytest.mark.parametrize("budget", [512, 2048])
+def test_burst_of_unequal_prompts_has_first_tokens_within_the_budgets_steps(budget):
+    """16 prompts of 20..245 tokens arrive at once: one group, 244 padded columns of 16
+    rows; every row has its first token after ceil(16 * 244 / budget) prefill steps."""
+    core = SchedulerCore(max_batch=16, prefill_chunk=512, max_step_tokens=budget,
+                         eos_token_ids=[EOS])
+    lengths = [20 + (i * 97) % 226 for i in range(16)]
+    for i, n in enumerate(lengths):
+        core.add(f"r{i}", tuple(range(1, n + 1)), SamplingParams(max_tokens=4))
+    firsts, steps = set(), 0
+    while len(firsts) < 16:
+        plan, _, events = step(core)
+        steps += 1
+        assert sum(c.columns for c in plan.prefill) <= budget
+        firsts |= {e.request_id for e in events if isinstance(e, TokenOut)}
+    width = max(lengths) - 1
+    assert steps == -(-16 * width // budget) == core.statistics().num_steps
+    assert core.statistics().num_prefill_tokens == 16 * width
 
 
 def test_max_batch_bounds_rows_and_queue_waits(core):
