@@ -89,18 +89,34 @@ def first_token_latency(traces: Sequence[Trace]) -> float:
     return traces[0].times[0] - traces[0].submit
 
 
+def _blas_arg(text: str) -> str:
+    """--blas auto | none | PATH (engine.blas.resolve); a bad path is a one-line usage error."""
+    try:
+        return blas.resolve(text) or "none"
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def add_blas_flag(p: argparse.ArgumentParser) -> None:
     """The --blas flag every CPU bench shares (see `load_blas`)."""
-    p.add_argument("--blas", default=None, help="optimized BLAS loaded before mlx, e.g. "
-                   "/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3")
+    p.add_argument("--blas", default=None, type=_blas_arg,
+                   help="optimized BLAS loaded before mlx: auto (the system's OpenBLAS if "
+                        "found), none, or a path, e.g. "
+                        "/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 (default: "
+                        "MLX's bundled reference BLAS)")
 
 
 def load_blas(path: str | None) -> str:
-    """Load an optimized BLAS with RTLD_GLOBAL before mlx; return what the JSON records."""
-    if path is None:
+    """Load an optimized BLAS with RTLD_GLOBAL before mlx; return what the JSON records.
+    A file that is not a loadable library is a one-line error, exit 2."""
+    if path is None or path == "none":
         preload = os.environ.get("LD_PRELOAD")
         return f"LD_PRELOAD={preload}" if preload else "reference"
-    blas.load(path)
+    try:
+        blas.load(path)
+    except ValueError as exc:
+        print(f"{Path(sys.argv[0]).name}: error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
     return path
 
 

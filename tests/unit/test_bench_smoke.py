@@ -4,9 +4,13 @@ No wall-clock assertions (DESIGN.md §5): only that both sides ran and were meas
 """
 
 import json
+import subprocess
+import sys
+
+import pytest
 
 from tqserve.engine.model import DEFAULT_MODEL
-from tqserve.tools.bench import FIGURES, QUICK, main
+from tqserve.tools.bench import FIGURES, QUICK, build_parser, main
 
 
 def test_quick_bench_writes_every_figure(tmp_path, capsys):
@@ -31,3 +35,20 @@ def test_quick_bench_writes_every_figure(tmp_path, capsys):
         assert figure["ratio"] > 0
         assert figure["outputs_match"] is True, (name, figure)
     assert "aggregate decode tok/s (x2)" in capsys.readouterr().out
+
+
+def test_blas_flag_takes_auto_none_or_a_library_and_refuses_the_rest(tmp_path, capsys):
+    """`--blas` speaks serve's words (auto | none | PATH); a bad value is one line, exit 2
+    (it was a traceback: the bench passed "auto" to the loader as a path)."""
+    parser = build_parser()
+    assert parser.parse_args(["--blas", "none"]).blas == "none"
+    assert parser.parse_args(["--blas", "auto"]).blas is not None  # a library, or "none"
+    with pytest.raises(SystemExit) as exited:
+        parser.parse_args(["--blas", str(tmp_path / "missing.so")])
+    assert exited.value.code == 2 and "no such file" in capsys.readouterr().err
+    not_a_library = tmp_path / "fake.so"
+    not_a_library.write_text("not ELF")
+    run = subprocess.run([sys.executable, "-m", "tqserve.tools.bench", "--quick", "--blas",
+                          str(not_a_library)], capture_output=True, text=True, timeout=120)
+    err = run.stderr.strip().splitlines()
+    assert run.returncode == 2 and len(err) == 1 and "--blas: cannot load" in err[0], run.stderr
