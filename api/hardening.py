@@ -33,6 +33,7 @@ import hypercorn.protocol
 import hypercorn.protocol.h11
 import trio
 from hypercorn.config import Config as HypercornConfig
+from hypercorn.config import Sockets
 from hypercorn.protocol.events import Request, StreamClosed
 from hypercorn.protocol.h11 import H11Protocol
 from hypercorn.protocol.ws_stream import FrameTooLargeError, WSStream
@@ -160,3 +161,31 @@ def install() -> None:
     """Put the subclasses in place of hypercorn's (idempotent)."""
     hypercorn.protocol.H11Protocol = LimitedH11Protocol  # type: ignore[misc]
     hypercorn.protocol.h11.WSStream = LimitedWSStream  # type: ignore[misc]
+
+
+def listen_hardened(host: str, port: int, *, hard_message_bytes: int, request_timeout: float,
+                    ws_message_timeout: float, app_queue: int | None = None
+                    ) -> tuple[LimitedConfig, Sockets]:
+    """A hardened hypercorn config and its bound, listening sockets (the server's and the
+    router's). `hard_message_bytes`: a WebSocket message over it closes 1009;
+    `request_timeout`: hypercorn's idle timer; `app_queue`: messages queued for the app
+    (hypercorn's default when None). ValueError naming host:port when the address is
+    taken or invalid."""
+    install()
+    hc = LimitedConfig()
+    hc.bind = [f"{host}:{port}"]
+    hc.websocket_max_message_size = hard_message_bytes
+    if app_queue is not None:
+        hc.max_app_queue_size = app_queue
+    hc.keep_alive_timeout = request_timeout
+    hc.ws_message_timeout = ws_message_timeout
+    hc.accesslog = None
+    hc.loglevel = "WARNING"  # hypercorn's "Running on" lines: the CLIs print their own
+    hc.graceful_timeout = 1.0
+    try:
+        sockets = hc.create_sockets()
+        for sock in sockets.insecure_sockets:
+            sock.listen(hc.backlog)
+    except OSError as exc:
+        raise ValueError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from exc
+    return hc, sockets

@@ -21,7 +21,7 @@ import trio
 
 from tqserve.actors.engine import ShutdownReport, open_engine
 from tqserve.api.app import Connections, create_app
-from tqserve.api.hardening import LimitedConfig, install
+from tqserve.api.hardening import listen_hardened
 from tqserve.engine.config import Config
 from tqserve.engine.model import LoadedModel
 
@@ -46,24 +46,10 @@ CLOSE_GRACE = 5.0  # seconds the sockets get to flush their last frames and clos
 def listen(config: Config) -> tuple[HypercornConfig, Sockets]:
     """hypercorn's config and the bound, listening sockets; ValueError naming host:port
     when the address is taken or invalid (so callers can fail before loading a model)."""
-    install()
-    hc = LimitedConfig()
-    hc.bind = [f"{config.host}:{config.port}"]
-    hc.websocket_max_message_size = hard_message_bytes(config)
-    hc.max_app_queue_size = APP_QUEUE
-    hc.keep_alive_timeout = REQUEST_TIMEOUT
-    hc.ws_message_timeout = config.ws_message_timeout
-    hc.accesslog = None
-    hc.loglevel = "WARNING"  # hypercorn's "Running on" lines: the CLI prints its own
-    hc.graceful_timeout = 1.0
-    try:
-        sockets = hc.create_sockets()
-        for sock in sockets.insecure_sockets:
-            sock.listen(hc.backlog)
-    except OSError as exc:
-        raise ValueError(f"cannot listen on {config.host}:{config.port}: "
-                         f"{exc.strerror or exc}") from exc
-    return hc, sockets
+    return listen_hardened(config.host, config.port,
+                           hard_message_bytes=hard_message_bytes(config),
+                           request_timeout=REQUEST_TIMEOUT,
+                           ws_message_timeout=config.ws_message_timeout, app_queue=APP_QUEUE)
 
 
 async def serve(config: Config, *, loaded: LoadedModel | None = None,

@@ -31,7 +31,7 @@ from quart import Response, jsonify, request, websocket
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
-from tqserve.api.hardening import LimitedConfig, install
+from tqserve.api.hardening import listen_hardened
 from tqserve.api.router import http
 from tqserve.api.router.core import HealthEvent
 from tqserve.api.router.metrics import exposition
@@ -184,22 +184,9 @@ async def serve_router(config: RouterConfig, *, shutdown_trigger: trio.Event | N
                        task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> Router:
     """Run the router until `shutdown_trigger` (forever without one); report its URL once
     the first round of health checks is done. Returns the Router (its statistics)."""
-    install()
-    hc = LimitedConfig()  # the server's hardening of hypercorn (api.hardening)
-    hc.bind = [f"{config.host}:{config.port}"]
-    hc.accesslog = None
-    hc.loglevel = "WARNING"
-    hc.graceful_timeout = 1.0
-    hc.websocket_max_message_size = 2 * config.max_message_bytes + (64 << 10)
-    hc.keep_alive_timeout = REQUEST_TIMEOUT
-    hc.ws_message_timeout = WS_MESSAGE_TIMEOUT
-    try:
-        sockets = hc.create_sockets()
-        for sock in sockets.insecure_sockets:
-            sock.listen(hc.backlog)
-    except OSError as exc:
-        raise ValueError(f"cannot listen on {config.host}:{config.port}: "
-                         f"{exc.strerror or exc}") from exc
+    hc, sockets = listen_hardened(  # the server's hardening of hypercorn (api.hardening)
+        config.host, config.port, hard_message_bytes=2 * config.max_message_bytes + (64 << 10),
+        request_timeout=REQUEST_TIMEOUT, ws_message_timeout=WS_MESSAGE_TIMEOUT)
     limits = httpx.Limits(max_connections=HTTP_CONNECTIONS)
     async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(None, connect=5.0)) as client:
         async with trio.open_nursery() as nursery:
