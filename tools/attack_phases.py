@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import random
-import socket
 import subprocess
 import sys
 import time
@@ -278,16 +277,7 @@ async def phase_overload(port: int, count: int) -> dict[str, Any]:
 
 
 async def phase_slow(port: int, streams: int, max_tokens: int) -> dict[str, Any]:
-    sock = trio.socket.socket()
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a small window, never read
-    await sock.connect(("127.0.0.1", port))
-    stream = trio.SocketStream(sock)
-    await stream.send_all(b"GET /v1/stream HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\n"
-                          b"Connection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
-                          b"Sec-WebSocket-Version: 13\r\n\r\n")
-    head = b""
-    while b"\r\n\r\n" not in head:
-        head += await stream.receive_some(4096)
+    stream, _ = await connect(port, receive_buffer=4096)  # a small window, never read
     before = await stats(port)
     for i in range(streams):
         req = {"type": "generate", "id": f"s{i}", "prompt": "import os\n", "temperature": 0,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import os
+import socket
 import struct
 import zlib
 
@@ -50,9 +51,18 @@ def deflate_bomb(inflated: int, chunk: int = 1 << 20) -> bytes:
 
 
 async def connect(port: int, *, path: str = "/v1/stream", extensions: str | None = None,
-                  host: str = "127.0.0.1") -> tuple[trio.SocketStream, bytes]:
-    """Open a TCP connection and do the WebSocket handshake; returns (stream, response head)."""
-    stream = await trio.open_tcp_stream(host, port)
+                  host: str = "127.0.0.1", receive_buffer: int | None = None
+                  ) -> tuple[trio.SocketStream, bytes]:
+    """Open a TCP connection and do the WebSocket handshake; returns (stream, response head).
+    `receive_buffer`: SO_RCVBUF set before connecting (a small window: a client that stops
+    reading fills it quickly)."""
+    if receive_buffer is None:
+        stream = await trio.open_tcp_stream(host, port)
+    else:
+        sock = trio.socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, receive_buffer)
+        await sock.connect((host, port))
+        stream = trio.SocketStream(sock)
     key = base64.b64encode(os.urandom(16)).decode()
     lines = [f"GET {path} HTTP/1.1", f"Host: {host}:{port}", "Upgrade: websocket",
              "Connection: Upgrade", f"Sec-WebSocket-Key: {key}", "Sec-WebSocket-Version: 13"]

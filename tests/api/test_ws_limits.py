@@ -9,7 +9,6 @@ its socket is still open.
 from __future__ import annotations
 
 import json
-import socket
 
 import httpx
 import trio
@@ -19,7 +18,7 @@ from tqserve.engine.sampling import MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_T
 from tests.api.wsclient import (LONG_PROMPT, STATS_POLL_SLEEP, Session, assert_well_formed,
                                 stats)
 from tests.conftest import start_server
-from tqserve.tools.rawws import OP_TEXT, frame
+from tqserve.tools.rawws import OP_TEXT, connect, frame
 
 INT_EDGES = (-2**64, -2**63 - 1, -2**63, -1, 0, 1, 8191, 8192, 2**31 - 1, 2**31, 2**32,
              2**53 + 1, 2**63 - 1, 2**63, 2**64 - 1, 2**64, 10**30)
@@ -112,17 +111,8 @@ async def test_request_size_limits_name_the_field(nursery, draft_model):
 async def test_a_client_that_stops_reading_has_its_rows_cancelled(nursery, draft_model):
     server = await start_server(nursery, draft_model, stream_buffer=8, max_tokens_cap=8000)
     max_tokens = 6000
-    sock = trio.socket.socket()
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connect: small window
     port = int(server.url.rsplit(":", 1)[1])
-    await sock.connect(("127.0.0.1", port))
-    stream = trio.SocketStream(sock)
-    await stream.send_all(b"GET /v1/stream HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\n"
-                          b"Connection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
-                          b"Sec-WebSocket-Version: 13\r\n\r\n")
-    head = b""
-    while b"\r\n\r\n" not in head:
-        head += await stream.receive_some(4096)
+    stream, head = await connect(port, receive_buffer=4096)  # a small window
     assert head.startswith(b"HTTP/1.1 101"), head
     for i in range(8):
         request = {"type": "generate", "id": f"s{i}", "prompt": LONG_PROMPT,
