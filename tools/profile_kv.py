@@ -3,9 +3,13 @@ affine KV, timed in isolation on the current device.
 
     python -m tqserve.tools.profile_kv --contexts 8192,32768 --out bench-out/profile_kv.json
 
-Each piece is called `--layers` times (independent calls on distinct caches, like a
-model's layers) inside ONE evaluated graph, and that is repeated; the median per-call time (host graph building,
-launches and device time together) is reported in microseconds. Shapes are one Qwen3-8B
+Each piece is called `--layers` times on distinct caches inside ONE evaluated graph, and
+that is repeated; the median per-call time (host graph building, launches and device time
+together) is reported in microseconds. Attention calls are chained as a model's layers
+are (each call's query depends on the previous call's output, `q + 0 * out`; the chain's
+own cost, measured alone, is subtracted): independent calls in one graph may run
+concurrently on MLX-CUDA, which overlaps them (too fast a figure) and, for the TurboQuant
+kernel, shares its split counters between concurrent launches (cuda_decode docstring). Shapes are one Qwen3-8B
 layer: 32 query heads, 8 KV heads, head dim 128, bf16 queries, one row (--rows more).
 Needs only MLX and engine/.
 """
@@ -32,6 +36,30 @@ def _time(fn: Callable[[int], Any], layers: int, repeats: int) -> float:
     return statistics.median(runs)
 
 
+def _time_chained(attend: Callable[[int, Any], Any], q: Any, layers: int,
+                  repeats: int) -> float:
+    """Per-call microseconds of `attend(i, query)` chained through the query as a model's
+    layers are, less the cost of the chaining op itself."""
+    import mlx.core as mx
+
+    def chain(step: Callable[[int, Any], Any]) -> Any:
+        x = q
+        for i in range(layers):
+            x = q + 0 * step(i, x)
+        return x
+
+    def timed(step: Callable[[int, Any], Any]) -> float:
+        mx.eval(chain(step))  # warm (JIT compiles)
+        runs = []
+        for _ in range(repeats):
+            tic = time.perf_counter()
+            mx.eval(chain(step))
+            runs.append((time.perf_counter() - tic) / layers * 1e6)
+        return statistics.median(runs)
+
+    return max(timed(attend) - timed(lambda i, x: x), 0.0)
+
+
 def profile(context: int, rows: int, layers: int, repeats: int) -> dict[str, float]:
     """Microseconds per call of each piece at `context` positions."""
     import mlx.core as mx
@@ -48,8 +76,8 @@ def profile(context: int, rows: int, layers: int, repeats: int) -> dict[str, flo
     q = mx.random.normal((rows, heads, 1, d), key=mx.random.key(1)).astype(dt)
     new = mx.random.normal((rows, kv_heads, 1, d), key=mx.random.key(2)).astype(dt)
     out: dict[str, float] = {}
-    out["plain sdpa"] = _time(lambda i: mx.fast.scaled_dot_product_attention(
-        q, ks[i], ks[i], scale=scale), layers, repeats)
+    out["plain sdpa"] = _time_chained(lambda i, x: mx.fast.scaled_dot_product_attention(
+        x, ks[i], ks[i], scale=scale), q, layers, repeats)
     caches, fetched = [], []
     for k in ks:
         cache = TurboQuantKVCache(4, 4, d, fused_decode=True)
@@ -66,24 +94,24 @@ def profile(context: int, rows: int, layers: int, repeats: int) -> dict[str, flo
         lambda i: vcodec.unrotate(codec.rotate(q.astype(mx.float32))).astype(dt),
         layers, repeats)
     out["tq attention, compiled ops"] = _with_env(
-        cuda_decode.KERNEL_ENV, "0", lambda: _time(
-            lambda i: attention._fused_attention(q, fetched[i], scale), layers, repeats))
+        cuda_decode.KERNEL_ENV, "0", lambda: _time_chained(
+            lambda i, x: attention._fused_attention(x, fetched[i], scale), q, layers, repeats))
     if cuda_decode.available(d, heads // kv_heads):
         out["tq encode kernel (K+V)"] = _time(
             lambda i: cuda_decode.encode(new, new, codec, vcodec), layers, repeats)
-        out["tq attention kernel"] = _time(
-            lambda i: cuda_decode.decode_attention(q, fetched[i], scale), layers, repeats)
-        out["tq layer: encode + append + attention"] = _time(
-            lambda i: attention._fused_attention(
-                q, caches[i].update_and_fetch(new, new)[0], scale), layers, repeats)
+        out["tq attention kernel"] = _time_chained(
+            lambda i, x: cuda_decode.decode_attention(x, fetched[i], scale), q, layers, repeats)
+        out["tq layer: encode + append + attention"] = _time_chained(
+            lambda i, x: attention._fused_attention(
+                x, caches[i].update_and_fetch(new, new)[0], scale), q, layers, repeats)
     del caches, fetched
     affine = AffineKVCache(8, 64)
     filler = mx.random.normal((rows, kv_heads, context, d), key=mx.random.key(3)).astype(dt)
     affine.update_and_fetch(filler, filler)
     ak, av = affine.update_and_fetch(new, new)
     mx.eval(ak, av)
-    out["affine8 dequantize + sdpa"] = _time(
-        lambda i: attention.affine_sdpa(q, ak, av, scale, None, 64, 8), layers, repeats)
+    out["affine8 dequantize + sdpa"] = _time_chained(
+        lambda i, x: attention.affine_sdpa(x, ak, av, scale, None, 64, 8), q, layers, repeats)
     return out
 
 
