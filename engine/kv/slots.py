@@ -43,12 +43,19 @@ def _offsets(lengths: tuple[int, ...]) -> mx.array:
 
 
 @functools.lru_cache(maxsize=STEP_ARRAYS_KEPT)
-def _write_index(lengths: tuple[int, ...], length: int) -> tuple[mx.array, mx.array]:
-    """(rows (n, 1), positions (n, length)) where a step writes `length` new positions
-    after `lengths`. Every layer's cache of a step asks for the same ones: built once per
-    step instead of once per layer (an upload and three small kernels less per layer)."""
-    rows = mx.arange(len(lengths))[:, None]
-    return rows, _offsets(lengths)[:, None] + mx.arange(length)[None, :]
+def _write_index(lengths: tuple[int, ...], length: int,
+                 heads: int) -> tuple[mx.array, mx.array, mx.array]:
+    """Index arrays (rows, heads, length) of the `length` new positions after `lengths`,
+    for a scatter of keys (rows, heads, length, dim) as they come. Every layer of a step
+    asks for the same ones: built once per step, not per layer; full uint32 indices
+    leave the scatter no conversions to add (3 ops per write instead of 11)."""
+    shape = (len(lengths), heads, length)
+    rows = mx.arange(len(lengths), dtype=mx.uint32)[:, None, None]
+    head = mx.arange(heads, dtype=mx.uint32)[None, :, None]
+    pos = (_offsets(lengths).astype(mx.uint32)[:, None, None]
+           + mx.arange(length, dtype=mx.uint32)[None, None, :])
+    return (mx.broadcast_to(rows, shape), mx.broadcast_to(head, shape),
+            mx.broadcast_to(pos, shape))
 
 
 def retire_order(num_rows: int, gone: Sequence[int]) -> list[int]:
@@ -125,9 +132,9 @@ class RowSlotsKVCache(_BaseCache):
             self.keys[:n, :, first:end] = keys
             self.values[:n, :, first:end] = values
         else:
-            rows, pos = _write_index(tuple(self.lengths), length)
-            self.keys[rows, :, pos] = keys.transpose(0, 2, 1, 3)
-            self.values[rows, :, pos] = values.transpose(0, 2, 1, 3)
+            rows, head, pos = _write_index(tuple(self.lengths), length, keys.shape[1])
+            self.keys[rows, head, pos] = keys
+            self.values[rows, head, pos] = values
         self._set_lengths([p + length for p in self.lengths])
         return self.keys[:n, :, :end], self.values[:n, :, :end]
 
