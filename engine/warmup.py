@@ -8,6 +8,9 @@ decode batch bucket (1, 2, 4, ... up to max_batch, and max_batch itself): each b
 prefills as one group under the engine's own --prefill-chunk and --max-step-tokens (the
 group shapes a burst of that size meets) and decodes a few steps at that batch size, half
 of its rows greedy and half sampled (top-p, seeded: the sampling chain's sort and noise).
+Every second row's prompt is one token shorter, so batches of two or more rows decode with
+the attention mask of uneven lengths and a single row without one (engine.kv.slots): both
+attention paths are warmed.
 Then the runner is reset: no row, no KV and no snapshot is left behind, and every
 request served afterwards gets the same tokens as without warm-up.
 
@@ -76,7 +79,7 @@ def warm_up(runner: Runner, *, max_batch: int, prefill_chunk: int, max_step_toke
                 params = SamplingParams(max_tokens=WARMUP_NEW_TOKENS, temperature=0.0) \
                     if i % 2 == 0 else SamplingParams(max_tokens=WARMUP_NEW_TOKENS,
                                                       temperature=0.8, top_p=0.95, seed=i)
-                core.add(f"warmup-{size}-{i}", prompt, params)
+                core.add(f"warmup-{size}-{i}", prompt[:len(prompt) - i % 2], params)
             while core.has_work():
                 plan, _ = core.schedule()
                 core.postprocess(runner.execute(plan))

@@ -12,6 +12,7 @@ import trio
 from tqserve.actors.engine import open_engine
 from tqserve.actors.messages import Token
 from tqserve.engine.config import Config
+from tqserve.engine.kv.slots import RowSlotsKVCache
 from tqserve.engine.request import GenerateRequest
 from tqserve.engine.runner import Runner
 from tqserve.engine.sampling import SamplingParams
@@ -33,20 +34,32 @@ def test_buckets_and_setting():
         Config(warmup="always")
 
 
-def test_warm_up_runs_each_bucket_and_leaves_the_runner_empty(draft_model):
+def test_warm_up_runs_each_bucket_and_leaves_the_runner_empty(draft_model, monkeypatch):
     runner = Runner(draft_model.model)
     lines: list[str] = []
+    decode_masks: set[bool] = set()  # whether decode steps attended with a mask
+    make_mask = RowSlotsKVCache.make_mask
+
+    def recording(self, N, **kwargs):
+        mask = make_mask(self, N, **kwargs)
+        if N == 1:
+            decode_masks.add(mask is not None)
+        return mask
+
+    monkeypatch.setattr(RowSlotsKVCache, "make_mask", recording)
     report = warm_up(runner, max_batch=5, prefill_chunk=16, max_step_tokens=64,
                      vocab_size=draft_model.vocab_size, progress=lines.append)
     assert report.batches == (1, 2, 4, 5)
     rows = sum(report.batches)
-    # every prompt position once (prefill, then each row's one-position joins) and one
-    # position per decode step of each row after its first token
-    assert report.num_forward_tokens >= rows * (WARMUP_PROMPT_TOKENS + WARMUP_NEW_TOKENS - 2)
+    # every prompt position once (prefill, then each row's one-position joins; every
+    # second prompt one token shorter) and one position per decode step of each row
+    # after its first token
+    assert report.num_forward_tokens >= rows * (WARMUP_PROMPT_TOKENS + WARMUP_NEW_TOKENS - 3)
     assert report.num_steps > len(report.batches) * WARMUP_NEW_TOKENS
     assert [line.split(",")[0] for line in lines] == [
         "warm-up: batch 1 (1/4)", "warm-up: batch 2 (2/4)", "warm-up: batch 4 (3/4)",
         "warm-up: batch 5 (4/4)", "warm-up: done"]
+    assert decode_masks == {True, False}  # both attention paths ran
     stats = runner.statistics()
     assert (stats.num_rows, stats.num_batch_rows, stats.kv_bytes, stats.num_snapshots) == \
         (0, 0, 0, 0)
