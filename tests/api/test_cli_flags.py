@@ -82,8 +82,9 @@ def test_max_step_tokens_flag_maps_and_is_checked_against_max_batch(capsys):
 def test_warmup_flag_maps_and_a_bad_value_is_a_one_line_error(capsys):
     assert serve_config([]).warmup == "auto"
     assert serve_config(["--warmup", "on"]).warmup == "on"
-    assert _config(build_parser().parse_args(["generate", "--prompt", "x", "--warmup", "off"])
-                   ).warmup == "off"
+    generate = ["generate", "--prompt", "x"]
+    assert _config(build_parser().parse_args(generate)).warmup == "off"  # one request
+    assert _config(build_parser().parse_args([*generate, "--warmup", "auto"])).warmup == "auto"
     with pytest.raises(SystemExit) as exc:
         main(["serve", "--warmup", "sometimes"])
     assert exc.value.code == 2
