@@ -7,8 +7,9 @@ lives in slot i with its own length `lengths[i]`, its KV LEFT-aligned at positio
 
 * a step's new positions are written per row at [lengths[i], lengths[i] + L) (one
   scatter; one slice update when all rows have the same length, e.g. a single row: the
-  same ops as mlx-lm's KVCache, and then no mask either), and attention reads positions [0, max length) with a mask that keeps, for
-  each row, the positions below its own length (plus causality inside the block);
+  same ops as mlx-lm's KVCache, and then no mask either), and attention reads positions
+  [0, max length) with a mask that keeps, for each row, the positions below its own
+  length (plus causality inside the block);
   RoPE takes the per-row offsets (`offset` is the lengths as an array);
 * joining (`extend`) writes only the joining rows into free slots [n, n + m);
 * retiring (`filter(keep)`) moves only the rows whose slot changes: the runner keeps

@@ -84,7 +84,8 @@ def test_warmup_flag_maps_and_a_bad_value_is_a_one_line_error(capsys):
     assert serve_config(["--warmup", "on"]).warmup == "on"
     generate = ["generate", "--prompt", "x"]
     assert _config(build_parser().parse_args(generate)).warmup == "off"  # one request
-    assert _config(build_parser().parse_args([*generate, "--warmup", "auto"])).warmup == "auto"
+    generate_auto = build_parser().parse_args([*generate, "--warmup", "auto"])
+    assert _config(generate_auto).warmup == "auto"
     with pytest.raises(SystemExit) as exc:
         main(["serve", "--warmup", "sometimes"])
     assert exc.value.code == 2
