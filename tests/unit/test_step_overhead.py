@@ -1,14 +1,17 @@
-"""Per-step host work: the ops a decode step builds. Rows of equal length (a single row,
-a burst of equal prompts) decode in slots with no more ops than mlx-lm's KVCache (one
-slice update per layer, no mask); uneven rows with fewer than mlx-lm's BatchKVCache."""
+"""Per-step host work: the ops a decode step builds (tools.step_ops). Rows of equal length
+(a single row, a burst of equal prompts) decode in slots with no more ops than mlx-lm's
+KVCache (one slice update per layer, no mask); uneven rows with fewer than mlx-lm's
+BatchKVCache."""
 
-import io
-import re
+import json
 
 import mlx.core as mx
-from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
+import pytest
+from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from tqserve.engine.kv.slots import RowSlotsKVCache
+from tqserve.engine.model import DEFAULT_MODEL
+from tqserve.tools.step_ops import main, measure
 
 H, D = 2, 8
 
@@ -51,47 +54,27 @@ def test_single_row_slots_decode_matches_mlx_lm_bit_for_bit(draft_model):
         token = mx.argmax(want, axis=-1)[:, None]
 
 
-def _num_ops(arrays: list[mx.array]) -> int:
-    """Primitives in the lazy graph of `arrays` (each a kernel or view MLX must build)."""
-    dot = io.StringIO()
-    mx.export_to_dot(dot, *arrays)
-    return len(re.findall(r"shape=rectangle", dot.getvalue()))
-
-
-def _prefilled(model, lengths):
-    rows = []
-    for i, n in enumerate(lengths):
-        cache = make_prompt_cache(model)
-        model(mx.array([[(7 * i + j) % 500 + 2 for j in range(n)]]), cache=cache)
-        mx.eval([c.state for c in cache])
-        rows.append(cache)
-    return rows
-
-
-def _decode_ops(model, cache, num_rows: int) -> int:
-    logits = model(mx.array([[5]] * num_rows), cache=cache)[:, -1]
-    return _num_ops([logits, *[a for c in cache for a in (c.keys, c.values)]])
-
-
 def test_a_decode_step_in_slots_builds_no_more_ops_than_mlx_lm(draft_model):
-    model = draft_model.model
-    mx.eval(model.parameters())
-
-    def slots(rows):
-        out = [RowSlotsKVCache.merge([r[layer] for r in rows]) for layer in range(len(rows[0]))]
-        mx.eval([a for c in out for a in (c.keys, c.values)])
-        return out
-
-    (single,) = _prefilled(model, [12])
-    assert _decode_ops(model, slots([single]), 1) <= _decode_ops(model, single, 1)
-    ours = {}
-    for lengths in ([12] * 4, [12, 9, 15, 4]):
-        rows = _prefilled(model, lengths)
-        ours[len(set(lengths))] = _decode_ops(model, slots(rows), 4)
-        batch = [BatchKVCache.merge([r[layer] for r in rows]) for layer in range(len(rows[0]))]
-        theirs = _decode_ops(model, batch, 4)
-        assert ours[len(set(lengths))] < theirs, (lengths, ours, theirs)
+    ops = measure(draft_model.model, 4)
+    assert list(ops) == ["single", "B4 equal", "B4 uneven"]
+    assert ops["single"]["tqserve"] <= ops["single"]["mlx_lm"], ops
+    assert ops["B4 equal"]["tqserve"] < ops["B4 equal"]["mlx_lm"], ops
+    assert ops["B4 uneven"]["tqserve"] < ops["B4 uneven"]["mlx_lm"], ops
     # equal lengths: the ops of a single row; uneven ones add the mask and, per layer, the
     # scatter of keys and values (3 ops each, their index arrays shared by all layers)
-    assert ours[1] == _decode_ops(model, slots([single]), 1)
-    assert ours[4] - ours[1] <= 20 * len(single), ours
+    assert ops["B4 equal"]["tqserve"] == ops["single"]["tqserve"], ops
+    extra = ops["B4 uneven"]["tqserve"] - ops["B4 equal"]["tqserve"]
+    assert 0 < extra <= 20 * draft_model.num_layers, ops
+
+
+def test_step_ops_tool_writes_the_counts(tmp_path, capsys):
+    out = tmp_path / "ops.json"
+    assert main(["--model", str(DEFAULT_MODEL), "--batch", "3", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["model"] == DEFAULT_MODEL.name and report["dtype"] == "float32"
+    assert set(report["ops"]) == {"single", "B3 equal", "B3 uneven"}
+    assert all(v["tqserve"] > 0 and v["mlx_lm"] > 0 for v in report["ops"].values())
+    assert "B3 uneven: tqserve" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exc:
+        main(["--batch", "1"])
+    assert exc.value.code == 2
