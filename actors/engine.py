@@ -37,6 +37,9 @@ admission_replies is sized for one Dequeued per queued request (send_nowait), an
 Cancels (a stream overflowed, or its text met a stop string) are sent by a task of their
 own (`run_hub_cancels`), never by delivery; the ids waiting are at most the open streams.
 
+With --warmup (auto: on a GPU only) the runner first runs every decode batch size once
+(engine.warmup: a private scheduler core, then a reset), before any actor starts.
+
 The prefix cache (actors.prefix_cache) runs in the scheduler's task; with --cache-dir its
 SSD tier is recovered (verified, quarantined, indexed) before the first request. The
 writer task lives outside the actors' nursery: leaving `open_engine` stops the actors
@@ -52,6 +55,7 @@ the row is freed within a step or two.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import uuid
@@ -85,6 +89,7 @@ from tqserve.engine.runner import Runner
 from tqserve.engine.scheduler import SchedulerCore
 from tqserve.engine.snapshot import PlaneLayout
 from tqserve.engine.structured import GrammarMasks
+from tqserve.engine.warmup import wanted, warm_up
 from tqserve.storage import SsdTier
 
 log = logging.getLogger("tqserve.engine")
@@ -347,6 +352,11 @@ async def open_engine(config: Config, *, loaded: LoadedModel | None = None,
         runner = Runner(loaded.model, make_cache,
                         GrammarMasks(tokenizer, loaded.vocab_size, loaded.eos_token_ids),
                         speculator)
+        if await thread.call(wanted, config.warmup):
+            await thread.call(functools.partial(
+                warm_up, runner, max_batch=config.max_batch,
+                prefill_chunk=config.prefill_chunk, max_step_tokens=config.max_step_tokens,
+                vocab_size=loaded.vocab_size, progress=logging.getLogger("tqserve.warmup").info))
         control = AdmissionControl(max_queued_requests=config.max_queued_requests,
                                    max_queued_tokens=config.max_queued_tokens)
         books = RowBooks()

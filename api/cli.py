@@ -98,6 +98,11 @@ def _config_flags(p: argparse.ArgumentParser, *, server: bool) -> None:
                         "--turboquant wins if both are given (default: off)")
     p.add_argument("--kv-group-size", type=int, choices=KV_GROUP_SIZES,
                    default=defaults.kv_group_size, help="elements per scale/bias of --kv-quant")
+    p.add_argument("--warmup", choices=("auto", "on", "off"),
+                   default=defaults.warmup if server else "off",
+                   help="run each decode batch size (1, 2, 4, ... --max-batch) once at start, "
+                        "so first requests do not pay for kernel compiles; auto: on a GPU "
+                        "only" + ("" if server else " (generate runs one request: off)"))
     p.add_argument("--speculative", choices=("draft", "mtp", "lookup"), default=None,
                    help="speculative decoding inside the batch: draft model, the target's "
                         "MTP head, or prompt lookup (default: off; requests may opt out)")
@@ -253,6 +258,7 @@ async def _serve(config: Config, blas_line: str | None = None, record: str | Non
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
     logging.getLogger("tqserve.prefix").setLevel(logging.INFO)
     logging.getLogger("tqserve.access").setLevel(logging.INFO)
+    logging.getLogger("tqserve.warmup").setLevel(logging.INFO)
     listening = listen(config)  # a taken port fails here, before the model loads
     trigger = trio.Event()
     received: list[int] = []

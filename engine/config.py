@@ -103,6 +103,14 @@ def _num_speculative(inst: object, attr: attrs.Attribute, value: int) -> None:
         raise ValueError(f"{_flag(attr)} must be an integer in [1, 16], got {value!r}")
 
 
+def _warmup(inst: object, attr: attrs.Attribute, value: str) -> None:
+    if value not in WARMUP_CHOICES:
+        raise ValueError(f"--warmup must be one of {', '.join(WARMUP_CHOICES)}, got {value!r}")
+
+
+WARMUP_CHOICES = ("auto", "on", "off")
+
+
 @attrs.frozen(kw_only=True)
 class Config:
     """Engine and server settings (defaults suit a laptop and the bundled model)."""
@@ -137,6 +145,9 @@ class Config:
     quantized_kv_start: int = attrs.field(default=0, validator=_non_negative)
     kv_quant: int | None = attrs.field(default=None, validator=_kv_quant)
     kv_group_size: int = attrs.field(default=64, validator=_kv_group_size)
+    # Run every decode batch bucket once at start (engine.warmup): auto = on a GPU only,
+    # where first shapes compile kernels; on the CPU there is nothing to compile.
+    warmup: str = attrs.field(default="auto", validator=_warmup)
     # Prefix cache (DESIGN.md 3.3): RAM tier budget; the SSD tier only with cache_dir.
     prefix_cache: bool = True
     ram_cache_bytes: int = attrs.field(default=1 << 30, validator=_non_negative)

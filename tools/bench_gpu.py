@@ -7,6 +7,8 @@ For each concurrency C (prompts of --prompt-tokens ids, --new-tokens greedy toke
 ignored), tools.bench's drivers run tqserve embedded (open_engine) against mlx-lm's
 BatchGenerator, and at C = 1 also against stream_generate: one warm-up per side and shape
 (MLX-CUDA compiles kernels per shape on first use), then --repeats interleaved runs, medians.
+The engine also warms up at start on a GPU (Config.warmup "auto": engine.warmup, every batch
+size up to max(32, C) once); `engine_start_s` in the JSON is the time open_engine took.
 Figures: decode tok/s once every request has its first token (tools.bench.decode_rate), and
 "all first" = seconds from the burst's submit until every request has its first token.
 
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -92,7 +95,9 @@ async def _equality(path: str, dtype: str, count: int, prompt_tokens: int, n: in
 
 
 async def _measure(loaded: Any, levels: list[int], prompt_tokens: int, n: int,
-                   repeats: int, max_step_tokens: int | None = None) -> dict[str, Any]:
+                   repeats: int, max_step_tokens: int | None = None
+                   ) -> tuple[dict[str, Any], float]:
+    """Figures per concurrency level, and the seconds open_engine took (its warm-up)."""
     import attrs
 
     from tqserve.actors.engine import open_engine
@@ -102,7 +107,9 @@ async def _measure(loaded: Any, levels: list[int], prompt_tokens: int, n: int,
     config = _config(loaded, top, prompt_tokens, n, max_step_tokens)
     no_eos = attrs.evolve(loaded, eos_token_ids=frozenset())
     out: dict[str, Any] = {}
+    start = time.perf_counter()
     async with open_engine(config, loaded=no_eos) as engine:
+        started = time.perf_counter() - start
         for c in levels:
             batch = prompts[:c]
             figures = await compare(lambda: tq_batch(engine, batch, n),
@@ -114,7 +121,7 @@ async def _measure(loaded: Any, levels: list[int], prompt_tokens: int, n: int,
                     lambda: tq_batch(engine, batch, n), lambda: mlx_stream(loaded, batch[0], n),
                     {"decode": decode_rate}, n, repeats))["decode"]
             out[f"c{c}"] = figures
-    return out
+    return out, started
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -122,7 +129,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     loaded = _loaded(args.shape, args.model, args.dtype)
     levels = sorted({int(x) for x in args.concurrency.split(",")})
-    figures = trio.run(_measure, loaded, levels, args.prompt_tokens, args.new_tokens,
+    figures, engine_start = trio.run(_measure, loaded, levels, args.prompt_tokens, args.new_tokens,
                        args.repeats, args.max_step_tokens)
     equality = None
     if args.equality_model != "none":
@@ -134,7 +141,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                          "new_tokens": args.new_tokens, "repeats": args.repeats,
                          "max_step_tokens": args.max_step_tokens,
                          "greedy": True, "ignore_eos": True},
-            "figures": figures}
+            "engine_start_s": engine_start, "figures": figures}
 
 
 def table(report: dict[str, Any]) -> str:

@@ -77,3 +77,17 @@ def test_max_step_tokens_flag_maps_and_is_checked_against_max_batch(capsys):
     assert len(err) == 1 and "--max-step-tokens (32) must be >= --max-batch (64)" in err[0]
     assert main(["serve", "--max-step-tokens", "0"]) == 2
     assert "--max-step-tokens must be a positive integer" in capsys.readouterr().err
+
+
+def test_warmup_flag_maps_and_a_bad_value_is_a_one_line_error(capsys):
+    assert serve_config([]).warmup == "auto"
+    assert serve_config(["--warmup", "on"]).warmup == "on"
+    generate = ["generate", "--prompt", "x"]
+    assert _config(build_parser().parse_args(generate)).warmup == "off"  # one request
+    generate_auto = build_parser().parse_args([*generate, "--warmup", "auto"])
+    assert _config(generate_auto).warmup == "auto"
+    with pytest.raises(SystemExit) as exc:
+        main(["serve", "--warmup", "sometimes"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--warmup: invalid choice: 'sometimes'" in err[0]

@@ -17,6 +17,7 @@ def test_bench_gpu_bundled_tiny(tmp_path, capsys):
     assert report["equality"]["batch_match"] is True and report["equality"]["stream_match"] is True
     figures = report["figures"]
     assert set(figures) == {"c1", "c2"} and "decode_vs_stream" in figures["c1"]
+    assert report["engine_start_s"] > 0
     for fig in figures.values():
         for name in ("decode", "all_first"):
             assert fig[name]["outputs_match"] is True
