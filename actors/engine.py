@@ -74,6 +74,7 @@ from tqserve.actors.runner_thread import RunnerThread
 from tqserve.actors.scheduler import run_scheduler
 from tqserve.engine.config import Config
 from tqserve.engine.detokenize import TextStream
+from tqserve.engine.distributed import LeaderRunner, PlanChannel, init_group, shard_model
 from tqserve.engine.kv.factory import cache_factory_for
 from tqserve.engine.codec.turboquant import DEFAULT_ROTATION
 from tqserve.engine.model import LoadedModel, load_model
@@ -331,6 +332,10 @@ async def open_engine(config: Config, *, loaded: LoadedModel | None = None,
     try:
         if loaded is None:
             loaded = await thread.call(load_model, config.model, config.dtype)
+        channel = None
+        if config.distributed:  # rank 0 of `serve --distributed` (engine.distributed)
+            channel = PlanChannel(init_group())
+            await thread.call(shard_model, loaded.model, channel.group)
         make_cache = await thread.call(cache_factory_for, loaded.model, config.turboquant,
                                        config.quantized_kv_start, config.kv_quant,
                                        config.kv_group_size)
@@ -344,9 +349,9 @@ async def open_engine(config: Config, *, loaded: LoadedModel | None = None,
             max_step_tokens=config.max_step_tokens,
             eos_token_ids=loaded.eos_token_ids,
             speculative_methods=speculator.proposers if speculator is not None else ())
-        runner = Runner(loaded.model, make_cache,
-                        GrammarMasks(tokenizer, loaded.vocab_size, loaded.eos_token_ids),
-                        speculator)
+        masks = GrammarMasks(tokenizer, loaded.vocab_size, loaded.eos_token_ids)
+        runner = (Runner(loaded.model, make_cache, masks, speculator) if channel is None
+                  else LeaderRunner(channel, loaded.model, make_cache, masks))
         control = AdmissionControl(max_queued_requests=config.max_queued_requests,
                                    max_queued_tokens=config.max_queued_tokens)
         books = RowBooks()

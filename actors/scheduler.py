@@ -16,7 +16,8 @@ decoding; it joins when its KV is ready. Each plan carries the cache's snapshot,
 spill and drop orders, and each result is absorbed by it (a sync flush writes here).
 A runner failure is our bug: it is logged, every request in flight gets an
 `internal_error` event, the runner is reset, the snapshots nobody indexed are dropped and
-the prefix index forgets what the runner lost, and serving goes on.
+the prefix index forgets what the runner lost, and serving goes on; with --distributed
+(engine.distributed) the requests fail and GroupFailure ends the engine.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from tqserve.actors.prefix_cache import LOADING, PrefixCache
 from tqserve.actors.messages import (Cancel, Dequeued, Done, Error, KvUsage, Lease, Release,
                                      RowTokens, StepTokens, Submit)
 from tqserve.actors.runner_thread import RunnerThread
+from tqserve.engine.distributed import GroupFailure
 from tqserve.engine.runner import Runner
 from tqserve.engine.scheduler import (Event, Finished, SchedulerCore, Started, StepPlan,
                                      TokenOut)
@@ -206,7 +208,12 @@ class _Scheduler:
         await trio.lowlevel.checkpoint()
 
     async def fail(self, plan: StepPlan, exc: Exception) -> None:
-        """A runner failure (our bug): log it, fail every request, reset, serve on."""
+        """A runner failure (our bug): log it, fail every request, reset, serve on.
+        A tensor-parallel group's failure ends the engine instead (engine.distributed)."""
+        if isinstance(exc, GroupFailure):
+            log.error("tensor-parallel group failed: %s", exc)
+            await self.emit(self.core.fail_all(), error=f"tensor-parallel group failed: {exc}")
+            raise exc
         log.exception("runner step failed; failing %d requests", len(self.core.active_ids()))
         await self.thread.call(self.runner.reset)
         if self.prefix is not None:

@@ -1,0 +1,235 @@
+"""Tensor parallelism over mx.distributed: one runner per rank, rank 0's plans broadcast.
+
+`tqserve serve --distributed`, started under `mlx.launch` (ring over TCP, MPI, NCCL on
+CUDA, JACCL), runs one process per rank:
+
+* every rank loads the model and shards it with mlx-lm's `model.shard(group)` (Qwen3,
+  Llama...): attention heads, KV heads and the MLP columns split across ranks, an
+  `all_sum` after o_proj and down_proj. The embedding and the head are not split, so
+  every rank ends each forward with the same full logits;
+* rank 0 runs the actors and the API as in a single process, with a `LeaderRunner`: before
+  each runner operation that changes state (a step's plan, a reset, a retain, the final
+  close) it broadcasts the operation and its arguments to the other ranks, then runs it;
+* every other rank runs `follow`: receive an operation, run it on its own `Runner`,
+  repeat, until rank 0 broadcasts STOP (exit 0). They never start trio or the API.
+
+Every rank samples the same token: sampling is seeded per row and reads the same logits,
+so only rank 0 reports. Cancels, joins, retirements and prefix-cache orders ride in the
+plan, so each rank's KV cache holds its own KV heads of the same rows, and each rank keeps
+its own shard of every prefix snapshot under the same key (made, reused and dropped by
+the same plans: restored together or not at all). TurboQuant and affine caches work
+unchanged on the local heads (they quantize per KV head). Not yet: the SSD tier
+(`--cache-dir`, per-rank snapshot files) and speculation (the draft / MTP head is not
+sharded); `engine.config.Config` refuses both with --distributed.
+
+Broadcast: one `all_sum` of a BLOCK-byte uint8 array (zeros on the other ranks) carries a
+length and the first bytes; a longer payload takes a second all_sum. The payload is a
+pickle read back by an unpickler that accepts only tqserve.engine classes and plain
+containers (the peers are the processes the launcher started, but a payload never
+names arbitrary callables).
+
+Failure: any error in a distributed step is fatal to the group (`GroupFailure`): a rank
+whose step failed may have left its peers inside a collective, so no rank can go on
+alone. A dead peer makes the collectives raise ("[ring] connection to a peer was lost")
+on the ranks still alive; mlx.launch also ends the other ranks when one exits non-zero.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import signal
+import sys
+from typing import Any, Iterable
+
+import mlx.core as mx
+
+from tqserve.engine.runner import Runner
+from tqserve.engine.scheduler import StepPlan, StepResult
+
+BLOCK = 4096  # bytes of the first broadcast: 4 of length, then a decode step's whole plan
+STOP = "stop"
+_SAFE_BUILTINS = {"tuple", "list", "dict", "set", "frozenset", "object", "int", "float",
+                  "str", "bytes", "bool", "complex"}
+
+
+class GroupFailure(RuntimeError):
+    """The tensor-parallel group cannot go on (a peer died or a step failed)."""
+
+
+def init_group() -> Any:
+    """The launcher's group; ValueError when this process was not started as one of >= 2."""
+    group = mx.distributed.init()
+    if group.size() < 2:
+        raise ValueError("--distributed needs 2 or more processes started by mlx.launch "
+                         "(e.g. `mlx.launch -n 2 --backend ring -- tqserve serve "
+                         "--distributed ...`); this process is alone")
+    return group
+
+
+def shard_model(model: Any, group: Any) -> None:
+    """Split `model` over `group` with mlx-lm's `shard`; ValueError naming what does not
+    divide (heads, KV heads, MLP width) or a model type without `shard`."""
+    if not hasattr(model, "shard"):
+        raise ValueError(f"model type {getattr(model, 'model_type', type(model).__name__)!r} "
+                         "has no shard() in mlx-lm: it cannot run tensor parallel")
+    n = group.size()
+    for i, layer in enumerate(model.layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        counts = {"attention heads": attn.n_heads, "KV heads": attn.n_kv_heads,
+                  "MLP width": mlp.gate_proj.weight.shape[0]}
+        for name, count in counts.items():
+            if count % n:
+                raise ValueError(f"layer {i}: {count} {name} do not divide by {n} ranks")
+    model.shard(group)
+    mx.eval(model.parameters())
+
+
+class _PlanUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if module.startswith("tqserve.engine.") or (
+                module == "copyreg" and name in ("__newobj__", "_reconstructor")) or (
+                module == "builtins" and name in _SAFE_BUILTINS):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"a plan may not carry {module}.{name}")
+
+
+def encode(op: str, args: tuple[Any, ...]) -> bytes:
+    return pickle.dumps((op, args), protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def decode(data: bytes) -> tuple[str, tuple[Any, ...]]:
+    op, args = _PlanUnpickler(io.BytesIO(data)).load()
+    return str(op), tuple(args)
+
+
+class PlanChannel:
+    """Rank 0 sends, every other rank receives, through all_sum (see the module doc)."""
+
+    def __init__(self, group: Any) -> None:
+        self.group = group
+        self.rank = group.rank()
+
+    def _sum(self, data: mx.array) -> bytes:
+        try:
+            out = mx.distributed.all_sum(data, group=self.group, stream=mx.cpu)
+            mx.eval(out)
+        except RuntimeError as exc:
+            raise GroupFailure(f"rank {self.rank}: {exc}") from exc
+        return bytes(memoryview(out))
+
+    def send(self, payload: bytes) -> None:
+        if self.rank != 0:
+            raise RuntimeError("only rank 0 sends plans")
+        head = len(payload).to_bytes(4, "little") + payload[:BLOCK - 4]
+        self._sum(mx.array(memoryview(head.ljust(BLOCK, b"\0")), dtype=mx.uint8))
+        if len(payload) > BLOCK - 4:
+            rest = payload[BLOCK - 4:]
+            self._sum(mx.array(memoryview(rest), dtype=mx.uint8))
+
+    def receive(self) -> bytes:
+        head = self._sum(mx.zeros((BLOCK,), dtype=mx.uint8))
+        size = int.from_bytes(head[:4], "little")
+        if size <= BLOCK - 4:
+            return head[4:4 + size]
+        return head[4:] + self._sum(mx.zeros((size - (BLOCK - 4),), dtype=mx.uint8))
+
+
+class LeaderRunner(Runner):
+    """Rank 0's runner: each state-changing operation is broadcast, then run here."""
+
+    def __init__(self, channel: PlanChannel, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.channel = channel
+        self._stopped = False
+
+    def _send(self, op: str, *args: Any) -> None:
+        if self._stopped:
+            raise GroupFailure("the tensor-parallel group has stopped")
+        try:
+            self.channel.send(encode(op, args))
+        except GroupFailure:
+            self._stopped = True
+            raise
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        self._send("execute", plan)
+        try:
+            return super().execute(plan)
+        except GroupFailure:
+            raise
+        except Exception as exc:  # the peers may wait inside a collective: end the group
+            self._stopped = True
+            raise GroupFailure(f"rank 0 step failed: {type(exc).__name__}: {exc}") from exc
+
+    def plane_layout(self) -> Any:
+        if self._layout is None:  # the probe runs a forward: every rank runs it
+            self._send("plane_layout")
+        return super().plane_layout()
+
+    def reset(self) -> None:
+        if not self._stopped:  # (close() resets after STOP: nothing left to tell)
+            self._send("reset")
+        super().reset()
+
+    def retain(self, keys: Iterable[str]) -> set[str]:
+        keys = tuple(keys)
+        self._send("retain", keys)
+        return super().retain(keys)
+
+    def drop_snapshot(self, key: str) -> None:
+        self._send("drop_snapshot", key)
+        super().drop_snapshot(key)
+
+    def restore(self, *args: Any, **kwargs: Any) -> int:
+        raise GroupFailure("SSD snapshots are not restored with --distributed")
+
+    def close(self) -> None:
+        """Tell the other ranks to stop (they exit 0), then close as usual; a group that is
+        already broken stops nothing more."""
+        if not self._stopped:
+            self._stopped = True
+            try:
+                self.channel.send(encode(STOP, ()))
+            except GroupFailure as exc:
+                print(f"tqserve: distributed: {exc}", file=sys.stderr, flush=True)
+        super().close()
+
+
+_FOLLOWED = {"execute", "reset", "retain", "drop_snapshot", "plane_layout"}
+
+
+def run_follower(config: Any, group: Any) -> int:
+    """A non-zero rank of `serve --distributed`: load and shard the model, build the same
+    runner as rank 0 (actors.engine.open_engine), then `follow`."""
+    from tqserve.engine.kv.factory import cache_factory_for
+    from tqserve.engine.model import load_model
+    from tqserve.engine.structured import GrammarMasks
+
+    loaded = load_model(config.model, config.dtype)
+    shard_model(loaded.model, group)
+    make_cache = cache_factory_for(loaded.model, config.turboquant, config.quantized_kv_start,
+                                   config.kv_quant, config.kv_group_size)
+    runner = Runner(loaded.model, make_cache,
+                    GrammarMasks(loaded.tokenizer, loaded.vocab_size, loaded.eos_token_ids))
+    return follow(runner, PlanChannel(group))
+
+
+def follow(runner: Runner, channel: PlanChannel) -> int:
+    """A non-zero rank's loop: run what rank 0 broadcasts until STOP. Returns the exit
+    code: 0 on STOP, 1 (with one line on stderr) when the group failed. SIGINT is ignored
+    (Ctrl-C reaches every rank: rank 0 shuts down and sends STOP); SIGTERM still ends it."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        while True:
+            op, args = decode(channel.receive())
+            if op == STOP:
+                runner.close()
+                return 0
+            if op not in _FOLLOWED:
+                raise GroupFailure(f"unknown operation {op!r} from rank 0")
+            getattr(runner, op)(*args)
+    except Exception as exc:
+        print(f"tqserve: distributed rank {channel.rank} stops: {type(exc).__name__}: {exc}",
+              file=sys.stderr, flush=True)
+        return 1
