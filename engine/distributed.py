@@ -67,20 +67,25 @@ def init_group() -> Any:
     return group
 
 
-def shard_model(model: Any, group: Any) -> None:
-    """Split `model` over `group` with mlx-lm's `shard`; ValueError naming what does not
-    divide (heads, KV heads, MLP width) or a model type without `shard`."""
+def check_shardable(model: Any, num_ranks: int) -> None:
+    """ValueError naming what of `model` does not split over `num_ranks` ranks (heads, KV
+    heads, MLP width), or a model type without mlx-lm's `shard`."""
     if not hasattr(model, "shard"):
         raise ValueError(f"model type {getattr(model, 'model_type', type(model).__name__)!r} "
                          "has no shard() in mlx-lm: it cannot run tensor parallel")
-    n = group.size()
     for i, layer in enumerate(model.layers):
         attn, mlp = layer.self_attn, layer.mlp
         counts = {"attention heads": attn.n_heads, "KV heads": attn.n_kv_heads,
                   "MLP width": mlp.gate_proj.weight.shape[0]}
         for name, count in counts.items():
-            if count % n:
-                raise ValueError(f"layer {i}: {count} {name} do not divide by {n} ranks")
+            if count % num_ranks:
+                raise ValueError(f"layer {i}: {count} {name} do not divide by {num_ranks} "
+                                 "ranks: this model cannot run tensor parallel on them")
+
+
+def shard_model(model: Any, group: Any) -> None:
+    """Split `model` over `group` with mlx-lm's `shard` (check_shardable first)."""
+    check_shardable(model, group.size())
     model.shard(group)
     mx.eval(model.parameters())
 
