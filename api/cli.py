@@ -127,6 +127,9 @@ def _config_flags(p: argparse.ArgumentParser, *, server: bool) -> None:
         p.add_argument("--distributed", action="store_true",
                        help="tensor parallel: run as one rank of a group started by mlx.launch "
                             "(rank 0 serves, the other ranks follow; README \"Tensor parallel\")")
+        p.add_argument("--distributed-timeout", type=float, default=defaults.distributed_timeout,
+                       metavar="SECONDS", help="a rank whose step or broadcast takes longer "
+                       "(a peer died or hangs) ends the group")
         p.add_argument("--shutdown-timeout", type=float, default=defaults.shutdown_timeout,
                        metavar="SECONDS",
                        help="on SIGTERM/SIGINT, seconds in-flight requests get to finish "

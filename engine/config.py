@@ -157,6 +157,8 @@ class Config:
     # Tensor parallel over mx.distributed (engine.distributed): this process is one rank of
     # a group started by mlx.launch; rank 0 serves, the others follow its plans.
     distributed: bool = False
+    # Seconds one group operation (a step, a broadcast) may take before the rank exits 1.
+    distributed_timeout: float = attrs.field(default=60.0, validator=_positive_seconds)
 
     def __attrs_post_init__(self) -> None:
         if self.quantized_kv_start > 0 and self.kv_quant is not None and self.turboquant is None:

@@ -30,17 +30,27 @@ names arbitrary callables).
 
 Failure: any error in a distributed step is fatal to the group (`GroupFailure`): a rank
 whose step failed may have left its peers inside a collective, so no rank can go on
-alone. A dead peer makes the collectives raise ("[ring] connection to a peer was lost")
-on the ranks still alive; mlx.launch also ends the other ranks when one exits non-zero.
+alone. Rank 0 fails the requests in flight (error frames), shuts the server down and
+exits 1 (api.server, api.cli). A dead peer usually makes the collectives raise ("[ring]
+connection to a peer was lost") on the ranks still alive, but a collective issued just
+after the failure can wait forever; so every group operation runs under a `Watchdog`
+(`--distributed-timeout`, exit 1 with one line), rank 0 pings while idle (a broadcast of
+nothing, so a dead peer is found without traffic and the followers' watchdogs, which
+also watch their wait for rank 0, stay quiet). mlx.launch also ends the other ranks when
+one exits non-zero (its own exit code stays 0).
 """
 
 from __future__ import annotations
 
 import io
+import os
 import pickle
 import signal
 import sys
-from typing import Any, Iterable
+import threading
+import time
+from contextlib import contextmanager
+from typing import Any, Iterable, Iterator
 
 import mlx.core as mx
 
@@ -49,6 +59,7 @@ from tqserve.engine.scheduler import StepPlan, StepResult
 
 BLOCK = 4096  # bytes of the first broadcast: 4 of length, then a decode step's whole plan
 STOP = "stop"
+PING = "ping"
 _SAFE_BUILTINS = {"tuple", "list", "dict", "set", "frozenset", "object", "int", "float",
                   "str", "bytes", "bool", "complex"}
 
@@ -140,13 +151,47 @@ class PlanChannel:
         return head[4:] + self._sum(mx.zeros((size - (BLOCK - 4),), dtype=mx.uint8))
 
 
-class LeaderRunner(Runner):
-    """Rank 0's runner: each state-changing operation is broadcast, then run here."""
+class Watchdog:
+    """Ends this process (exit 1, one line on stderr) when a group operation runs longer
+    than `timeout` seconds: a collective issued after a peer died can wait forever (seen on
+    the ring backend), and nothing inside MLX can be interrupted from Python."""
 
-    def __init__(self, channel: PlanChannel, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, rank: int, timeout: float) -> None:
+        self.rank, self.timeout = rank, timeout
+        self._since: float | None = None
+        self._what, self._limit = "", timeout
+        threading.Thread(target=self._run, name="tqserve-tp-watchdog", daemon=True).start()
+
+    @contextmanager
+    def watch(self, what: str, timeout: float | None = None) -> Iterator[None]:
+        self._what, self._limit = what, timeout or self.timeout
+        self._since = time.monotonic()
+        try:
+            yield
+        finally:
+            self._since = None
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(min(1.0, self.timeout / 4))
+            since = self._since
+            if since is not None and time.monotonic() - since > self._limit:
+                print(f"tqserve: error: tensor-parallel group failed: rank {self.rank}: "
+                      f"{self._what} took over {self._limit:g} s (a peer died or hangs; "
+                      "--distributed-timeout)", file=sys.stderr, flush=True)
+                os._exit(1)
+
+
+class LeaderRunner(Runner):
+    """Rank 0's runner: each state-changing operation is broadcast, then run here, under
+    the watchdog; `ping` is the health check the engine sends while idle."""
+
+    def __init__(self, channel: PlanChannel, timeout: float, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.channel = channel
+        self.watchdog = Watchdog(0, timeout)
         self._stopped = False
+        self._last_send = time.monotonic()
 
     def _send(self, op: str, *args: Any) -> None:
         if self._stopped:
@@ -156,34 +201,48 @@ class LeaderRunner(Runner):
         except GroupFailure:
             self._stopped = True
             raise
+        self._last_send = time.monotonic()
 
     def execute(self, plan: StepPlan) -> StepResult:
-        self._send("execute", plan)
-        try:
-            return super().execute(plan)
-        except GroupFailure:
-            raise
-        except Exception as exc:  # the peers may wait inside a collective: end the group
-            self._stopped = True
-            raise GroupFailure(f"rank 0 step failed: {type(exc).__name__}: {exc}") from exc
+        with self.watchdog.watch("a step"):
+            self._send("execute", plan)
+            try:
+                return super().execute(plan)
+            except GroupFailure:
+                raise
+            except Exception as exc:  # the peers may wait inside a collective: end the group
+                self._stopped = True
+                raise GroupFailure(f"rank 0 step failed: {type(exc).__name__}: {exc}") from exc
+
+    def ping(self, interval: float) -> None:
+        """The health check: a broadcast of nothing when none went out for `interval` s, so
+        a dead peer is found while idle and the other ranks' watchdogs stay quiet."""
+        if not self._stopped and time.monotonic() - self._last_send >= interval:
+            with self.watchdog.watch("a health check"):
+                self._send(PING)
 
     def plane_layout(self) -> Any:
         if self._layout is None:  # the probe runs a forward: every rank runs it
-            self._send("plane_layout")
+            with self.watchdog.watch("the layout probe"):
+                self._send("plane_layout")
+                return super().plane_layout()
         return super().plane_layout()
 
     def reset(self) -> None:
         if not self._stopped:  # (close() resets after STOP: nothing left to tell)
-            self._send("reset")
+            with self.watchdog.watch("a reset"):
+                self._send("reset")
         super().reset()
 
     def retain(self, keys: Iterable[str]) -> set[str]:
         keys = tuple(keys)
-        self._send("retain", keys)
+        with self.watchdog.watch("a retain"):
+            self._send("retain", keys)
         return super().retain(keys)
 
     def drop_snapshot(self, key: str) -> None:
-        self._send("drop_snapshot", key)
+        with self.watchdog.watch("a drop"):
+            self._send("drop_snapshot", key)
         super().drop_snapshot(key)
 
     def restore(self, *args: Any, **kwargs: Any) -> int:
@@ -193,12 +252,14 @@ class LeaderRunner(Runner):
         """Tell the other ranks to stop (they exit 0), then close as usual; a group that is
         already broken stops nothing more."""
         if not self._stopped:
-            self._stopped = True
             try:
-                self.channel.send(encode(STOP, ()))
+                with self.watchdog.watch("the stop"):
+                    self._send(STOP)
             except GroupFailure as exc:
                 print(f"tqserve: distributed: {exc}", file=sys.stderr, flush=True)
-        super().close()
+            self._stopped = True
+        with self.watchdog.watch("the close"):
+            super().close()
 
 
 _FOLLOWED = {"execute", "reset", "retain", "drop_snapshot", "plane_layout"}
@@ -217,24 +278,31 @@ def run_follower(config: Any, group: Any) -> int:
                                    config.kv_quant, config.kv_group_size)
     runner = Runner(loaded.model, make_cache,
                     GrammarMasks(loaded.tokenizer, loaded.vocab_size, loaded.eos_token_ids))
-    return follow(runner, PlanChannel(group))
+    return follow(runner, PlanChannel(group), Watchdog(group.rank(), config.distributed_timeout))
 
 
-def follow(runner: Runner, channel: PlanChannel) -> int:
+def follow(runner: Runner, channel: PlanChannel, watchdog: Watchdog) -> int:
     """A non-zero rank's loop: run what rank 0 broadcasts until STOP. Returns the exit
     code: 0 on STOP, 1 (with one line on stderr) when the group failed. SIGINT is ignored
-    (Ctrl-C reaches every rank: rank 0 shuts down and sends STOP); SIGTERM still ends it."""
+    (Ctrl-C reaches every rank: rank 0 shuts down and sends STOP); SIGTERM still ends it.
+    Waiting for rank 0 is watched too (twice the timeout: rank 0's own step may take up to
+    one timeout; it pings while idle)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         while True:
-            op, args = decode(channel.receive())
+            with watchdog.watch("waiting for rank 0", 2 * watchdog.timeout):
+                op, args = decode(channel.receive())
             if op == STOP:
-                runner.close()
+                with watchdog.watch("the close"):
+                    runner.close()
                 return 0
+            if op == PING:
+                continue
             if op not in _FOLLOWED:
                 raise GroupFailure(f"unknown operation {op!r} from rank 0")
-            getattr(runner, op)(*args)
+            with watchdog.watch(op):
+                getattr(runner, op)(*args)
     except Exception as exc:
-        print(f"tqserve: distributed rank {channel.rank} stops: {type(exc).__name__}: {exc}",
-              file=sys.stderr, flush=True)
+        print(f"tqserve: error: tensor-parallel group failed: rank {channel.rank}: "
+              f"{type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
         return 1
