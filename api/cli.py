@@ -165,6 +165,8 @@ def build_parser() -> argparse.ArgumentParser:
                                      "(tools/bench_gpu)"),
                        ("bench-spec", "speculative decoding per method vs plain at B1/B4/B8 "
                                       "(tools/bench_spec)"),
+                       ("bench-tp", "tensor parallel (serve --distributed) vs one process "
+                                    "(tools/bench_tp)"),
                        ("eval-kv", "KV-cache quality: perplexity and KL (tools/eval_kv)"),
                        ("replay", "replay, record-verify and A/B traces (tools/replay)"),
                        ("route", "prefix-aware router in front of N servers (api/router)"),
@@ -303,7 +305,7 @@ _TOOLS = {"replay": "tqserve.tools.replay.cli", "bench": "tqserve.tools.bench", 
           "eval-kv": "tqserve.tools.eval_kv", "bench-prefix": "tqserve.tools.bench_prefix",
           "bench-gpu": "tqserve.tools.bench_gpu", "attack": "tqserve.tools.attack",
           "route": "tqserve.api.router.cli", "route-sim": "tqserve.tools.route_sim",
-          "bench-spec": "tqserve.tools.bench_spec"}
+          "bench-spec": "tqserve.tools.bench_spec", "bench-tp": "tqserve.tools.bench_tp"}
 
 
 def _blas_line(choice: str) -> str | None:
