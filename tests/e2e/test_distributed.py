@@ -11,9 +11,11 @@ rank 1 ends the group within a bounded time with the dead rank named. Two groups
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -53,6 +55,10 @@ pytestmark = [
 ]
 
 
+SERVE = [sys.executable, "-m", "tqserve.api.cli", "serve", "--distributed", "--model",
+         str(BIG_MODEL), "--dtype", "float32", "--port", "0"]
+
+
 class Group:
     """`mlx.launch -n 2 --backend ring -- python -m tqserve.api.cli serve --distributed`."""
 
@@ -60,9 +66,7 @@ class Group:
         self._stderr = tempfile.TemporaryFile(mode="w+")
         env = dict(os.environ, PYTHONPATH=str(REPO))
         self.proc = subprocess.Popen(
-            [str(LAUNCH), "-n", "2", "--backend", "ring", "--", sys.executable, "-m",
-             "tqserve.api.cli", "serve", "--distributed", "--model", str(BIG_MODEL),
-             "--dtype", "float32", "--port", "0", *flags],
+            [str(LAUNCH), "-n", "2", "--backend", "ring", "--", *SERVE, *flags],
             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=self._stderr, text=True,
             start_new_session=True)
         self.url = ""
@@ -223,3 +227,43 @@ async def test_two_ranks_turboquant_then_a_rank_dies(big_model: Any) -> None:
               f"stderr tail: {err[-300:]!r}")
     finally:
         group.kill()
+
+
+def free_ports(count: int) -> list[int]:
+    socks = [socket.socket() for _ in range(count)]
+    for sock in socks:
+        sock.bind(("127.0.0.1", 0))
+    ports = [sock.getsockname()[1] for sock in socks]
+    for sock in socks:
+        sock.close()
+    return ports
+
+
+async def test_without_a_launcher_rank_0_finds_a_dead_rank_while_idle(tmp_path: Path) -> None:
+    """No mlx.launch to end the group: rank 0's own health check (a ping every
+    --distributed-timeout / 4 while idle) finds the dead rank and exits 1 with one line."""
+    hostfile = tmp_path / "hosts.json"
+    hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in free_ports(2)]))
+    procs = []
+    err = tmp_path / "rank0.err"
+    for rank in (0, 1):
+        env = dict(os.environ, PYTHONPATH=str(REPO), MLX_RANK=str(rank),
+                   MLX_HOSTFILE=str(hostfile))
+        procs.append(subprocess.Popen(
+            [*SERVE, "--distributed-timeout", "4"], cwd=REPO, env=env, text=True,
+            stdout=subprocess.PIPE, stderr=err.open("w") if rank == 0 else subprocess.DEVNULL))
+    try:
+        with trio.fail_after(START_TIMEOUT):
+            line = await trio.to_thread.run_sync(procs[0].stdout.readline)
+        assert " on http://" in line, (line, err.read_text())
+        procs[1].kill()
+        code = await trio.to_thread.run_sync(lambda: procs[0].wait(EXIT_TIMEOUT))
+        text = err.read_text()
+        assert code == 1, text
+        assert "tqserve: error: tensor-parallel group failed: rank 0" in text, text
+        assert "Traceback" not in text, text
+        print("\nrank 0 after rank 1 was killed while idle:", text.strip().splitlines()[-1])
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
