@@ -14,7 +14,9 @@ CUDA, JACCL), runs one process per rank:
   repeat, until rank 0 broadcasts STOP (exit 0). They never start trio or the API.
 
 Every rank samples the same token: sampling is seeded per row and reads the same logits,
-so only rank 0 reports. Cancels, joins, retirements and prefix-cache orders ride in the
+so only rank 0 reports. Each step's plan also carries the tokens rank 0 sampled in the
+step before, and every rank checks its own against them: a divergence (which would leave a
+rank's KV built on other tokens) ends the group instead of corrupting it silently. Cancels, joins, retirements and prefix-cache orders ride in the
 plan, so each rank's KV cache holds its own KV heads of the same rows, and each rank keeps
 its own shard of every prefix snapshot under the same key (made, reused and dropped by
 the same plans: restored together or not at all). TurboQuant and affine caches work
@@ -151,6 +153,15 @@ class PlanChannel:
         return head[4:] + self._sum(mx.zeros((size - (BLOCK - 4),), dtype=mx.uint8))
 
 
+Sampled = tuple[tuple[str, tuple[int, ...]], ...]
+
+
+def sampled(result: StepResult) -> Sampled:
+    """What a step sampled, per row: every rank must get the same (same logits, same seeds);
+    a rank that does not would go on with KV of other tokens, so the ranks check."""
+    return tuple((o.request_id, tuple(o.tokens)) for o in result.outputs)
+
+
 class Watchdog:
     """Ends this process (exit 1, one line on stderr) when a group operation runs longer
     than `timeout` seconds: a collective issued after a peer died can wait forever (seen on
@@ -192,6 +203,7 @@ class LeaderRunner(Runner):
         self.watchdog = Watchdog(0, timeout)
         self._stopped = False
         self._last_send = time.monotonic()
+        self._sampled: Sampled = ()
 
     def _send(self, op: str, *args: Any) -> None:
         if self._stopped:
@@ -204,15 +216,19 @@ class LeaderRunner(Runner):
         self._last_send = time.monotonic()
 
     def execute(self, plan: StepPlan) -> StepResult:
+        """Broadcast the plan with the tokens rank 0 sampled in the previous step (each rank
+        checks its own against them: see `sampled`), then run it."""
         with self.watchdog.watch("a step"):
-            self._send("execute", plan)
+            self._send("execute", plan, self._sampled)
             try:
-                return super().execute(plan)
+                result = super().execute(plan)
             except GroupFailure:
                 raise
             except Exception as exc:  # the peers may wait inside a collective: end the group
                 self._stopped = True
                 raise GroupFailure(f"rank 0 step failed: {type(exc).__name__}: {exc}") from exc
+            self._sampled = sampled(result)
+            return result
 
     def ping(self, interval: float) -> None:
         """The health check: a broadcast of nothing when none went out for `interval` s, so
@@ -232,6 +248,7 @@ class LeaderRunner(Runner):
         if not self._stopped:  # (close() resets after STOP: nothing left to tell)
             with self.watchdog.watch("a reset"):
                 self._send("reset")
+        self._sampled = ()
         super().reset()
 
     def retain(self, keys: Iterable[str]) -> set[str]:
@@ -262,7 +279,7 @@ class LeaderRunner(Runner):
             super().close()
 
 
-_FOLLOWED = {"execute", "reset", "retain", "drop_snapshot", "plane_layout"}
+_FOLLOWED = {"reset", "retain", "drop_snapshot", "plane_layout"}
 
 
 def run_follower(config: Any, group: Any) -> int:
@@ -288,6 +305,7 @@ def follow(runner: Runner, channel: PlanChannel, watchdog: Watchdog) -> int:
     Waiting for rank 0 is watched too (twice the timeout: rank 0's own step may take up to
     one timeout; it pings while idle)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    mine: Sampled = ()  # what this rank sampled in the previous step
     try:
         while True:
             with watchdog.watch("waiting for rank 0", 2 * watchdog.timeout):
@@ -298,8 +316,18 @@ def follow(runner: Runner, channel: PlanChannel, watchdog: Watchdog) -> int:
                 return 0
             if op == PING:
                 continue
+            if op == "execute":
+                plan, expected = args
+                if expected != mine:
+                    raise GroupFailure(f"diverged: rank 0 sampled {expected[:4]}, this rank "
+                                       f"{mine[:4]} in the previous step")
+                with watchdog.watch("a step"):
+                    mine = sampled(runner.execute(plan))
+                continue
             if op not in _FOLLOWED:
                 raise GroupFailure(f"unknown operation {op!r} from rank 0")
+            if op == "reset":
+                mine = ()
             with watchdog.watch(op):
                 getattr(runner, op)(*args)
     except Exception as exc:

@@ -1,8 +1,9 @@
 """Tensor parallel vs one process: decode tokens/s of `tqserve serve` alone and of
-`mlx.launch -n N --backend ring ... serve --distributed`, side by side in one run.
+`mlx.launch -n N --backend B ... serve --distributed`, side by side in one run.
 
     python -m tqserve.tools.bench_tp [--model PATH] [--ranks 2] [--new-tokens 64]
-                                     [--concurrency 8] [--blas auto] [--out FILE]
+                                     [--concurrency 8] [--blas auto] [--backend ring]
+                                     [--out FILE]
 
 Each server is started as a real process on a loopback port, warmed up with one request,
 then measured over its WebSocket API (tqserve.client): `single` is one greedy request,
@@ -37,13 +38,13 @@ def _prompts(count: int) -> list[str]:
     return ["\n".join(lines[i * 3:i * 3 + 6]) + "\n" for i in range(count)]
 
 
-def _command(model: str, ranks: int, blas: str) -> list[str]:
+def _command(model: str, ranks: int, blas: str, backend: str) -> list[str]:
     serve = [sys.executable, "-m", "tqserve.api.cli", "serve", "--model", model, "--dtype",
              "float32", "--port", "0", "--blas", blas]
     if ranks == 1:
         return serve
     launch = shutil.which("mlx.launch", path=str(Path(sys.executable).parent)) or "mlx.launch"
-    return [launch, "-n", str(ranks), "--backend", "ring", "--", *serve, "--distributed"]
+    return [launch, "-n", str(ranks), "--backend", backend, "--", *serve, "--distributed"]
 
 
 async def _one(client: Client, prompt: str, new_tokens: int) -> list[float]:
@@ -73,7 +74,7 @@ async def _measure(url: str, new_tokens: int, concurrency: int) -> dict[str, flo
 
 
 async def _bench(args: argparse.Namespace, ranks: int) -> dict[str, float]:
-    proc = subprocess.Popen(_command(args.model, ranks, args.blas), cwd=REPO,
+    proc = subprocess.Popen(_command(args.model, ranks, args.blas, args.backend), cwd=REPO,
                             env=dict(os.environ, PYTHONPATH=str(REPO)), stdout=subprocess.PIPE,
                             stderr=subprocess.DEVNULL, text=True, start_new_session=True)
     try:
@@ -96,11 +97,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--new-tokens", type=int, default=64, help="greedy tokens per request")
     p.add_argument("--concurrency", type=int, default=8, help="requests of the aggregate run")
     p.add_argument("--blas", default="auto", help="auto | none | PATH, as serve's --blas")
+    p.add_argument("--backend", default="ring", help="mlx.launch --backend (nccl on GPUs)")
     p.add_argument("--out", default=None, metavar="FILE", help="also write the JSON here")
     args = p.parse_args(argv)
     if args.ranks < 2 or args.new_tokens < 2 or args.concurrency < 1:
         p.error("--ranks must be >= 2, --new-tokens >= 2, --concurrency >= 1")
-    result: dict[str, Any] = {"model": args.model, "ranks": args.ranks,
+    result: dict[str, Any] = {"model": args.model, "ranks": args.ranks, "backend": args.backend,
                               "new_tokens": args.new_tokens, "concurrency": args.concurrency}
     result["one_process"] = trio.run(_bench, args, 1)
     result["tensor_parallel"] = trio.run(_bench, args, args.ranks)
