@@ -130,7 +130,7 @@ class PlanChannel:
 
     def _sum(self, data: mx.array) -> bytes:
         try:
-            out = mx.distributed.all_sum(data, group=self.group, stream=mx.cpu)
+            out = mx.distributed.all_sum(data, group=self.group)
             mx.eval(out)
         except RuntimeError as exc:
             raise GroupFailure(f"rank {self.rank}: {exc}") from exc
