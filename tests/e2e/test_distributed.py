@@ -2,11 +2,13 @@
 
 Real processes: `mlx.launch -n 2 --backend ring` on loopback starts two CPU ranks of
 pycoder-29m (float32); rank 0 serves the WebSocket API on port 0. Greedy tokens of the
-group equal mlx-lm's single-process generate_step over the same cache kind (plain, then
-TurboQuant k4v4), up to proven near-ties (tests/e2e/reference.classify). A prefix hit and a
-cancel run across the group; SIGTERM on rank 0 stops both ranks with exit 0; SIGKILL on
-rank 1 ends the group within a bounded time with the dead rank named. Two groups in all
-(each loads the model twice): the CI machine has 2 cores.
+group equal mlx-lm's single-process generate_step over the same cache kind (plain,
+TurboQuant k4v4, affine 8-bit), up to proven near-ties (tests/e2e/reference.classify).
+A prefix hit and a cancel run across the group; SIGTERM on rank 0 stops both ranks with
+exit 0; SIGKILL on rank 1 ends the group within a bounded time with one line, under the
+launcher (mid-request: an error frame, or a closed socket where rank 0's watchdog had to
+end a collective that hung) and without it (while idle: rank 0's health check). Three
+groups in all, short generations: the CI machine has 2 cores.
 """
 
 from __future__ import annotations
@@ -125,9 +127,9 @@ def reference(loaded: Any, prompt: str, make_cache: Any = None) -> tuple[list[in
     return tokens, gaps
 
 
-async def greedy_batch(group: Group, prompts: dict[str, str]) -> dict[str, Any]:
+async def greedy_batch(ws_url: str, prompts: dict[str, str]) -> dict[str, Any]:
     """Every prompt at once on one socket (they batch on the group); results by id."""
-    async with open_websocket_url(group.ws_url) as ws:
+    async with open_websocket_url(ws_url) as ws:
         session = Session(ws)
         for rid, prompt in prompts.items():
             await session.generate(rid, prompt=prompt, **GREEDY)
@@ -155,7 +157,7 @@ async def test_two_ranks_plain_prefix_cancel_and_stop(big_model: Any) -> None:
         await group.started()
         ranks = group.ranks()
         assert sorted(ranks) == [0, 1], ranks
-        near = check_identity(await greedy_batch(group, prompts), prompts, want)
+        near = check_identity(await greedy_batch(group.ws_url, prompts), prompts, want)
         assert near <= 1, f"{near} near-ties in one batch"
 
         async with httpx.AsyncClient(timeout=30) as client, \
@@ -198,7 +200,7 @@ async def test_two_ranks_turboquant_then_a_rank_dies(big_model: Any) -> None:
     try:
         await group.started()
         ranks = group.ranks()
-        near = check_identity(await greedy_batch(group, prompts), prompts, want)
+        near = check_identity(await greedy_batch(group.ws_url, prompts), prompts, want)
         assert near <= 1, f"{near} near-ties in one batch"
 
         async with open_websocket_url(group.ws_url) as ws:
@@ -239,9 +241,15 @@ def free_ports(count: int) -> list[int]:
     return ports
 
 
-async def test_without_a_launcher_rank_0_finds_a_dead_rank_while_idle(tmp_path: Path) -> None:
-    """No mlx.launch to end the group: rank 0's own health check (a ping every
-    --distributed-timeout / 4 while idle) finds the dead rank and exits 1 with one line."""
+async def test_without_a_launcher_affine_then_a_rank_dies_while_idle(
+        tmp_path: Path, big_model: Any) -> None:
+    """Ranks started as mlx.launch would (MLX_RANK, MLX_HOSTFILE) with an affine 8-bit KV
+    cache: greedy tokens equal one process over the same cache kind. Then, with no launcher
+    to end the group, rank 0's own health check (a ping every --distributed-timeout / 4
+    while idle) finds the killed rank and exits 1 with one line."""
+    make_cache = cache_factory_for(big_model.model, None, kv_quant=8)
+    prompts = {f"a{i}": p for i, p in enumerate(PROMPTS[7:9])}
+    want = {p: reference(big_model, p, make_cache) for p in prompts.values()}
     hostfile = tmp_path / "hosts.json"
     hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in free_ports(2)]))
     procs = []
@@ -250,12 +258,15 @@ async def test_without_a_launcher_rank_0_finds_a_dead_rank_while_idle(tmp_path: 
         env = dict(os.environ, PYTHONPATH=str(REPO), MLX_RANK=str(rank),
                    MLX_HOSTFILE=str(hostfile))
         procs.append(subprocess.Popen(
-            [*SERVE, "--distributed-timeout", "4"], cwd=REPO, env=env, text=True,
+            [*SERVE, "--kv-quant", "8", "--distributed-timeout", "4"], cwd=REPO, env=env,
+            text=True,
             stdout=subprocess.PIPE, stderr=err.open("w") if rank == 0 else subprocess.DEVNULL))
     try:
         with trio.fail_after(START_TIMEOUT):
             line = await trio.to_thread.run_sync(procs[0].stdout.readline)
         assert " on http://" in line, (line, err.read_text())
+        url = line.split(" on ")[1].split()[0].replace("http://", "ws://") + "/v1/stream"
+        check_identity(await greedy_batch(url, prompts), prompts, want)
         procs[1].kill()
         code = await trio.to_thread.run_sync(lambda: procs[0].wait(EXIT_TIMEOUT))
         text = err.read_text()
