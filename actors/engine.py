@@ -357,6 +357,8 @@ async def open_engine(config: Config, *, loaded: LoadedModel | None = None,
         runner = (Runner(loaded.model, make_cache, masks, speculator) if channel is None
                   else LeaderRunner(channel, config.distributed_timeout, loaded.model,
                                     make_cache, masks))
+        if isinstance(runner, LeaderRunner):
+            await thread.call(runner.join)  # every rank has its shard
         control = AdmissionControl(max_queued_requests=config.max_queued_requests,
                                    max_queued_tokens=config.max_queued_tokens)
         books = RowBooks()

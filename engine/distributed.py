@@ -230,6 +230,11 @@ class LeaderRunner(Runner):
             self._sampled = sampled(result)
             return result
 
+    def join(self) -> None:
+        """The first broadcast, not watched: it waits for every rank to have loaded its
+        shard, which may take any time (the watchdog then watches every later operation)."""
+        self._send(PING)
+
     def ping(self, interval: float) -> None:
         """The health check: a broadcast of nothing when none went out for `interval` s, so
         a dead peer is found while idle and the other ranks' watchdogs stay quiet."""
@@ -307,6 +312,7 @@ def follow(runner: Runner, channel: PlanChannel, watchdog: Watchdog) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     mine: Sampled = ()  # what this rank sampled in the previous step
     try:
+        decode(channel.receive())  # rank 0's join (it may load its shard for any time)
         while True:
             with watchdog.watch("waiting for rank 0", 2 * watchdog.timeout):
                 op, args = decode(channel.receive())
