@@ -117,3 +117,34 @@ def test_the_watchdog_ends_a_stuck_rank_with_one_line() -> None:
     assert out.stderr == ("tqserve: error: tensor-parallel group failed: rank 3: a stuck "
                           "collective took over 0.5 s (a peer died or hangs; "
                           "--distributed-timeout)\n"), out.stderr
+
+
+DIVERGED = """
+import sys
+from tqserve.engine.distributed import PING, PlanChannel, Watchdog, encode, follow, init_group
+from tqserve.engine.model import load_model
+from tqserve.engine.runner import Runner
+from tqserve.engine.scheduler import StepPlan
+channel = PlanChannel(init_group())
+if channel.rank == 0:  # rank 0 says it sampled token 7 for row "x"; rank 1 sampled nothing
+    channel.send(encode(PING, ()))
+    channel.send(encode("execute", (StepPlan(), ())))
+    channel.send(encode("execute", (StepPlan(), (("x", (7,)),))))
+    sys.exit(0)
+runner = Runner(load_model(dtype="float32").model)
+sys.exit(follow(runner, channel, Watchdog(channel.rank, 60.0)))
+"""
+
+
+@pytest.mark.skipif(LAUNCH is None, reason="mlx.launch not found next to the interpreter "
+                                          "or on PATH")
+def test_a_rank_that_sampled_other_tokens_ends_the_group() -> None:
+    out = subprocess.run(
+        [str(LAUNCH), "-n", "2", "--backend", "ring", "--", sys.executable, "-c", DIVERGED],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+        env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert ("tqserve: error: tensor-parallel group failed: rank 1: GroupFailure: diverged: "
+            "rank 0 sampled (('x', (7,)),), this rank () in the previous step") in out.stderr, \
+        out.stderr
+    assert "Node with rank 1 exited with code 1" in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr, out.stderr
