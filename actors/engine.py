@@ -75,9 +75,11 @@ from tqserve.actors.messages import Cancel, Error, Event, Submit
 from tqserve.actors.prefix_cache import (PrefixCache, PrefixCacheStatistics, header_validator,
                                  run_writer)
 from tqserve.actors.runner_thread import RunnerThread
-from tqserve.actors.scheduler import run_scheduler
+from tqserve.actors.scheduler import GroupFailed, run_scheduler
 from tqserve.engine.config import Config
 from tqserve.engine.detokenize import TextStream
+from tqserve.engine.distributed import (GroupFailure, LeaderRunner, PlanChannel, init_group,
+                                        shard_model)
 from tqserve.engine.kv.factory import cache_factory_for
 from tqserve.engine.codec.turboquant import DEFAULT_ROTATION
 from tqserve.engine.model import LoadedModel, load_model
@@ -92,6 +94,7 @@ from tqserve.engine.structured import GrammarMasks
 from tqserve.engine.warmup import wanted, warm_up
 from tqserve.storage import SsdTier
 
+HEALTH_CHECKS = 4  # pings per --distributed-timeout: a follower waits at most 2 timeouts
 log = logging.getLogger("tqserve.engine")
 
 # Mailbox sizes. "If in doubt, use 0"; these are not 0 for the reasons given.
@@ -148,6 +151,7 @@ class Engine:
         self._core = core
         self.prefix = prefix
         self.mailboxes = dict(mailboxes or {})  # the graph's mailboxes: name -> size
+        self.group_failed = GroupFailed()  # --distributed: set when the group failed
         self._rejections: Counter[str] = Counter()  # refused before reaching admission
 
     def note_rejection(self, code: str) -> None:
@@ -336,6 +340,11 @@ async def open_engine(config: Config, *, loaded: LoadedModel | None = None,
     try:
         if loaded is None:
             loaded = await thread.call(load_model, config.model, config.dtype)
+        channel = None
+        group_failed = GroupFailed()
+        if config.distributed:  # rank 0 of `serve --distributed` (engine.distributed)
+            channel = PlanChannel(init_group())
+            await thread.call(shard_model, loaded.model, channel.group)
         make_cache = await thread.call(cache_factory_for, loaded.model, config.turboquant,
                                        config.quantized_kv_start, config.kv_quant,
                                        config.kv_group_size)
@@ -349,10 +358,14 @@ async def open_engine(config: Config, *, loaded: LoadedModel | None = None,
             max_step_tokens=config.max_step_tokens,
             eos_token_ids=loaded.eos_token_ids,
             speculative_methods=speculator.proposers if speculator is not None else ())
-        runner = Runner(loaded.model, make_cache,
-                        GrammarMasks(tokenizer, loaded.vocab_size, loaded.eos_token_ids),
-                        speculator)
+        masks = GrammarMasks(tokenizer, loaded.vocab_size, loaded.eos_token_ids)
+        runner = (Runner(loaded.model, make_cache, masks, speculator) if channel is None
+                  else LeaderRunner(channel, config.distributed_timeout, loaded.model,
+                                    make_cache, masks))
+        if isinstance(runner, LeaderRunner):
+            await thread.call(runner.join)  # every rank has its shard
         if await thread.call(wanted, config.warmup):
+            # (a LeaderRunner broadcasts the warm-up's steps and reset like any others)
             await thread.call(functools.partial(
                 warm_up, runner, max_batch=config.max_batch,
                 prefill_chunk=config.prefill_chunk, max_step_tokens=config.max_step_tokens,
@@ -389,13 +402,20 @@ async def open_engine(config: Config, *, loaded: LoadedModel | None = None,
                     await nursery.start(run_hub, hub, hub_in)
                     await nursery.start(run_cache_owner, books, owner_in)
                     await nursery.start(run_scheduler, core, runner, thread, scheduler_in,
-                                        replies_out, owner_out, hub_out.clone(), prefix)
+                                        replies_out, owner_out, hub_out.clone(), prefix,
+                                        group_failed)
                     nursery.start_soon(run_hub_cancels, hub, admission_out.clone())
+                    if isinstance(runner, LeaderRunner):
+                        nursery.start_soon(run_health_check, runner, thread,
+                                           config.distributed_timeout / HEALTH_CHECKS,
+                                           group_failed)
                     await nursery.start(run_admission, control, admission_in, replies_in,
                                         scheduler_out, hub_out)
                     try:
-                        yield Engine(config, loaded, admission_out, hub, control, books, core,
-                                     prefix, runner, sizes)
+                        engine = Engine(config, loaded, admission_out, hub, control, books,
+                                        core, prefix, runner, sizes)
+                        engine.group_failed = group_failed
+                        yield engine
                     finally:
                         nursery.cancel_scope.cancel()
             finally:
@@ -409,6 +429,20 @@ async def open_engine(config: Config, *, loaded: LoadedModel | None = None,
                 await thread.call(runner.close)  # shielded: MLX idle before the thread ends
         finally:
             await thread.aclose()
+
+
+async def run_health_check(runner: LeaderRunner, thread: RunnerThread, interval: float,
+                           group_failed: GroupFailed) -> None:
+    """--distributed: ping the group (between steps, on the runner thread) every `interval`
+    seconds; a ping is skipped when a step broadcast went out meanwhile. A failed ping
+    fails the group as a failed step does (the server shuts down, exit 1)."""
+    while group_failed.error is None:
+        await trio.sleep(interval)
+        try:
+            await thread.call(runner.ping, interval)
+        except GroupFailure as exc:
+            log.error("tensor-parallel group failed: %s", exc)
+            group_failed.set(exc)
 
 
 def kv_scheme(config: Config, dtype: str) -> str:

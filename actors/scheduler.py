@@ -16,7 +16,8 @@ decoding; it joins when its KV is ready. Each plan carries the cache's snapshot,
 spill and drop orders, and each result is absorbed by it (a sync flush writes here).
 A runner failure is our bug: it is logged, every request in flight gets an
 `internal_error` event, the runner is reset, the snapshots nobody indexed are dropped and
-the prefix index forgets what the runner lost, and serving goes on.
+the prefix index forgets what the runner lost, and serving goes on; with --distributed
+(engine.distributed) the requests fail and GroupFailure ends the engine.
 """
 
 from __future__ import annotations
@@ -30,11 +31,26 @@ from tqserve.actors.prefix_cache import LOADING, PrefixCache
 from tqserve.actors.messages import (Cancel, Dequeued, Done, Error, KvUsage, Lease, Release,
                                      RowTokens, StepTokens, Submit)
 from tqserve.actors.runner_thread import RunnerThread
+from tqserve.engine.distributed import GroupFailure
 from tqserve.engine.runner import Runner
 from tqserve.engine.scheduler import (Event, Finished, SchedulerCore, Started, StepPlan,
                                      TokenOut)
 
 log = logging.getLogger("tqserve.scheduler")
+
+
+class GroupFailed:
+    """Set once by the scheduler when the tensor-parallel group failed (engine.distributed):
+    the requests in flight already have their errors; whoever serves shuts down on `event`."""
+
+    def __init__(self) -> None:
+        self.event = trio.Event()
+        self.error: GroupFailure | None = None
+
+    def set(self, error: GroupFailure) -> None:
+        if self.error is None:
+            self.error = error
+            self.event.set()
 
 
 async def run_scheduler(
@@ -46,10 +62,12 @@ async def run_scheduler(
     cache_owner: Outbox,
     hub: Outbox,
     prefix: PrefixCache | None = None,
+    group_failed: GroupFailed | None = None,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """The step loop: drain the mailbox, look up donors, then step or wait for work."""
     actor = _Scheduler(core, runner, thread, inbox, admission_replies, cache_owner, hub, prefix)
+    actor.group_failed = group_failed
     task_status.started()
     async with admission_replies, cache_owner, hub, trio.open_nursery() as loads:
         while True:
@@ -75,6 +93,7 @@ class _Scheduler:
         self.prefix = prefix
         self.closed = False  # the mailbox ended: finish what runs, then return
         self.last_usage = KvUsage(kv_bytes=0, num_rows=0)
+        self.group_failed: GroupFailed | None = None
 
     async def drain_inbox(self) -> None:
         """Handle every waiting Submit/Cancel without waiting (cancels free rows now)."""
@@ -206,7 +225,15 @@ class _Scheduler:
         await trio.lowlevel.checkpoint()
 
     async def fail(self, plan: StepPlan, exc: Exception) -> None:
-        """A runner failure (our bug): log it, fail every request, reset, serve on."""
+        """A runner failure (our bug): log it, fail every request, reset, serve on.
+        A tensor-parallel group's failure ends the engine instead (engine.distributed)."""
+        if isinstance(exc, GroupFailure):
+            log.error("tensor-parallel group failed: %s", exc)
+            await self.emit(self.core.fail_all(), error=f"tensor-parallel group failed: {exc}")
+            if self.group_failed is None:
+                raise exc
+            self.group_failed.set(exc)  # the server shuts down (api.server), then exits 1
+            return
         log.exception("runner step failed; failing %d requests", len(self.core.active_ids()))
         await self.thread.call(self.runner.reset)
         if self.prefix is not None:

@@ -129,6 +129,12 @@ def _config_flags(p: argparse.ArgumentParser, *, server: bool) -> None:
                         "back: only snapshots evicted from the RAM tier")
     if server:
         p.add_argument("--host", default=defaults.host, help="address to listen on")
+        p.add_argument("--distributed", action="store_true",
+                       help="tensor parallel: run as one rank of a group started by mlx.launch "
+                            "(rank 0 serves, the other ranks follow; README \"Tensor parallel\")")
+        p.add_argument("--distributed-timeout", type=float, default=defaults.distributed_timeout,
+                       metavar="SECONDS", help="a rank whose step or broadcast takes longer "
+                       "(a peer died or hangs) ends the group")
         p.add_argument("--shutdown-timeout", type=float, default=defaults.shutdown_timeout,
                        metavar="SECONDS",
                        help="on SIGTERM/SIGINT, seconds in-flight requests get to finish "
@@ -164,6 +170,8 @@ def build_parser() -> argparse.ArgumentParser:
                                      "(tools/bench_gpu)"),
                        ("bench-spec", "speculative decoding per method vs plain at B1/B4/B8 "
                                       "(tools/bench_spec)"),
+                       ("bench-tp", "tensor parallel (serve --distributed) vs one process "
+                                    "(tools/bench_tp)"),
                        ("eval-kv", "KV-cache quality: perplexity and KL (tools/eval_kv)"),
                        ("replay", "replay, record-verify and A/B traces (tools/replay)"),
                        ("route", "prefix-aware router in front of N servers (api/router)"),
@@ -303,7 +311,7 @@ _TOOLS = {"replay": "tqserve.tools.replay.cli", "bench": "tqserve.tools.bench", 
           "eval-kv": "tqserve.tools.eval_kv", "bench-prefix": "tqserve.tools.bench_prefix",
           "bench-gpu": "tqserve.tools.bench_gpu", "attack": "tqserve.tools.attack",
           "route": "tqserve.api.router.cli", "route-sim": "tqserve.tools.route_sim",
-          "bench-spec": "tqserve.tools.bench_spec"}
+          "bench-spec": "tqserve.tools.bench_spec", "bench-tp": "tqserve.tools.bench_tp"}
 
 
 def _blas_line(choice: str) -> str | None:
@@ -350,12 +358,24 @@ def main(argv: Sequence[str] | None = None) -> int:
             _check_cache_dir(config.cache_dir)
         if args.command == "generate":
             return trio.run(_generate, config, _sampling(config, args), args, blas_line)
+        if config.distributed:
+            from tqserve.engine.distributed import init_group, run_follower
+
+            group = init_group()
+            if group.rank() != 0:
+                return run_follower(config, group)
         return trio.run(_serve, config, blas_line, args.record)
     except ValueError as exc:  # ModelLoadError is a ValueError
         print(f"tqserve: error: {exc}", file=sys.stderr)
         return 2
     except BaseExceptionGroup as group:  # raised inside a nursery (e.g. at engine start)
         leaves = _leaves(group)
+        from tqserve.engine.distributed import GroupFailure
+
+        failed = [e for e in leaves if isinstance(e, GroupFailure)]
+        if failed:  # engine.distributed: a rank died or a step failed; the group ends
+            print(f"tqserve: error: tensor-parallel group failed: {failed[0]}", file=sys.stderr)
+            return 1
         if not all(isinstance(e, ValueError) for e in leaves):
             raise
         print(f"tqserve: error: {leaves[0]}", file=sys.stderr)

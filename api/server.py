@@ -5,7 +5,8 @@ the engine stops admitting (new requests get `shutting_down`, /health 503); in-f
 requests get `config.shutdown_timeout` seconds to finish, then end with
 Done(finish_reason="shutdown"); every WebSocket sends what it still owes and closes with
 1001; hypercorn stops; the engine closes (draining its SSD write queue); `serve` returns
-the ShutdownReport.
+the ShutdownReport. With --distributed, a failed tensor-parallel group (engine.distributed)
+starts the same shutdown, and `serve` then raises its GroupFailure.
 """
 
 from __future__ import annotations
@@ -82,13 +83,19 @@ async def serve(config: Config, *, loaded: LoadedModel | None = None,
         async with trio.open_nursery() as nursery:
             binds = await nursery.start(started)
             task_status.started(binds[0])
-            if shutdown_trigger is None:
-                await trio.sleep_forever()
-            else:
-                await shutdown_trigger.wait()
+            async with trio.open_nursery() as until:  # a trigger, or the group failed
+                async def stop_on(event: trio.Event) -> None:
+                    await event.wait()
+                    until.cancel_scope.cancel()
+
+                until.start_soon(stop_on, engine.group_failed.event)
+                if shutdown_trigger is not None:
+                    until.start_soon(stop_on, shutdown_trigger)
             report = await engine.shutdown(config.shutdown_timeout)
             connections.close_all()
             with trio.move_on_after(CLOSE_GRACE):
                 await connections.wait_closed()
             stop_http.set()
+    if engine.group_failed.error is not None:
+        raise engine.group_failed.error  # after a clean shutdown: the CLI exits 1
     return report

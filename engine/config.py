@@ -165,6 +165,11 @@ class Config:
     # HTTP and WebSocket exposure (api.auth): a bearer key, browser origins for WebSockets.
     api_key: str | None = attrs.field(default=None, validator=_api_key, repr=False)
     allowed_origins: tuple[str, ...] = attrs.field(default=(), converter=_origins)
+    # Tensor parallel over mx.distributed (engine.distributed): this process is one rank of
+    # a group started by mlx.launch; rank 0 serves, the others follow its plans.
+    distributed: bool = False
+    # Seconds one group operation (a step, a broadcast) may take before the rank exits 1.
+    distributed_timeout: float = attrs.field(default=60.0, validator=_positive_seconds)
 
     def __attrs_post_init__(self) -> None:
         if self.quantized_kv_start > 0 and self.kv_quant is not None and self.turboquant is None:
@@ -176,6 +181,12 @@ class Config:
             raise ValueError(f"--max-step-tokens ({self.max_step_tokens}) must be >= "
                              f"--max-batch ({self.max_batch}): each decoding row takes one "
                              f"token of a step")
+        if self.distributed and self.cache_dir is not None and self.prefix_cache:
+            raise ValueError("--cache-dir is not supported with --distributed yet (each rank "
+                             "would need its own snapshot files): the prefix cache stays in RAM")
+        if self.distributed and (self.speculative is not None or self.draft_model is not None):
+            raise ValueError("--speculative is not supported with --distributed yet (the "
+                             "draft model and the MTP head are not sharded)")
         if self.default_max_tokens > self.max_tokens_cap:
             raise ValueError(
                 f"--default-max-tokens ({self.default_max_tokens}) exceeds --max-tokens-cap "

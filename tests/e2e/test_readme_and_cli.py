@@ -96,7 +96,7 @@ def test_cli_help_describes_every_flag_with_its_default(command):
 
 
 @pytest.mark.parametrize("command", ["bench", "bench-kv", "bench-prefix", "bench-gpu", "eval-kv",
-                                     "bench-spec"])
+                                     "bench-spec", "bench-tp"])
 def test_tool_help_shows_every_default(command):
     result = run([sys.executable, "-m", "tqserve.api.cli", command, "--help"])
     assert result.returncode == 0, result.stderr

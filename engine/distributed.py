@@ -1,0 +1,342 @@
+"""Tensor parallelism over mx.distributed: one runner per rank, rank 0's plans broadcast.
+
+`tqserve serve --distributed`, started under `mlx.launch` (ring over TCP, MPI, NCCL on
+CUDA, JACCL), runs one process per rank:
+
+* every rank loads the model and shards it with mlx-lm's `model.shard(group)` (Qwen3,
+  Llama...): attention heads, KV heads and the MLP columns split across ranks, an
+  `all_sum` after o_proj and down_proj. The embedding and the head are not split, so
+  every rank ends each forward with the same full logits;
+* rank 0 runs the actors and the API as in a single process, with a `LeaderRunner`: before
+  each runner operation that changes state (a step's plan, a reset, a retain, the final
+  close) it broadcasts the operation and its arguments to the other ranks, then runs it;
+* every other rank runs `follow`: receive an operation, run it on its own `Runner`,
+  repeat, until rank 0 broadcasts STOP (exit 0). They never start trio or the API.
+
+Every rank samples the same token: sampling is seeded per row and reads the same logits,
+so only rank 0 reports. Each step's plan also carries the tokens rank 0 sampled in the
+step before, and every rank checks its own against them: a divergence (which would leave a
+rank's KV built on other tokens) ends the group instead of corrupting it silently. Cancels, joins, retirements and prefix-cache orders ride in the
+plan, so each rank's KV cache holds its own KV heads of the same rows, and each rank keeps
+its own shard of every prefix snapshot under the same key (made, reused and dropped by
+the same plans: restored together or not at all). TurboQuant and affine caches work
+unchanged on the local heads (they quantize per KV head). Not yet: the SSD tier
+(`--cache-dir`, per-rank snapshot files) and speculation (the draft / MTP head is not
+sharded); `engine.config.Config` refuses both with --distributed.
+
+Broadcast: one `all_sum` of a BLOCK-byte uint8 array (zeros on the other ranks) carries a
+length and the first bytes; a longer payload takes a second all_sum. The payload is a
+pickle read back by an unpickler that accepts only tqserve.engine classes and plain
+containers (the peers are the processes the launcher started, but a payload never
+names arbitrary callables).
+
+Failure: any error in a distributed step is fatal to the group (`GroupFailure`): a rank
+whose step failed may have left its peers inside a collective, so no rank can go on
+alone. Rank 0 fails the requests in flight (error frames), shuts the server down and
+exits 1 (api.server, api.cli). A dead peer usually makes the collectives raise ("[ring]
+connection to a peer was lost") on the ranks still alive, but a collective issued just
+after the failure can wait forever; so every group operation runs under a `Watchdog`
+(`--distributed-timeout`, exit 1 with one line), rank 0 pings while idle (a broadcast of
+nothing, so a dead peer is found without traffic and the followers' watchdogs, which
+also watch their wait for rank 0, stay quiet). mlx.launch also ends the other ranks when
+one exits non-zero (its own exit code stays 0).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import signal
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from typing import Any, Iterable, Iterator
+
+import mlx.core as mx
+
+from tqserve.engine.runner import Runner
+from tqserve.engine.scheduler import StepPlan, StepResult
+
+BLOCK = 4096  # bytes of the first broadcast: 4 of length, then a decode step's whole plan
+STOP = "stop"
+PING = "ping"
+_SAFE_BUILTINS = {"tuple", "list", "dict", "set", "frozenset", "object", "int", "float",
+                  "str", "bytes", "bool", "complex"}
+
+
+class GroupFailure(RuntimeError):
+    """The tensor-parallel group cannot go on (a peer died or a step failed)."""
+
+
+def init_group() -> Any:
+    """The launcher's group; ValueError when this process was not started as one of >= 2."""
+    group = mx.distributed.init()
+    if group.size() < 2:
+        raise ValueError("--distributed needs 2 or more processes started by mlx.launch "
+                         "(e.g. `mlx.launch -n 2 --backend ring -- tqserve serve "
+                         "--distributed ...`); this process is alone")
+    return group
+
+
+def check_shardable(model: Any, num_ranks: int) -> None:
+    """ValueError naming what of `model` does not split over `num_ranks` ranks (heads, KV
+    heads, MLP width), or a model type without mlx-lm's `shard`."""
+    if not hasattr(model, "shard"):
+        raise ValueError(f"model type {getattr(model, 'model_type', type(model).__name__)!r} "
+                         "has no shard() in mlx-lm: it cannot run tensor parallel")
+    for i, layer in enumerate(model.layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        counts = {"attention heads": attn.n_heads, "KV heads": attn.n_kv_heads,
+                  "MLP width": mlp.gate_proj.weight.shape[0]}
+        for name, count in counts.items():
+            if count % num_ranks:
+                raise ValueError(f"layer {i}: {count} {name} do not divide by {num_ranks} "
+                                 "ranks: this model cannot run tensor parallel on them")
+
+
+def shard_model(model: Any, group: Any) -> None:
+    """Split `model` over `group` with mlx-lm's `shard` (check_shardable first)."""
+    check_shardable(model, group.size())
+    model.shard(group)
+    mx.eval(model.parameters())
+
+
+class _PlanUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if module.startswith("tqserve.engine.") or (
+                module == "copyreg" and name in ("__newobj__", "_reconstructor")) or (
+                module == "builtins" and name in _SAFE_BUILTINS):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"a plan may not carry {module}.{name}")
+
+
+def encode(op: str, args: tuple[Any, ...]) -> bytes:
+    return pickle.dumps((op, args), protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def decode(data: bytes) -> tuple[str, tuple[Any, ...]]:
+    op, args = _PlanUnpickler(io.BytesIO(data)).load()
+    return str(op), tuple(args)
+
+
+class PlanChannel:
+    """Rank 0 sends, every other rank receives, through all_sum (see the module doc)."""
+
+    def __init__(self, group: Any) -> None:
+        self.group = group
+        self.rank = group.rank()
+
+    def _sum(self, data: mx.array) -> bytes:
+        try:
+            out = mx.distributed.all_sum(data, group=self.group)
+            mx.eval(out)
+        except RuntimeError as exc:
+            raise GroupFailure(f"rank {self.rank}: {exc}") from exc
+        return bytes(memoryview(out))
+
+    def send(self, payload: bytes) -> None:
+        if self.rank != 0:
+            raise RuntimeError("only rank 0 sends plans")
+        head = len(payload).to_bytes(4, "little") + payload[:BLOCK - 4]
+        self._sum(mx.array(memoryview(head.ljust(BLOCK, b"\0")), dtype=mx.uint8))
+        if len(payload) > BLOCK - 4:
+            rest = payload[BLOCK - 4:]
+            self._sum(mx.array(memoryview(rest), dtype=mx.uint8))
+
+    def receive(self) -> bytes:
+        head = self._sum(mx.zeros((BLOCK,), dtype=mx.uint8))
+        size = int.from_bytes(head[:4], "little")
+        if size <= BLOCK - 4:
+            return head[4:4 + size]
+        return head[4:] + self._sum(mx.zeros((size - (BLOCK - 4),), dtype=mx.uint8))
+
+
+Sampled = tuple[tuple[str, tuple[int, ...]], ...]
+
+
+def sampled(result: StepResult) -> Sampled:
+    """What a step sampled, per row: every rank must get the same (same logits, same seeds);
+    a rank that does not would go on with KV of other tokens, so the ranks check."""
+    return tuple((o.request_id, tuple(o.tokens)) for o in result.outputs)
+
+
+class Watchdog:
+    """Ends this process (exit 1, one line on stderr) when a group operation runs longer
+    than `timeout` seconds: a collective issued after a peer died can wait forever (seen on
+    the ring backend), and nothing inside MLX can be interrupted from Python."""
+
+    def __init__(self, rank: int, timeout: float) -> None:
+        self.rank, self.timeout = rank, timeout
+        self._since: float | None = None
+        self._what, self._limit = "", timeout
+        threading.Thread(target=self._run, name="tqserve-tp-watchdog", daemon=True).start()
+
+    @contextmanager
+    def watch(self, what: str, timeout: float | None = None) -> Iterator[None]:
+        self._what, self._limit = what, timeout or self.timeout
+        self._since = time.monotonic()
+        try:
+            yield
+        finally:
+            self._since = None
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(min(1.0, self.timeout / 4))
+            since = self._since
+            if since is not None and time.monotonic() - since > self._limit:
+                print(f"tqserve: error: tensor-parallel group failed: rank {self.rank}: "
+                      f"{self._what} took over {self._limit:g} s (a peer died or hangs; "
+                      "--distributed-timeout)", file=sys.stderr, flush=True)
+                os._exit(1)
+
+
+class LeaderRunner(Runner):
+    """Rank 0's runner: each state-changing operation is broadcast, then run here, under
+    the watchdog; `ping` is the health check the engine sends while idle."""
+
+    def __init__(self, channel: PlanChannel, timeout: float, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.channel = channel
+        self.watchdog = Watchdog(0, timeout)
+        self._stopped = False
+        self._last_send = time.monotonic()
+        self._sampled: Sampled = ()
+
+    def _send(self, op: str, *args: Any) -> None:
+        if self._stopped:
+            raise GroupFailure("the tensor-parallel group has stopped")
+        try:
+            self.channel.send(encode(op, args))
+        except GroupFailure:
+            self._stopped = True
+            raise
+        self._last_send = time.monotonic()
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        """Broadcast the plan with the tokens rank 0 sampled in the previous step (each rank
+        checks its own against them: see `sampled`), then run it."""
+        with self.watchdog.watch("a step"):
+            self._send("execute", plan, self._sampled)
+            try:
+                result = super().execute(plan)
+            except GroupFailure:
+                raise
+            except Exception as exc:  # the peers may wait inside a collective: end the group
+                self._stopped = True
+                raise GroupFailure(f"rank 0 step failed: {type(exc).__name__}: {exc}") from exc
+            self._sampled = sampled(result)
+            return result
+
+    def join(self) -> None:
+        """The first broadcast, not watched: it waits for every rank to have loaded its
+        shard, which may take any time (the watchdog then watches every later operation)."""
+        self._send(PING)
+
+    def ping(self, interval: float) -> None:
+        """The health check: a broadcast of nothing when none went out for `interval` s, so
+        a dead peer is found while idle and the other ranks' watchdogs stay quiet."""
+        if not self._stopped and time.monotonic() - self._last_send >= interval:
+            with self.watchdog.watch("a health check"):
+                self._send(PING)
+
+    def plane_layout(self) -> Any:
+        if self._layout is None:  # the probe runs a forward: every rank runs it
+            with self.watchdog.watch("the layout probe"):
+                self._send("plane_layout")
+                return super().plane_layout()
+        return super().plane_layout()
+
+    def reset(self) -> None:
+        if not self._stopped:  # (close() resets after STOP: nothing left to tell)
+            with self.watchdog.watch("a reset"):
+                self._send("reset")
+        self._sampled = ()
+        super().reset()
+
+    def retain(self, keys: Iterable[str]) -> set[str]:
+        keys = tuple(keys)
+        with self.watchdog.watch("a retain"):
+            self._send("retain", keys)
+        return super().retain(keys)
+
+    def drop_snapshot(self, key: str) -> None:
+        with self.watchdog.watch("a drop"):
+            self._send("drop_snapshot", key)
+        super().drop_snapshot(key)
+
+    def restore(self, *args: Any, **kwargs: Any) -> int:
+        raise GroupFailure("SSD snapshots are not restored with --distributed")
+
+    def close(self) -> None:
+        """Tell the other ranks to stop (they exit 0), then close as usual; a group that is
+        already broken stops nothing more."""
+        if not self._stopped:
+            try:
+                with self.watchdog.watch("the stop"):
+                    self._send(STOP)
+            except GroupFailure as exc:
+                print(f"tqserve: distributed: {exc}", file=sys.stderr, flush=True)
+            self._stopped = True
+        with self.watchdog.watch("the close"):
+            super().close()
+
+
+_FOLLOWED = {"reset", "retain", "drop_snapshot", "plane_layout"}
+
+
+def run_follower(config: Any, group: Any) -> int:
+    """A non-zero rank of `serve --distributed`: load and shard the model, build the same
+    runner as rank 0 (actors.engine.open_engine), then `follow`."""
+    from tqserve.engine.kv.factory import cache_factory_for
+    from tqserve.engine.model import load_model
+    from tqserve.engine.structured import GrammarMasks
+
+    loaded = load_model(config.model, config.dtype)
+    shard_model(loaded.model, group)
+    make_cache = cache_factory_for(loaded.model, config.turboquant, config.quantized_kv_start,
+                                   config.kv_quant, config.kv_group_size)
+    runner = Runner(loaded.model, make_cache,
+                    GrammarMasks(loaded.tokenizer, loaded.vocab_size, loaded.eos_token_ids))
+    return follow(runner, PlanChannel(group), Watchdog(group.rank(), config.distributed_timeout))
+
+
+def follow(runner: Runner, channel: PlanChannel, watchdog: Watchdog) -> int:
+    """A non-zero rank's loop: run what rank 0 broadcasts until STOP. Returns the exit
+    code: 0 on STOP, 1 (with one line on stderr) when the group failed. SIGINT is ignored
+    (Ctrl-C reaches every rank: rank 0 shuts down and sends STOP); SIGTERM still ends it.
+    Waiting for rank 0 is watched too (twice the timeout: rank 0's own step may take up to
+    one timeout; it pings while idle)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    mine: Sampled = ()  # what this rank sampled in the previous step
+    try:
+        decode(channel.receive())  # rank 0's join (it may load its shard for any time)
+        while True:
+            with watchdog.watch("waiting for rank 0", 2 * watchdog.timeout):
+                op, args = decode(channel.receive())
+            if op == STOP:
+                with watchdog.watch("the close"):
+                    runner.close()
+                return 0
+            if op == PING:
+                continue
+            if op == "execute":
+                plan, expected = args
+                if expected != mine:
+                    raise GroupFailure(f"diverged: rank 0 sampled {expected[:4]}, this rank "
+                                       f"{mine[:4]} in the previous step")
+                with watchdog.watch("a step"):
+                    mine = sampled(runner.execute(plan))
+                continue
+            if op not in _FOLLOWED:
+                raise GroupFailure(f"unknown operation {op!r} from rank 0")
+            if op == "reset":
+                mine = ()
+            with watchdog.watch(op):
+                getattr(runner, op)(*args)
+    except Exception as exc:
+        print(f"tqserve: error: tensor-parallel group failed: rank {channel.rank}: "
+              f"{type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        return 1
