@@ -22,6 +22,11 @@ Positions beyond a row's length hold stale values that the mask never lets throu
 
 `merge`, `extract`, `state` and `trim` follow mlx-lm's batch cache protocol; `extract`
 returns a plain KVCache (what prefix snapshots hold).
+
+Affine, TurboQuant and delayed TurboQuant rows have slot batches of their own
+(engine/kv/quant_slots.py, engine/kv/delayed_slots.py, on engine/kv/slot_rows.py);
+`slot_batch(cache)` is the one place that picks the slot class for a row or batch, and
+`is_slot_batch` says whether a batch cache keeps rows in slots (then `retire_order`).
 """
 
 from __future__ import annotations
@@ -31,19 +36,15 @@ from typing import Any, Sequence
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache, _BaseCache
 
+from tqserve.engine.kv.affine import AffineKVCache, BatchedAffineKVCache
+from tqserve.engine.kv.delayed import BatchedDelayedTurboQuantKVCache, DelayedTurboQuantKVCache
+from tqserve.engine.kv.delayed_slots import DelayedTurboQuantSlotsKVCache
+from tqserve.engine.kv.quant_slots import AffineSlotsKVCache, SlotsCache, TurboQuantSlotsKVCache
+from tqserve.engine.kv.slot_rows import retire_order
+from tqserve.engine.kv.turboquant import BatchedTurboQuantKVCache, TurboQuantKVCache
+
 STEP = 256  # positions added when a row outgrows the planes (as mlx-lm's KVCache.step)
-
-
-def retire_order(num_rows: int, gone: Sequence[int]) -> list[int]:
-    """The `keep` list for `filter` that retires rows `gone` by moving the last remaining
-    rows into their holes (each hole costs at most one row's move)."""
-    gone_set = set(gone)
-    keep = [i for i in range(num_rows) if i not in gone_set]
-    tail = [i for i in keep if i >= len(keep)]
-    out = []
-    for i in range(len(keep)):
-        out.append(i if i not in gone_set else tail.pop())
-    return out
+__all__ = ["RowSlotsKVCache", "is_slot_batch", "retire_order", "slot_batch"]
 
 
 class RowSlotsKVCache(_BaseCache):
@@ -229,3 +230,27 @@ def _rows_of(cache: Any) -> list[tuple[Any, Any]]:
             return [(None, None)]
         return [(cache.keys[..., :cache.offset, :], cache.values[..., :cache.offset, :])]
     raise TypeError(f"a {type(cache).__name__} cannot join a plain slot batch")
+
+
+_SLOT_CLASSES: tuple[tuple[tuple[type, ...], Any], ...] = (
+    ((AffineKVCache, BatchedAffineKVCache), AffineSlotsKVCache),
+    ((TurboQuantKVCache, BatchedTurboQuantKVCache), TurboQuantSlotsKVCache),
+    ((DelayedTurboQuantKVCache, BatchedDelayedTurboQuantKVCache), DelayedTurboQuantSlotsKVCache),
+)
+
+
+def slot_batch(cache: Any) -> Any | None:
+    """A slot batch holding the rows of `cache` (one row or a batch of a kind that has
+    slots: plain, affine, TurboQuant, delayed TurboQuant); None for other kinds."""
+    if type(cache) in (KVCache, BatchKVCache):
+        return RowSlotsKVCache.merge([cache])
+    for kinds, slots in _SLOT_CLASSES:
+        if isinstance(cache, kinds):
+            return slots.merge([cache])
+    return None
+
+
+def is_slot_batch(cache: Any) -> bool:
+    """Whether a batch cache keeps its rows in slots (joins take single rows as they are,
+    retirements want `retire_order`)."""
+    return isinstance(cache, (RowSlotsKVCache, SlotsCache))
