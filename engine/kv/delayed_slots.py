@@ -159,14 +159,6 @@ class DelayedTurboQuantSlotsKVCache(SlotsCache):
             self._place([*self.converted, row.converted], [*self.slot, slot],
                         [*self.minimum_reusable_offsets, row.minimum_reusable_offset])
 
-    @classmethod
-    def merge(cls, caches: Sequence[Any]) -> DelayedTurboQuantSlotsKVCache:
-        """A slot batch of the rows of `caches` (single rows or batches)."""
-        out = cls()
-        for cache in caches:
-            out.extend(cache)
-        return out
-
     def filter(self, batch_indices: Sequence[int] | mx.array) -> None:
         """Keep rows `batch_indices` in that order; each part retires its gone rows with
         `retire_order` (only rows whose slot changes move)."""

@@ -51,6 +51,18 @@ class SlotsCache(_BaseCache):
 
     slots: SlotRows
 
+    def extend(self, other: Any) -> None:
+        """Append the rows of `other` (single rows or batches) in free slots."""
+        raise NotImplementedError
+
+    @classmethod
+    def merge(cls, caches: Sequence[Any]) -> Any:
+        """A slot batch of the rows of `caches` (single rows or batches), in order."""
+        out = cls()
+        for cache in caches:
+            out.extend(cache)
+        return out
+
     @property
     def num_rows(self) -> int:
         return self.slots.num_rows
@@ -151,14 +163,6 @@ class AffineSlotsKVCache(SlotsCache):
                              f"{self.bits}/{self.group_size} and {settings[0]}/{settings[1]}")
         self.slots.add_rows([r or None for r in rows])
 
-    @classmethod
-    def merge(cls, caches: Sequence[Any]) -> AffineSlotsKVCache:
-        """A slot batch of the rows of `caches` (single rows or batches)."""
-        out = cls()
-        for cache in caches:
-            out.extend(cache)
-        return out
-
     def extract(self, idx: int) -> AffineKVCache:
         """Row idx as a single-row AffineKVCache (a copy of its bytes)."""
         if self.bits is None or self.group_size is None:
@@ -247,14 +251,6 @@ class TurboQuantSlotsKVCache(SlotsCache):
         elif config is not None and config != self.config:
             raise ValueError(f"cannot combine TurboQuant caches {self.config} and {config}")
         self.slots.add_rows([r or None for r in rows])
-
-    @classmethod
-    def merge(cls, caches: Sequence[Any]) -> TurboQuantSlotsKVCache:
-        """A slot batch of the rows of `caches` (single rows or batches)."""
-        out = cls()
-        for cache in caches:
-            out.extend(cache)
-        return out
 
     def extract(self, idx: int) -> TurboQuantKVCache:
         """Row idx as a single-row TurboQuantKVCache (a copy of its bytes, same config)."""
