@@ -120,13 +120,7 @@ class SlotRows:
             self._planes = {n: mx.zeros((max(rows, 1), a.shape[1], cap_pos, a.shape[3]), a.dtype)
                             for n, a in like.items()}
             return
-        if set(like) != set(self._planes):
-            raise ValueError(f"planes {sorted(like)} != held {sorted(self._planes)}")
-        for name, a in like.items():
-            held = self._planes[name]
-            if (a.shape[1], a.shape[3], a.dtype) != (held.shape[1], held.shape[3], held.dtype):
-                raise ValueError(f"plane {name}: {a.shape} {a.dtype} does not fit "
-                                 f"{held.shape} {held.dtype}")
+        self._check_fits(like)
         cap_rows, _, cap_pos, _ = next(iter(self._planes.values())).shape
         self._num_growths += (rows > cap_rows) + (positions > cap_pos)
         if rows > cap_rows:
@@ -139,6 +133,18 @@ class SlotRows:
                 n: mx.concatenate([a, mx.zeros((*a.shape[:2], more, a.shape[3]), a.dtype)],
                                   axis=2)
                 for n, a in self._planes.items()}
+
+    def _check_fits(self, like: Mapping[str, mx.array]) -> None:
+        """ValueError unless `like` has the held planes' names, heads, widths and dtypes."""
+        assert self._planes is not None
+        if set(like) != set(self._planes):
+            raise ValueError(f"planes {sorted(like)} != held {sorted(self._planes)}")
+        for name, a in like.items():
+            held = self._planes[name]
+            if a.ndim != 4 or (a.shape[1], a.shape[3], a.dtype) != (
+                    held.shape[1], held.shape[3], held.dtype):
+                raise ValueError(f"plane {name}: {a.shape} {a.dtype} does not fit "
+                                 f"{held.shape} {held.dtype}")
 
     def append(self, blocks: Mapping[str, mx.array]) -> None:
         """Write L new positions of every row: blocks[name] is (n, H, L, W); row i's go to
@@ -167,11 +173,11 @@ class SlotRows:
             self._reserve(n + len(rows), longest, written[0][1])
         elif self._planes is not None:
             self._reserve(n + len(rows), 0, self._planes)
+        for _, row in written:
+            self._check_fits(row)
         lengths = [0] * len(rows)
         for j, row in written:
             assert self._planes is not None
-            if set(row) != set(self._planes):
-                raise ValueError(f"row planes {sorted(row)} != held {sorted(self._planes)}")
             for name, a in row.items():
                 self._planes[name][n + j:n + j + 1, :, :a.shape[2]] = a
             lengths[j] = next(iter(row.values())).shape[2]
