@@ -9,8 +9,9 @@ own length `lengths[i]`; its positions are LEFT-aligned at [0, lengths[i]) of ev
   lengths[i] + L) (one scatter per plane); nothing else moves.
 * `add_rows(rows)` writes joining rows into the free slots [n, n + m): only their bytes.
 * `take(keep)` keeps rows `keep` in that order: row j takes slot j and only the rows whose
-  slot changes move (with `retire_order`, one retirement moves at most one row); when no
-  row is left the planes are freed.
+  slot changes move (with `retire_order`, one retirement moves at most one row); when at
+  most a quarter of the row slots (or half the positions) is left in use the planes
+  shrink (a copy of what is left), and when no row is left they are freed.
 * `trim_rows(amounts)` lowers each row's length: nothing moves.
 Capacities grow by doubling (rows) and by STEP positions; only growth copies every row.
 Lengths are host integers (whoever appends knows them), so no step reads them back.
@@ -52,6 +53,7 @@ class SlotStatistics:
     position_capacity: int
     num_rows_moved: int  # rows copied by `take` (retirements), ever
     num_growths: int     # reallocations that copied every row, ever
+    num_shrinks: int     # reallocations after retirements (see `take`), ever
 
 
 class SlotRows:
@@ -63,13 +65,14 @@ class SlotRows:
         self._offset: mx.array | None = None
         self._num_rows_moved = 0
         self._num_growths = 0
+        self._num_shrinks = 0
 
     def statistics(self) -> SlotStatistics:
         """Sizes and how many row copies the batch has cost."""
         shape = next(iter(self._planes.values())).shape if self._planes else (0, 0, 0)
         return SlotStatistics(num_rows=self.num_rows, row_capacity=shape[0],
                               position_capacity=shape[2], num_rows_moved=self._num_rows_moved,
-                              num_growths=self._num_growths)
+                              num_growths=self._num_growths, num_shrinks=self._num_shrinks)
 
     @property
     def num_rows(self) -> int:
@@ -203,6 +206,24 @@ class SlotRows:
                 for name, a in row.items():
                     self._planes[name][j:j + 1] = a
         self.set_lengths([self.lengths[i] for i in keep])
+        self._shrink()
+
+    def _shrink(self) -> None:
+        """After retirements: halve the row capacity while at most a quarter of it is in
+        use, and cut the position capacity to the longest row (in STEPs) once it is more
+        than twice that, so a burst of rows or one long row does not stay allocated."""
+        if self._planes is None:
+            return
+        cap_rows, _, cap_pos, _ = next(iter(self._planes.values())).shape
+        rows = cap_rows
+        while rows > 1 and self.num_rows <= rows // 4:
+            rows //= 2
+        need = STEP * max(1, -(-max(self.lengths, default=0) // STEP))
+        positions = need if cap_pos > 2 * need else cap_pos
+        if (rows, positions) != (cap_rows, cap_pos):
+            self._planes = {n: mx.contiguous(a[:rows, :, :positions])
+                            for n, a in self._planes.items()}
+            self._num_shrinks += 1
 
     def check_trim(self, amounts: Sequence[int], room: Sequence[int] | None = None) -> list[int]:
         """`amounts` as ints if 0 <= amounts[i] <= room[i] (default: the lengths) for one

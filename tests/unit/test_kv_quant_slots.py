@@ -200,6 +200,21 @@ def test_delayed_slots_convert_at_the_actual_offset_after_a_crossing_block():
     twin.check_bytes()
 
 
+def test_capacity_doubles_with_joins_and_shrinks_after_retirements():
+    twin = Twin(KINDS["tq-k4v4-fused"], [520, 2])
+    for n in range(6):
+        twin.join(3 + n)
+    stats = twin.batch.slots.statistics()
+    assert (stats.num_rows, stats.row_capacity, stats.position_capacity) == (8, 8, 768)
+    twin.step(1)
+    twin.retire([0, 2, 3, 4, 5, 6])  # the 520-position row and five more leave
+    stats = twin.batch.slots.statistics()
+    assert (stats.num_rows, stats.row_capacity, stats.position_capacity) == (2, 4, 256)
+    assert stats.num_shrinks == 1 and twin.batch.nbytes == 4 * 256 * H * 68  # k4v4, D 64
+    twin.step(1)
+    twin.check_bytes()
+
+
 def test_slot_rows_refuse_bad_input():
     rows = SlotRows()
     rows.add_rows([{"a": mx.zeros((1, 2, 3, 4))}, None])
