@@ -5,7 +5,8 @@ The bundled model in float32 decodes up to four rows at a time: rows join mid-ru
 single row as it is, and a prefill group's batch cache), rows retire mid-run (with
 `retire_order` on the slot side, in place on the other), through the model's own
 forward and mask. Both sides must agree token for token and in logits (float rounding of
-a different batch layout only).
+a different batch layout only). Then delayed TurboQuant slots under speculation, through
+the engine.
 """
 
 from __future__ import annotations
@@ -15,8 +16,16 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 import pytest
+import trio
 from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 
+from tqserve.actors.engine import open_engine
+from tqserve.actors.messages import Done, Token
+from tqserve.engine.config import Config
+from tqserve.engine.request import GenerateRequest
+from tqserve.engine.sampling import SamplingParams
+
+from tqserve.engine.kv.attention import FUSED_DECODE_ENV
 from tqserve.engine.kv.factory import cache_factory_for
 from tqserve.engine.kv.slots import is_slot_batch, retire_order, slot_batch
 from tests.e2e.reference import PROMPTS
@@ -28,6 +37,7 @@ KINDS = {
     "plain": dict(turboquant=None),
     "tq-k4v4": dict(turboquant="k4v4"),
     "tq-k8v3": dict(turboquant="k8v3"),
+    "tq-k4v4-plain-ops": dict(turboquant="k4v4"),  # TQSERVE_TURBOQUANT_FUSED_DECODE=0
     "delayed-k4v4-start-12": dict(turboquant="k4v4", quantized_kv_start=12),
     "affine-8": dict(turboquant=None, kv_quant=8, kv_group_size=64),
 }
@@ -107,9 +117,14 @@ def decode(loaded: Any, make: Any, slots: bool) -> tuple[dict[int, list[int]], d
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
-def test_slots_match_the_batch_caches_they_replace(draft_model, kind):
+def test_slots_match_the_batch_caches_they_replace(draft_model, kind, monkeypatch):
+    if kind.endswith("plain-ops"):
+        monkeypatch.setenv(FUSED_DECODE_ENV, "0")
     make = cache_factory_for(draft_model.model, **KINDS[kind]) or make_prompt_cache
-    assert all(is_slot_batch(slot_batch(c)) for c in make(draft_model.model))
+    fresh = make(draft_model.model)
+    assert all(is_slot_batch(slot_batch(c)) for c in fresh)
+    assert all(getattr(c, "config", None) is None or c.config.fused_decode
+               != kind.endswith("plain-ops") for c in fresh)
     want, want_logits = decode(draft_model, make, slots=False)
     got, got_logits = decode(draft_model, make, slots=True)
     assert got == want
@@ -117,3 +132,43 @@ def test_slots_match_the_batch_caches_they_replace(draft_model, kind):
                 for a, b in zip(got_logits[p], want_logits[p]))
     print(f"{kind}: {sum(map(len, got.values()))} tokens equal, worst logprob diff {worst:.2e}")
     assert worst < 1e-3
+
+
+async def _generate(engine: Any, prompt: str, speculative: bool | None) -> tuple[list[int], Any]:
+    req = GenerateRequest(prompt=prompt, speculative=speculative,
+                          params=SamplingParams(max_tokens=24, temperature=0.0))
+    tokens, done = [], None
+    async for event in engine.generate(req):
+        if isinstance(event, Token):
+            tokens.append(event.token_id)
+        elif isinstance(event, Done):
+            done = event
+    return tokens, done
+
+
+async def test_delayed_turboquant_slots_under_speculation(draft_model):
+    """Delayed k4v4 (start 20) with lookup speculation, four rows at once: verify blocks
+    cross the threshold and per-row rollback (trim_rows on the slots) must leave each row
+    converting at its committed offset, so speculating rows give their plain twins'
+    tokens (speculative false, same engine and cache kind)."""
+    picks = [2, 6, 5, 0]
+    config = Config(max_batch=4, prefill_chunk=16, speculative="lookup", turboquant="k4v4",
+                    quantized_kv_start=20, num_speculative_tokens=4)
+    out: dict[tuple[int, bool], tuple[list[int], Any]] = {}
+
+    async def one(idx: int, speculative: bool) -> None:
+        out[idx, speculative] = await _generate(engine, PROMPTS[idx], None if speculative
+                                                else False)
+
+    async with open_engine(config, loaded=draft_model) as engine:
+        for speculative in (False, True):
+            async with trio.open_nursery() as nursery:
+                for idx in picks:
+                    nursery.start_soon(one, idx, speculative)
+        await engine.wait_idle()
+        assert engine.statistics().rows_active == 0
+    same = sum(out[i, False][0] == out[i, True][0] for i in picks)
+    assert same >= 3, {i: (out[i, False][0], out[i, True][0]) for i in picks}
+    assert all(len(out[i, True][0]) == 24 or out[i, True][1].finish_reason == "stop"
+               for i in picks)
+    assert sum(out[i, True][1].speculative[1] for i in picks) > 0  # tokens were accepted
