@@ -3,10 +3,12 @@
 Rows prefill in groups (engine.prefill: one left-padded forward per group and step,
 into one batch cache that joins the decode batch at once through `extend`); a row that
 reuses a snapshot, or any row when the cache kind cannot be batched, prefills on its
-own single-row caches and joins through the cache class's `merge` (e.g. KVCache ->
-BatchKVCache) and `extend`. Physical left padding stays per row inside the batch
-cache; `filter` retires rows. The decode batch runs one forward per step for all
-rows, then per-row sampling.
+own single-row caches. The decode batch keeps plain, affine and TurboQuant layers in
+per-row slots (engine.kv.slots.slot_batch): a joining row or group writes only its own
+KV into free slots, `filter` with `retire_order` moves at most one row per retirement.
+Other kinds (rotating sliding-window layers) join through their class's `merge` and
+`extend` and keep physical left padding per row. The decode batch runs one forward per
+step for all rows, then per-row sampling.
 
 Pipelining (as mlx-lm's generate_step): at the end of a step the forward of the NEXT
 step is built on the still-lazy sampled tokens and started (`mx.async_eval`) before
@@ -55,9 +57,9 @@ from typing import Any, Callable, Iterable
 import attrs
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
+from mlx_lm.models.cache import make_prompt_cache
 
-from tqserve.engine.kv.slots import RowSlotsKVCache, retire_order
+from tqserve.engine.kv.slots import is_slot_batch, retire_order, slot_batch
 from tqserve.engine.prefill import PrefillGroups
 from tqserve.engine.sampling import LazySample, RowSampler, build_sample, finalize_sample
 from tqserve.engine.scheduler import RowOutput, SnapshotMade, SpillPayload, StepPlan, StepResult
@@ -95,10 +97,12 @@ class RunnerStatistics:
 
 def _as_batch(cache: Any, is_batch: bool = False) -> Any:
     """One row's cache (or a prefill group's batch cache) as the decode batch's cache:
-    plain KV layers go into per-row slots (engine.kv.slots: later joins and retirements
-    move only their own rows); other kinds through their class's `merge` (a batch as is)."""
-    if type(cache) in (KVCache, BatchKVCache):
-        return RowSlotsKVCache.merge([cache])
+    plain, affine and TurboQuant layers go into per-row slots (engine.kv.slots: later
+    joins and retirements move only their own rows); other kinds through their class's
+    `merge` (a batch as is)."""
+    slots = slot_batch(cache)
+    if slots is not None:
+        return slots
     return cache if is_batch else type(cache).merge([cache])
 
 
@@ -343,7 +347,7 @@ class Runner:
         self._groups.release(request_ids)
         if not gone.intersection(self._batch):
             return
-        if all(isinstance(c, RowSlotsKVCache) for c in self._batch_cache or ()):
+        if all(is_slot_batch(c) for c in self._batch_cache or ()):
             keep = retire_order(len(self._batch), [i for i, rid in enumerate(self._batch)
                                                    if rid in gone])
         else:
@@ -370,9 +374,8 @@ class Runner:
         if self._batch_cache is None:
             self._batch_cache = [_as_batch(c) for c in row.cache]
         else:
-            merged = [type(c).merge([c]) for c in row.cache]
-            for mine, theirs in zip(self._batch_cache, merged):
-                mine.extend(theirs)
+            for mine, theirs in zip(self._batch_cache, row.cache):
+                mine.extend(theirs if is_slot_batch(mine) else type(theirs).merge([theirs]))
         row.cache = None
         self._batch.append(request_id)
 

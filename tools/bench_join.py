@@ -1,12 +1,15 @@
-"""Cost of a row joining and a row retiring in the decode batch's plain KV: mlx-lm's
-BatchKVCache (merge + extend, filter: copies every row) vs tqserve's RowSlotsKVCache
-(writes or moves only that row).
+"""Cost of a row joining and a row retiring in the decode batch's KV, per cache kind: the
+right-aligned batch caches (mlx-lm's BatchKVCache; tqserve's batched TurboQuant and affine
+caches: merge + extend, filter: copy every row) vs the per-row slots (engine/kv/slots.py,
+quant_slots.py: write or move only that row).
 
-    python -m tqserve.tools.bench_join [--rows 8,32,64] [--context 1024] [--repeats 5] [--out FILE]
+    python -m tqserve.tools.bench_join [--kinds plain,tq-k4v4,affine-8] [--rows 8,32,64]
+        [--context 1024] [--repeats 5] [--out FILE]
 
-A batch of R rows (that had one more row, retired: the steady state) of --context positions (pycoder-29m's KV shape per layer: 2 KV heads of
-128, float32, 8 layers) takes one joining row of --context positions, then retires one row
-from the middle; each operation is evaluated (mx.eval) and timed alone; medians in ms.
+A batch of R rows (that had one more row, retired: the steady state) of --context
+positions (pycoder-29m's KV shape per layer: 2 KV heads of 128, float32, 8 layers) takes
+one joining row of --context positions, then retires one row from the middle; each
+operation is evaluated (mx.eval) and timed alone; medians in ms.
 """
 
 from __future__ import annotations
@@ -29,43 +32,67 @@ def _timed(fn: Callable[[], list[Any]]) -> float:
     return 1000 * (time.perf_counter() - start)
 
 
-def _row(context: int) -> Any:
+KINDS = ("plain", "tq-k4v4", "affine-8")
+SIDES = ("merge", "slots")  # before (right-aligned batch caches) and after (slots)
+
+
+def _row(kind: str, context: int) -> Any:
+    """One single-row cache of `kind` holding `context` positions (evaluated)."""
     import mlx.core as mx
     from mlx_lm.models.cache import KVCache
 
-    cache = KVCache()
+    from tqserve.engine.kv.affine import AffineKVCache
+    from tqserve.engine.kv.turboquant import TurboQuantKVCache
+
+    cache = {"plain": KVCache, "tq-k4v4": lambda: TurboQuantKVCache(4, 4, HEAD_DIM),
+             "affine-8": lambda: AffineKVCache(8, 64)}[kind]()
     k = mx.random.normal((1, HEADS, context, HEAD_DIM))
     cache.update_and_fetch(k, k)
-    mx.eval(cache.keys, cache.values)
+    mx.eval(_arrays(cache.state))
     return cache
 
 
-def _one(kind: str, rows: int, context: int) -> tuple[float, float]:
-    from mlx_lm.models.cache import BatchKVCache
+def _arrays(tree: Any) -> list[Any]:
+    import mlx.core as mx
 
-    from tqserve.engine.kv.slots import RowSlotsKVCache, retire_order
+    if isinstance(tree, mx.array):
+        return [tree]
+    if isinstance(tree, (tuple, list)):
+        return [a for item in tree for a in _arrays(item)]
+    return []
 
-    batch_cls: Any = BatchKVCache if kind == "batch_kv_cache" else RowSlotsKVCache
+
+def _one(kind: str, side: str, rows: int, context: int) -> tuple[float, float]:
+    from tqserve.engine.kv.slots import retire_order, slot_batch
+
+    def batch_of(caches: list[Any]) -> Any:
+        if side == "slots":
+            out = slot_batch(caches[0])
+            for c in caches[1:]:
+                out.extend(c)
+            return out
+        return type(caches[0]).merge(caches)
+
     # R + 1 rows, the last retired: a batch that has had a row leave (steady state: the
     # slots keep that row's capacity, as they do after any retirement)
-    layers = [batch_cls.merge([_row(context) for _ in range(rows + 1)]) for _ in range(LAYERS)]
+    layers = [batch_of([_row(kind, context) for _ in range(rows + 1)]) for _ in range(LAYERS)]
     for layer in layers:
         layer.filter(list(range(rows)))
     import mlx.core as mx
-    mx.eval([a for layer in layers for a in (layer.keys, layer.values)])
-    joiner = [_row(context) for _ in range(LAYERS)]
+    mx.eval([_arrays(layer.state) for layer in layers])
+    joiner = [_row(kind, context) for _ in range(LAYERS)]
 
     def join() -> list[Any]:
         for layer, row in zip(layers, joiner):
-            layer.extend(BatchKVCache.merge([row]) if kind == "batch_kv_cache" else row)
-        return [a for layer in layers for a in (layer.keys, layer.values)]
+            layer.extend(row if side == "slots" else type(row).merge([row]))
+        return [_arrays(layer.state) for layer in layers]
 
     def retire() -> list[Any]:
-        keep = (retire_order(rows + 1, [rows // 2]) if kind == "slots"
+        keep = (retire_order(rows + 1, [rows // 2]) if side == "slots"
                 else [i for i in range(rows + 1) if i != rows // 2])
         for layer in layers:
             layer.filter(keep)
-        return [a for layer in layers for a in (layer.keys, layer.values)]
+        return [_arrays(layer.state) for layer in layers]
 
     return _timed(join), _timed(retire)
 
@@ -73,25 +100,34 @@ def _one(kind: str, rows: int, context: int) -> tuple[float, float]:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Medians per batch size and kind."""
     out: dict[str, Any] = {}
-    for rows in [int(x) for x in args.rows.split(",")]:
-        for kind in ("batch_kv_cache", "slots"):
-            runs = [_one(kind, rows, args.context) for _ in range(args.repeats)]
-            out[f"r{rows}_{kind}"] = {"join_ms": statistics.median(r[0] for r in runs),
-                                      "retire_ms": statistics.median(r[1] for r in runs)}
-    return {"settings": {"rows": args.rows, "context": args.context, "repeats": args.repeats,
-                         "layers": LAYERS, "kv_heads": HEADS, "head_dim": HEAD_DIM},
+    kinds = args.kinds.split(",")
+    for kind in kinds:
+        for rows in [int(x) for x in args.rows.split(",")]:
+            for side in SIDES:
+                runs = [_one(kind, side, rows, args.context) for _ in range(args.repeats)]
+                out[f"{kind}_r{rows}_{side}"] = {
+                    "join_ms": statistics.median(r[0] for r in runs),
+                    "retire_ms": statistics.median(r[1] for r in runs)}
+    return {"settings": {"kinds": kinds, "rows": args.rows, "context": args.context,
+                         "repeats": args.repeats, "layers": LAYERS, "kv_heads": HEADS,
+                         "head_dim": HEAD_DIM},
             "figures": out}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m tqserve.tools.bench_join",
                                 description=__doc__.splitlines()[0])
+    p.add_argument("--kinds", default=",".join(KINDS),
+                   help=f"cache kinds, comma-separated, of {', '.join(KINDS)}")
     p.add_argument("--rows", default="8,32,64", help="batch sizes, comma-separated")
     p.add_argument("--context", type=int, default=1024, help="positions of every row")
     p.add_argument("--repeats", type=int, default=5, help="runs per figure (median)")
     p.add_argument("--out", type=Path, default=Path("bench-out/bench_join.json"),
                    help="JSON results file")
     args = p.parse_args(argv)
+    unknown = set(args.kinds.split(",")) - set(KINDS)
+    if unknown:
+        p.error(f"--kinds: unknown {', '.join(sorted(unknown))} (known: {', '.join(KINDS)})")
     report = run(args)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")

@@ -1,6 +1,6 @@
 """KV cache classes on mlx-lm's cache protocol: encoded rows, TurboQuant (single, batched,
-delayed), affine (single, batched), the rotated attention port and the per-model cache
-factory."""
+delayed), affine (single, batched), the decode batch's per-row slots of every kind
+(slots.py: `slot_batch`), the rotated attention port and the per-model cache factory."""
 
 from tqserve.engine.kv.affine import AffineKVCache, BatchedAffineKVCache
 from tqserve.engine.kv.attention import (
@@ -12,6 +12,7 @@ from tqserve.engine.kv.attention import (
     turboquant_sdpa,
 )
 from tqserve.engine.kv.delayed import BatchedDelayedTurboQuantKVCache, DelayedTurboQuantKVCache
+from tqserve.engine.kv.delayed_slots import DelayedTurboQuantSlotsKVCache
 from tqserve.engine.kv.factory import (
     cache_factory_for,
     check_affine_head_dims,
@@ -20,7 +21,9 @@ from tqserve.engine.kv.factory import (
     make_turboquant_cache_factory,
     parse_turboquant,
 )
+from tqserve.engine.kv.quant_slots import AffineSlotsKVCache, TurboQuantSlotsKVCache
 from tqserve.engine.kv.rows import KvTensorRows
+from tqserve.engine.kv.slots import RowSlotsKVCache, slot_batch
 from tqserve.engine.kv.turboquant import (
     BatchedTurboQuantKVCache,
     TurboQuantConfig,
@@ -30,15 +33,19 @@ from tqserve.engine.kv.turboquant import (
 __all__ = [
     "FUSED_DECODE_ENV",
     "AffineKVCache",
+    "AffineSlotsKVCache",
     "BatchedAffineKVCache",
     "BatchedDelayedTurboQuantKVCache",
     "BatchedTurboQuantKVCache",
     "DelayedTurboQuantKVCache",
+    "DelayedTurboQuantSlotsKVCache",
     "KvTensorRows",
     "MixedRowsKV",
     "RotatedKV",
+    "RowSlotsKVCache",
     "TurboQuantConfig",
     "TurboQuantKVCache",
+    "TurboQuantSlotsKVCache",
     "cache_factory_for",
     "check_affine_head_dims",
     "check_head_dims",
@@ -47,5 +54,6 @@ __all__ = [
     "make_affine_cache_factory",
     "make_turboquant_cache_factory",
     "parse_turboquant",
+    "slot_batch",
     "turboquant_sdpa",
 ]

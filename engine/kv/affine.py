@@ -11,7 +11,8 @@ what that expects: the written (wq, scales, biases) of keys and of values.
   with B > 1 rows is accepted while the cache is empty (they then share the offset).
   `AffineKVCache.from_kv_cache` converts a plain mlx-lm KVCache.
 * `BatchedAffineKVCache` is a batch (per-row `offset` and `left_padding` arrays) like
-  BatchKVCache; `AffineKVCache.merge` returns it. Its mask hides each row's left padding
+  BatchKVCache; `AffineKVCache.merge` returns it (prefill groups; the decode batch keeps
+  rows in slots instead: `AffineSlotsKVCache`, quant_slots.py). Its mask hides each row's left padding
   (quantized attention takes boolean masks of shape (B, 1, L, T)). merge, filter, extend,
   extract, trim, prepare and finalize move encoded bytes (KvTensorRows), so a row holds
   the same bytes serially and in any batch.

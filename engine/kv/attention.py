@@ -60,7 +60,9 @@ def fused_decode_from_env() -> bool:
 @attrs.frozen(eq=False, kw_only=True)
 class RotatedKV:
     """What a TurboQuant cache fetches: rotated-basis planes (B, H, T_alloc, W), the codecs,
-    and which positions are written: [left_padding[b], length) for row b.
+    and which positions are written: [left_padding[b], ends[b]) for row b, where `ends`
+    defaults to `length` for every row (right-aligned batches); slot batches
+    (engine/kv/quant_slots.py) give rows left-aligned with their own ends.
 
     The planes are the cache's whole allocation, so the fused decode sees a shape that
     changes only when the cache grows (every 256 positions) and its compiled graph is
@@ -75,6 +77,11 @@ class RotatedKV:
     fused_decode: bool
     length: int
     left_padding: tuple[int, ...]
+    ends: tuple[int, ...] | None = None
+
+    def row_ends(self) -> tuple[int, ...]:
+        """Where each row's written positions end (exclusive)."""
+        return self.ends if self.ends is not None else (self.length,) * len(self.left_padding)
 
     def written(self) -> tuple[mx.array, ...]:
         """Views of the written positions of the four planes."""
@@ -92,13 +99,14 @@ class RotatedKV:
 
 @attrs.frozen(eq=False, kw_only=True)
 class MixedRowsKV:
-    """A batch whose rows `plain_rows` hold plain K/V and rows `rotated_rows` TurboQuant."""
+    """A batch whose rows `plain_rows` hold plain K/V and rows `rotated_rows` TurboQuant,
+    each listed in the order of its part's rows (a part without rows holds None)."""
 
     plain_rows: tuple[int, ...]
-    plain_keys: mx.array
-    plain_values: mx.array
+    plain_keys: mx.array | None
+    plain_values: mx.array | None
     rotated_rows: tuple[int, ...]
-    rotated: RotatedKV
+    rotated: RotatedKV | None
 
 
 @functools.cache
@@ -140,7 +148,7 @@ def _fused_decode(k_bits: int, v_bits: int) -> Callable[..., mx.array]:
         values = _lookup(value_codes, value_norms, v_bits, *value_tables)
         scores = q @ keys.swapaxes(-1, -2)
         positions = mx.arange(key_codes.shape[2])
-        valid = (positions >= start[:, None]) & (positions < end)
+        valid = (positions >= start[:, None]) & (positions < end[:, None])
         scores = mx.where(valid[:, None, None, :], scores, mx.finfo(mx.float32).min)
         return mx.softmax(scores, axis=-1, precise=True) @ values
 
@@ -158,8 +166,8 @@ def _plain_attention(queries: mx.array, kv: RotatedKV, scale: float, mask: Any) 
 
 
 def _fused_attention(queries: mx.array, kv: RotatedKV, scale: float) -> mx.array:
-    """Decode attention; the mask is rebuilt from the rows' written range (for one query
-    position after every written one, causal + left padding is exactly that range)."""
+    """Decode attention; the mask is rebuilt from the rows' written ranges (for one query
+    position after every written one, the causal mask is exactly that range)."""
     batch, num_heads, _, head_dim = queries.shape
     num_kv_heads = kv.key_codes.shape[1]
     repeats = num_heads // num_kv_heads
@@ -174,30 +182,38 @@ def _fused_attention(queries: mx.array, kv: RotatedKV, scale: float) -> mx.array
     out = attend(rotated, key_codes, key_norms, value_codes, value_norms,
                  _unpack_tables(head_dim, kv.key_codec.bits),
                  _unpack_tables(head_dim, kv.value_codec.bits),
-                 mx.array(kv.left_padding, dtype=mx.int32), mx.array(kv.length, dtype=mx.int32))
+                 mx.array(kv.left_padding, dtype=mx.int32),
+                 mx.array(kv.row_ends(), dtype=mx.int32))
     out = out.reshape(batch, num_heads, 1, head_dim)
     return kv.value_codec.unrotate(out).astype(queries.dtype)
 
 
-def _rows_of(x: Any, index: mx.array, num_rows: int) -> Any:
-    """Rows `index` of a per-row mask; masks that broadcast over the batch pass through."""
-    if isinstance(x, mx.array) and x.ndim == 4 and x.shape[0] == num_rows > 1:
-        return x[index]
-    return x
+def _rows_of(x: Any, index: mx.array, num_rows: int, width: int) -> Any:
+    """Rows `index` of a per-row mask, its key axis cut to `width` (a part of a slot batch
+    holds only as many positions as its own longest row: the positions cut are beyond
+    every one of its rows); masks that broadcast over the batch keep their rows."""
+    if not isinstance(x, mx.array) or x.ndim != 4:
+        return x
+    if x.shape[0] == num_rows > 1:
+        x = x[index]
+    return x[..., :width]
 
 
 def _mixed_attention(queries: mx.array, kv: MixedRowsKV, scale: float, mask: Any) -> mx.array:
     num_rows = queries.shape[0]
     outputs = []
     if kv.plain_rows:
+        assert kv.plain_keys is not None and kv.plain_values is not None
         index = mx.array(kv.plain_rows, dtype=mx.int32)
         outputs.append(mx.fast.scaled_dot_product_attention(
             queries[index], kv.plain_keys, kv.plain_values, scale=scale,
-            mask=_rows_of(mask, index, num_rows)))
+            mask=_rows_of(mask, index, num_rows, kv.plain_keys.shape[2])))
     if kv.rotated_rows:
+        assert kv.rotated is not None
         index = mx.array(kv.rotated_rows, dtype=mx.int32)
         outputs.append(turboquant_sdpa(
-            queries[index], kv.rotated, scale, _rows_of(mask, index, num_rows)))
+            queries[index], kv.rotated, scale,
+            _rows_of(mask, index, num_rows, kv.rotated.length)))
     order = np.argsort(np.array(kv.plain_rows + kv.rotated_rows))
     return mx.concatenate(outputs)[mx.array(order, dtype=mx.int32)]
 

@@ -26,7 +26,7 @@ Per layer and decode step the CUDA path launches two kernels, whatever the conte
 
 The split count follows the context: about `_TARGET_BLOCKS` blocks in all, at least one
 tile per split. Kernels compile once per (head dim, group, bits, dtype): positions, splits
-and row starts travel as one int32 array, so a growing context never recompiles;
+and each row's (start, end) travel as one int32 array, so a growing context never recompiles;
 `warm_up` builds them at engine start. The math is the compiled path's (scores
 <R q, norm_k c[code_k]> * scale, values norm_v c[code_v] in the rotated basis, float32),
 which stays the fallback and the reference it is tested against (tests/unit/test_kv_cuda.py).
@@ -138,7 +138,8 @@ def _num_splits(blocks: int, end: int) -> int:
 
 def decode_attention(queries: mx.array, kv: Any, scale: float) -> mx.array:
     """(B, n_heads, 1, D) queries over a RotatedKV's planes -> (B, n_heads, 1, D) in the
-    queries' dtype, original basis. Row b attends positions [left_padding[b], length)."""
+    queries' dtype, original basis. Row b attends positions [left_padding[b], ends[b])
+    (`RotatedKV.row_ends`: `length` for right-aligned batches, per row for slots)."""
     batch, num_heads, _, head_dim = queries.shape
     num_kv_heads = kv.key_codes.shape[1]
     group = num_heads // num_kv_heads
@@ -151,7 +152,8 @@ def decode_attention(queries: mx.array, kv: Any, scale: float) -> mx.array:
     num_splits = _num_splits(blocks, end)
     split_len = -(-(-(-end // num_splits)) // _THREADS) * _THREADS
     num_splits = -(-end // split_len)
-    starts = list(kv.left_padding) + [0] * (batch - len(kv.left_padding))
+    ranges = [x for pair in zip(kv.left_padding, kv.row_ends()) for x in pair]
+    ranges += [0, end] * (batch - len(kv.left_padding))
     kb, vb = kv.key_codec.bits, kv.value_codec.bits
     out_dtype = queries.dtype if rot else mx.float32
     ones = _ones(head_dim)
@@ -159,7 +161,7 @@ def decode_attention(queries: mx.array, kv: Any, scale: float) -> mx.array:
         inputs=[q, key_signs if rot else ones, value_signs if rot else ones,
                 _scalar(float(scale)), kv.key_codes, kv.key_norms, kv.value_codes,
                 kv.value_norms, _tables(head_dim, kb)[1], _tables(head_dim, vb)[1],
-                _meta(span, split_len, end, tuple(starts)), _counters(blocks)],
+                _meta(span, split_len, end, tuple(ranges)), _counters(blocks)],
         template=[("D", head_dim), ("R", group), ("KB", kb), ("VB", vb),
                   ("WK", kv.key_codes.shape[-1]), ("WV", kv.value_codes.shape[-1]),
                   ("HKV", num_kv_heads), ("NT", _THREADS), ("ROT", int(rot)),
@@ -174,9 +176,10 @@ def decode_attention(queries: mx.array, kv: Any, scale: float) -> mx.array:
 
 
 @functools.lru_cache(maxsize=16)
-def _meta(span: int, split_len: int, end: int, starts: tuple[int, ...]) -> mx.array:
-    """The attention kernel's int32 scalars; every layer of a step shares one array."""
-    return mx.array([span, split_len, end, *starts], dtype=mx.int32)
+def _meta(span: int, split_len: int, end: int, ranges: tuple[int, ...]) -> mx.array:
+    """The attention kernel's int32 scalars: span, split length, the longest end, then
+    (start, end) of each row; every layer of a step shares one array."""
+    return mx.array([span, split_len, end, *ranges], dtype=mx.int32)
 
 
 @functools.cache

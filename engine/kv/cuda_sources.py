@@ -114,8 +114,8 @@ ATTEND_SOURCE = """
     const int row = bh / HKV;
     const int span = meta[0];
     const int split_len = meta[1];
-    const int t_begin = max(meta[3 + row], split * split_len);
-    const int t_end = min(meta[2], (split + 1) * split_len);
+    const int t_begin = max(meta[3 + 2 * row], split * split_len);
+    const int t_end = min(meta[4 + 2 * row], (split + 1) * split_len);
     __shared__ float qs[R][D];
     __shared__ __align__(16) float qt[D * R];  // qs transposed: one vector load per coord
     __shared__ __align__(16) float ps[NT * R];  // p * norm_v of the tile, position-major

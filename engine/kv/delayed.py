@@ -9,9 +9,10 @@ happens at the actual offset after that block. The offset at conversion is the r
 `trim` is CLAMPED so the offset never goes below it (trim returns how many positions it
 really dropped, as mlx-lm's trim does); extract, merge, deepcopy and `state` keep it.
 
-A batch (`BatchedDelayedTurboQuantKVCache`) holds two parts that share ONE position axis:
-plain rows in a KvTensorRows with planes "keys"/"values" (model dtype), converted rows in
-a BatchedTurboQuantKVCache, plus a per-row `converted` flag and boundary. Invariants: both
+A batch (`BatchedDelayedTurboQuantKVCache`, what prefill groups use; the decode batch
+keeps rows in slots: `DelayedTurboQuantSlotsKVCache`, delayed_slots.py) holds two parts
+that share ONE position axis: plain rows in a KvTensorRows with planes "keys"/"values"
+(model dtype), converted rows in a BatchedTurboQuantKVCache, plus a per-row `converted` flag and boundary. Invariants: both
 parts have the batch's write index (a part may hold zero rows), and each part keeps its
 rows in batch order; so one causal mask with per-row left padding serves both parts.
 update_and_fetch first converts due rows (moving their bytes from the plain part to the

@@ -12,7 +12,8 @@ happens transiently inside one attention call.
   block with B > 1 rows is accepted while the cache is empty (they then share the offset).
   `TurboQuantKVCache.from_kv_cache` is the one conversion from a plain mlx-lm KVCache.
 * `BatchedTurboQuantKVCache` is a batch (per-row `offset` and `left_padding` arrays), like
-  BatchKVCache; `TurboQuantKVCache.merge` returns it. merge, filter, extend, extract, trim,
+  BatchKVCache; `TurboQuantKVCache.merge` returns it. It serves prefill groups; the
+  decode batch keeps rows in slots instead (`TurboQuantSlotsKVCache`, quant_slots.py). merge, filter, extend, extract, trim,
   prepare and finalize move encoded bytes (KvTensorRows), so a row holds the same bytes
   serially and in any batch.
 

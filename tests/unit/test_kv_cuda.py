@@ -9,6 +9,7 @@ import pytest
 
 from tqserve.engine.codec.turboquant import TurboQuantCodec
 from tqserve.engine.kv import attention, cuda_decode
+from tqserve.engine.kv.quant_slots import TurboQuantSlotsKVCache
 from tqserve.engine.kv.turboquant import TurboQuantKVCache
 
 pytestmark = pytest.mark.skipif(not cuda_decode.available(128, 1),
@@ -54,8 +55,9 @@ def _float64_reference(queries, fetched, scale):
     kv_heads = keys.shape[1]
     rot = rot.reshape(batch, kv_heads, heads // kv_heads, dim)
     scores = np.einsum("bhrd,bhtd->bhrt", rot, keys) * scale
-    for b, start in enumerate(fetched.left_padding):
+    for b, (start, end) in enumerate(zip(fetched.left_padding, fetched.row_ends())):
         scores[b, :, :, :start] = -np.inf
+        scores[b, :, :, end:] = -np.inf
     weights = np.exp(scores - scores.max(-1, keepdims=True))
     weights /= weights.sum(-1, keepdims=True)
     out = np.einsum("bhrt,bhtd->bhrd", weights, values).reshape(batch, heads, 1, dim)
@@ -93,6 +95,30 @@ def test_many_rows_of_a_single_row_cache():
     queries = mx.random.normal((5, 8, 1, 128), key=mx.random.key(7))
     out = attention._fused_attention(queries, fetched, 0.1)
     assert np.max(np.abs(np.array(out) - _float64_reference(queries, fetched, 0.1))) < TOL
+
+
+@pytest.mark.parametrize("bits", [(4, 4), (8, 3)])
+def test_kernel_on_slots_reads_each_rows_own_end(monkeypatch, bits):
+    """Left-aligned slot rows of 37, 700 and 0 positions (+1): the kernel stops at each
+    row's own end (RotatedKV.ends), as the compiled path and the reference do."""
+    batch = TurboQuantSlotsKVCache()
+    for n, seed in ((37, 1), (700, 2), (0, 3)):
+        row = TurboQuantKVCache(*bits, 128, fused_decode=True)
+        if n:
+            k = mx.random.normal((1, 2, n, 128), key=mx.random.key(seed))
+            row.update_and_fetch(k, k * 0.5 + 1)
+        batch.extend(row)
+    fetched, _ = batch.update_and_fetch(
+        mx.random.normal((3, 2, 1, 128), key=mx.random.key(5)),
+        mx.random.normal((3, 2, 1, 128), key=mx.random.key(6)))
+    assert fetched.row_ends() == (38, 701, 1) and fetched.left_padding == (0, 0, 0)
+    queries = mx.random.normal((3, 8, 1, 128), key=mx.random.key(7)) * 3
+    kernel = attention._fused_attention(queries, fetched, 0.1)
+    monkeypatch.setenv(cuda_decode.KERNEL_ENV, "0")
+    compiled = attention._fused_attention(queries, fetched, 0.1)
+    reference = _float64_reference(queries, fetched, 0.1)
+    assert np.max(np.abs(np.array(kernel) - reference)) < TOL
+    assert np.max(np.abs(np.array(compiled) - reference)) < 5e-3
 
 
 def test_warm_up_builds_the_kernels():
