@@ -64,6 +64,7 @@ from tqserve.engine.scheduler import RowOutput, SnapshotMade, SpillPayload, Step
 from tqserve.engine.snapshot import (PlaneLayout, Snapshot, describe, extract_snapshot, from_planes,
                              layer_kinds_text, plane_layout, row_from_snapshot, snapshot_kinds,
                              snapshot_of_row, to_planes)
+from tqserve.engine.speculative.mtp import forward_with_hidden
 from tqserve.engine.speculative.speculator import SpecRow, Speculator
 from tqserve.engine.structured import GrammarMasks, RowGrammar
 
@@ -125,6 +126,11 @@ class Runner:
         self.step_hook: Callable[[StepPlan], None] | None = None
         self._layout: PlaneLayout | None = None
         self._last_end: float | None = None
+        # the decode path of this step and of the last clean one (None: no steady decode):
+        # "plain" (pipelined), "speculative" (a verify step), "switch" (finishing the
+        # plain forward in flight before a verify step)
+        self._step_mode: str | None = None
+        self._last_mode: str | None = None
         self._step_gaps: deque[float] = deque(maxlen=STEP_GAPS_KEPT)
         self._num_step_gaps = 0
         self._step_gap_seconds = 0.0
@@ -140,8 +146,21 @@ class Runner:
             self._step_gaps.append(gap)
             self._num_step_gaps += 1
             self._step_gap_seconds += gap
+        self._step_mode = None
         result = self._execute(plan)
-        self._last_end = time.perf_counter()
+        end = time.perf_counter()
+        clean = self._step_mode is not None and not (
+            plan.new_rows or plan.prefill or plan.join or plan.release or plan.spill
+            or plan.snapshot or plan.prompt_snapshot)
+        if clean and self._last_end is not None and self._step_mode == self._last_mode:
+            result = attrs.evolve(result, decode_seconds=end - self._last_end,
+                                  speculative=self._step_mode == "speculative")
+            if self.speculator is not None:
+                self.speculator.observe_step(len(result.outputs), result.speculative,
+                                             sum(len(o.tokens) for o in result.outputs),
+                                             result.decode_seconds)
+        self._last_mode = self._step_mode if clean else None
+        self._last_end = end
         return result
 
     def step_gaps(self) -> list[float]:
@@ -198,11 +217,15 @@ class Runner:
         ready = self._sample_pending()
         for rid in plan.join:
             self._join(rid)
-        if self.speculator is not None and self.speculator.any_active(self._batch):
+        ks = self._proposal_sizes()
+        if any(ks):
             # a forward still in flight from the plain path is read first, not followed
-            outputs = self._finalize(ready) if ready is not None else self._speculate()
+            self._step_mode = "switch" if ready is not None else "speculative"
+            outputs = self._finalize(ready) if ready is not None else self._speculate(ks)
             return StepResult(outputs=outputs, kv_bytes=self.kv_bytes(),
                               snapshots=snapshots, spills=spills, writes=writes)
+        if self._batch:
+            self._step_mode = "plain" if ready is not None else "switch"
         if ready is None and self._batch:  # nothing in flight: this step's forward now
             self._launch(None)
             ready = self._sample_pending()
@@ -212,7 +235,16 @@ class Runner:
         return StepResult(outputs=outputs, kv_bytes=self.kv_bytes(), snapshots=snapshots,
                           spills=spills, writes=writes)
 
-    def _speculate(self) -> tuple[RowOutput, ...]:
+    def _proposal_sizes(self) -> list[int]:
+        """Tokens each batch row proposes this step (the speculator's policy); all 0: a
+        plain step."""
+        if self.speculator is None or not self.speculator.any_active(self._batch):
+            return []
+        rows = [(rid, self._rows[rid].sampler.params.max_tokens
+                 - self._rows[rid].sampler.num_sampled) for rid in self._batch]
+        return self.speculator.plan(rows)
+
+    def _speculate(self, ks: list[int]) -> tuple[RowOutput, ...]:
         """One verify step of the whole batch (see the module doc)."""
         if self.speculator is None or self._batch_cache is None:
             raise RuntimeError("a verify step without a speculator or a batch")
@@ -222,7 +254,7 @@ class Runner:
                      for rid, r in zip(self._batch, rows)]
         results = self.speculator.step(self._model, self._batch_cache, spec_rows,
                                        [r.last_token for r in rows],
-                                       self._batch_masks(self._batch))
+                                       self._batch_masks(self._batch), ks)
         outputs = []
         for rid, row, res in zip(self._batch, rows, results):
             self._num_forward_tokens += 1 + res.num_proposed
@@ -400,7 +432,16 @@ class Runner:
         if joiners:
             parts.append(mx.array(joiners, dtype=mx.uint32))
         inputs = mx.concatenate(parts) if len(parts) > 1 else parts[0]
-        logits = self._model(inputs[:, None], cache=self._batch_cache)[:, -1, :]
+        hidden_rows = [] if self.speculator is None else [
+            i for i, rid in enumerate(self._batch) if self.speculator.wants_hidden(rid)]
+        if hidden_rows:  # MTP rows: the head reads the hidden state of every kept position
+            logits, hidden = forward_with_hidden(self._model, inputs[:, None],
+                                                 self._batch_cache)
+            for i in hidden_rows:
+                self.speculator.record_hidden(self._batch[i], hidden[i:i + 1])
+            logits = logits[:, -1, :]
+        else:
+            logits = self._model(inputs[:, None], cache=self._batch_cache)[:, -1, :]
         mx.async_eval(logits)
         self._pending = (logits, list(self._batch))
         self._num_forward_tokens += len(self._batch)

@@ -166,6 +166,10 @@ class StepResult:
     snapshots: tuple[SnapshotMade, ...] = ()
     spills: tuple[SpillPayload, ...] = ()
     writes: tuple[SpillPayload, ...] = ()  # the persisted snapshots' bytes (still held)
+    # a steady decode step (no prefill, join or release; the same path as the step before):
+    # seconds since the previous step ended, and whether rows proposed (a verify step)
+    decode_seconds: float | None = None
+    speculative: bool = False
 
 
 @attrs.frozen(kw_only=True)

@@ -81,9 +81,9 @@ class Speculator:
             model(tokens, cache=cache)
             return
         _, hidden = forward_with_hidden(model, tokens, cache)
-        self._record_hidden(request_id, hidden)
+        self.record_hidden(request_id, hidden)
 
-    def _record_hidden(self, request_id: str, hidden: mx.array) -> None:
+    def record_hidden(self, request_id: str, hidden: mx.array) -> None:
         choice = self.policy.choice(request_id)
         if choice is not None:
             self.proposers[choice.method].record_hidden(request_id, hidden)  # type: ignore
@@ -96,12 +96,21 @@ class Speculator:
         for rid in list(request_ids):
             self.close_row(rid)
 
-    def proposals(self, rows: Sequence[SpecRow]) -> list[tuple[int, ...]]:
-        """Every row's proposal this step (empty for rows that do not propose)."""
+    def plan(self, rows: Sequence[tuple[str, int]]) -> list[int]:
+        """Tokens each (request id, tokens it may still emit) row proposes in the next
+        step, from the policy's books: all 0 means a plain step."""
+        decided = self.policy.decide([rid for rid, _ in rows], len(rows))
+        return [max(0, min(decided[rid], remaining - 1)) for rid, remaining in rows]
+
+    def observe_step(self, batch_size: int, speculative: bool, tokens: int,
+                     seconds: float) -> None:
+        """A measured decode step for the time policy (engine.speculative.throughput)."""
+        self.policy.observe_step(batch_size, speculative, tokens, seconds)
+
+    def proposals(self, rows: Sequence[SpecRow], ks: Sequence[int]) -> list[tuple[int, ...]]:
+        """Every row's proposal this step, at most its k tokens (empty for k = 0)."""
         asks: dict[str, list[tuple[int, str, Sequence[int], int]]] = {}
-        for i, row in enumerate(rows):
-            remaining = row.sampler.params.max_tokens - row.sampler.num_sampled
-            k = self.policy.num_tokens(row.request_id, len(rows), remaining)
+        for i, (row, k) in enumerate(zip(rows, ks)):
             choice = self.policy.choice(row.request_id)
             if k > 0 and choice is not None:
                 asks.setdefault(choice.method, []).append((i, row.request_id, row.context, k))
@@ -113,9 +122,11 @@ class Speculator:
         return out
 
     def step(self, model: Any, cache: list[Any], rows: Sequence[SpecRow],
-             last_tokens: Sequence[int], masks: np.ndarray | None) -> list[Verified]:
-        """Propose, verify in one forward, roll back; the books learn the acceptance."""
-        proposals = self.proposals(rows)
+             last_tokens: Sequence[int], masks: np.ndarray | None,
+             ks: Sequence[int]) -> list[Verified]:
+        """Propose (row i at most ks[i] tokens), verify in one forward, roll back; the
+        books learn the acceptance."""
+        proposals = self.proposals(rows, ks)
         position_masks: list[list[np.ndarray]] = [[] for _ in rows]
         for i, row in enumerate(rows):
             if row.grammar is not None and proposals[i]:
@@ -133,5 +144,5 @@ class Speculator:
         for i, (row, res) in enumerate(zip(rows, results)):
             self.policy.verified(row.request_id, res.num_proposed, res.num_accepted)
             if hidden_rows[i] and hidden is not None:
-                self._record_hidden(row.request_id, hidden[i:i + 1, :len(res.tokens)])
+                self.record_hidden(row.request_id, hidden[i:i + 1, :len(res.tokens)])
         return results
