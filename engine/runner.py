@@ -38,12 +38,16 @@ the batch's masks per row (unconstrained rows get all-ones masks, so their token
 unchanged). When a token completes the grammar the row's output says so
 (`grammar_done`) and the scheduler stops it with finish_reason "stop".
 
-Speculation (engine.speculative): a runner built with a `Speculator` runs every decode
-step as one verify step (Speculator.step: proposals, one forward of [last token +
-proposal] per row, acceptance, per-row rollback) instead of the pipelined forward; a row
-then outputs 1..k+1 tokens per step. A grammar row's proposal is cut to the prefix its
-grammar accepts, and each verified position samples under the mask after the proposals
-before it.
+Speculation (engine.speculative): a runner built with a `Speculator` runs a decode step
+in which some row proposes (`plan.propose`, the speculation actor's decision) as one
+verify step (Speculator.step: proposals, one forward of [last token + proposal] per row,
+acceptance, per-row rollback) instead of the pipelined forward; a row then outputs
+1..k+1 tokens per step. A step where no row proposes takes the plain pipelined path
+(MTP rows still hand the target's hidden states to their head). A grammar row's proposal
+is cut to the prefix its grammar accepts, and each verified position samples under the
+mask after the proposals before it. Each steady decode step (no prefill, join or
+release, the same path as the step before) reports its duration, the time since the
+previous step ended (`StepResult.decode_seconds`): the time policy's measurement.
 """
 
 from __future__ import annotations
@@ -155,10 +159,6 @@ class Runner:
         if clean and self._last_end is not None and self._step_mode == self._last_mode:
             result = attrs.evolve(result, decode_seconds=end - self._last_end,
                                   speculative=self._step_mode == "speculative")
-            if self.speculator is not None:
-                self.speculator.observe_step(len(result.outputs), result.speculative,
-                                             sum(len(o.tokens) for o in result.outputs),
-                                             result.decode_seconds)
         self._last_mode = self._step_mode if clean else None
         self._last_end = end
         return result
@@ -217,7 +217,7 @@ class Runner:
         ready = self._sample_pending()
         for rid in plan.join:
             self._join(rid)
-        ks = self._proposal_sizes()
+        ks = self._proposal_sizes(plan.propose)
         if any(ks):
             # a forward still in flight from the plain path is read first, not followed
             self._step_mode = "switch" if ready is not None else "speculative"
@@ -235,14 +235,18 @@ class Runner:
         return StepResult(outputs=outputs, kv_bytes=self.kv_bytes(), snapshots=snapshots,
                           spills=spills, writes=writes)
 
-    def _proposal_sizes(self) -> list[int]:
-        """Tokens each batch row proposes this step (the speculator's policy); all 0: a
-        plain step."""
-        if self.speculator is None or not self.speculator.any_active(self._batch):
+    def _proposal_sizes(self, propose: tuple[tuple[str, int], ...]) -> list[int]:
+        """Tokens each batch row proposes this step (the plan's sizes, cut to what the row
+        may still emit: a verify step emits up to k + 1); all 0: a plain step."""
+        wanted = dict(propose)
+        if self.speculator is None or not wanted:
             return []
-        rows = [(rid, self._rows[rid].sampler.params.max_tokens
-                 - self._rows[rid].sampler.num_sampled) for rid in self._batch]
-        return self.speculator.plan(rows)
+        sizes = []
+        for rid in self._batch:
+            sampler = self._rows[rid].sampler
+            k = wanted.get(rid, 0) if self.speculator.choice(rid) is not None else 0
+            sizes.append(max(0, min(k, sampler.params.max_tokens - sampler.num_sampled - 1)))
+        return sizes
 
     def _speculate(self, ks: list[int]) -> tuple[RowOutput, ...]:
         """One verify step of the whole batch (see the module doc)."""

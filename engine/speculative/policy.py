@@ -64,6 +64,18 @@ def parse_speculative(value: object) -> SpecChoice | bool | None:
         raise ValueError(f"speculative.{exc}") from None
 
 
+def resolve_choice(choice: object, default: SpecChoice | None) -> SpecChoice | None:
+    """A request's effective speculation: False -> none, None/True -> the server's
+    default, a SpecChoice -> itself."""
+    if choice is False:
+        return None
+    if choice is None or choice is True:
+        return default
+    if not isinstance(choice, SpecChoice):
+        raise TypeError(f"speculative must be a SpecChoice, a bool or None, got {choice!r}")
+    return choice
+
+
 @attrs.frozen(kw_only=True)
 class SpecPolicy:
     """Batch-size policy and back-off settings (see the module doc)."""
@@ -112,6 +124,10 @@ class SpeculationPolicy:
     def close_row(self, request_id: str) -> None:
         self._rows.pop(request_id, None)
 
+    def row_ids(self) -> list[str]:
+        """The rows with books, oldest first."""
+        return list(self._rows)
+
     def choice(self, request_id: str) -> SpecChoice | None:
         books = self._rows.get(request_id)
         return books.choice if books is not None else None
@@ -138,6 +154,15 @@ class SpeculationPolicy:
                 books.rate = self.policy.backoff_threshold
             return 0
         return books.choice.num_tokens
+
+    def absorb(self, verified: list[tuple[str, int, int]], batch_size: int, speculative: bool,
+               tokens: int, seconds: float | None) -> None:
+        """One step's outcome: (request id, proposed, accepted) per row that proposed, and
+        its measurement (`seconds` None: not a steady decode step, not measured)."""
+        for rid, proposed, accepted in verified:
+            self.verified(rid, proposed, accepted)
+        if seconds is not None:
+            self.observe_step(batch_size, speculative, tokens, seconds)
 
     def observe_step(self, batch_size: int, speculative: bool, tokens: int,
                      seconds: float) -> None:
