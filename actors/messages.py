@@ -227,7 +227,8 @@ class SpecStep:
     """scheduler -> speculation: one per engine step. Rows opened and released, each
     proposing row's verified length, the rows decoding next (`batch`: what the answer is
     for), and the step's measurement: `decode_seconds` (None: not a steady decode step),
-    whether rows proposed, the tokens it emitted. `step` numbers the engine's steps."""
+    whether rows proposed, the rows it decoded and the tokens they emitted. `step`
+    numbers the engine's steps."""
 
     step: int
     opened: tuple[SpecOpen, ...] = attrs.field(default=(), converter=tuple)
@@ -236,6 +237,7 @@ class SpecStep:
     batch: tuple[str, ...] = attrs.field(default=(), converter=_tuple_of_strs)
     decode_seconds: float | None = None
     speculative: bool = False
+    num_rows: int = 0
     num_tokens: int = 0
 
 

@@ -47,7 +47,7 @@ def decide_step(policy: SpeculationPolicy, default: SpecChoice | None,
     for rid in msg.released:
         policy.close_row(rid)
     policy.absorb([(v.request_id, v.num_proposed, v.num_accepted) for v in msg.verified],
-                  len(msg.batch), msg.speculative, msg.num_tokens, msg.decode_seconds)
+                  msg.num_rows, msg.speculative, msg.num_tokens, msg.decode_seconds)
     rows = policy.row_ids()
     # rows about to decode (still prefilling) count towards the batch they will join
     decided = policy.decide(rows, len(msg.batch) or len(rows))
@@ -113,7 +113,7 @@ class SpeculationLink:
         await self._send(SpecStep(
             step=self.num_steps, opened=opened, released=released, verified=verified,
             batch=tuple(batch), decode_seconds=result.decode_seconds,
-            speculative=result.speculative,
+            speculative=result.speculative, num_rows=len(result.outputs),
             num_tokens=sum(len(o.tokens) for o in result.outputs)))
 
     async def reset(self) -> None:

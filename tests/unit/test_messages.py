@@ -50,7 +50,7 @@ EXAMPLES = [
                released=("r0",), verified=(m.RowVerified(request_id="r4", num_proposed=3,
                                                          num_accepted=2),),
                batch=("r1", "r2", "r3", "r4"), decode_seconds=0.0125, speculative=True,
-               num_tokens=6),
+               num_rows=4, num_tokens=6),
     m.SpecStep(step=8),
     m.SpecOpen(request_id="r5", choice=True),
     m.RowVerified(request_id="r5", num_proposed=1, num_accepted=0),
