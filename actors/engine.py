@@ -378,7 +378,7 @@ async def open_engine(config: Config, *, loaded: LoadedModel | None = None,
             decisions_out, decisions_in = open_mailbox(sizes["speculation_replies"],
                                                        "speculation_replies", recorder)
             speculation = SpeculationPolicy(spec_policy(config))
-            link = SpeculationLink(outbox=spec_out, replies=decisions_in)
+            link = SpeculationLink(outbox=spec_out, replies=decisions_in, default=spec_default)
         prefix = None
         if config.prefix_cache:
             if await thread.call(runner.can_snapshot):

@@ -247,12 +247,15 @@ def _tuple_of_proposals(value: Any) -> tuple[tuple[str, int], ...]:
 
 @attrs.frozen(kw_only=True)
 class SpecDecision:
-    """speculation -> scheduler (reply edge): tokens each row proposes from the next step
-    the scheduler plans (0: it decodes plainly), decided after step `step`."""
+    """speculation -> scheduler (reply edge): tokens each row booked by step `step`
+    proposes from the next step the scheduler plans (a row not named: 0, it decodes
+    plainly); `new_rows`: whether rows opened after that step may propose their own k
+    until a decision names them (the batch size allows speculation)."""
 
     step: int
     proposals: tuple[tuple[str, int], ...] = attrs.field(default=(),
                                                          converter=_tuple_of_proposals)
+    new_rows: bool = True
 
 
 Event = Queued | Token | Done | Error

@@ -50,9 +50,10 @@ def decide_step(policy: SpeculationPolicy, default: SpecChoice | None,
                   msg.num_rows, msg.speculative, msg.num_tokens, msg.decode_seconds)
     rows = policy.row_ids()
     # rows about to decode (still prefilling) count towards the batch they will join
-    decided = policy.decide(rows, len(msg.batch) or len(rows))
+    batch_size = len(msg.batch) or len(rows)
+    decided = policy.decide(rows, batch_size)
     return SpecDecision(step=msg.step, proposals=tuple(
-        (rid, k) for rid, k in decided.items() if k > 0))
+        (rid, k) for rid, k in decided.items() if k > 0), new_rows=policy.allows(batch_size))
 
 
 async def run_speculation(policy: SpeculationPolicy, default: SpecChoice | None,
@@ -76,16 +77,33 @@ class SpeculationLink:
 
     outbox: Outbox
     replies: Inbox
+    default: SpecChoice | None = None  # the server's (resolves a new row's own k)
     proposals: dict[str, int] = attrs.Factory(dict)
+    decided_step: int = -1             # the step the latest decision was made after
+    new_rows: bool = True              # the latest decision's `new_rows`
     open_rows: set[str] = attrs.Factory(set)
+    # rows in a plan: the SpecStep number that opens them, and their own k
+    opened_at: dict[str, tuple[int, int]] = attrs.Factory(dict)
     num_steps: int = 0
     num_decisions: int = 0
 
     def apply(self, plan: StepPlan) -> StepPlan:
-        """The plan with the latest decision's proposal sizes for its decoding rows."""
+        """The plan with the latest decision's proposal sizes for its decoding rows; a row
+        the decision does not know yet (opened since) proposes its own k if the decision
+        allows new rows (so a short request speculates from its first decode step)."""
         self._read_decisions()
-        return attrs.evolve(plan, propose=tuple(
-            (rid, self.proposals[rid]) for rid in plan.decode if self.proposals.get(rid)))
+        for new in plan.new_rows:
+            choice = resolve_choice(new.speculative, self.default)
+            self.opened_at[new.request_id] = (self.num_steps,
+                                              choice.num_tokens if choice is not None else 0)
+        propose = []
+        for rid in plan.decode:
+            opened, own = self.opened_at.get(rid, (-1, 0))
+            k = (own if self.new_rows else 0) if opened > self.decided_step else (
+                self.proposals.get(rid, 0))
+            if k > 0:
+                propose.append((rid, k))
+        return attrs.evolve(plan, propose=tuple(propose))
 
     def _read_decisions(self) -> None:
         while True:
@@ -96,6 +114,7 @@ class SpeculationLink:
             if not isinstance(decision, SpecDecision):
                 raise TypeError(f"scheduler got unexpected {type(decision).__name__}")
             self.proposals = dict(decision.proposals)
+            self.decided_step, self.new_rows = decision.step, decision.new_rows
             self.num_decisions += 1
 
     async def report(self, plan: StepPlan, result: StepResult, batch: Sequence[str],
@@ -107,6 +126,8 @@ class SpeculationLink:
         self.open_rows.update(o.request_id for o in opened)
         released = tuple(sorted(self.open_rows.difference(active)))
         self.open_rows.difference_update(released)
+        for rid in released:
+            self.opened_at.pop(rid, None)
         verified = tuple(RowVerified(request_id=o.request_id, num_proposed=o.num_proposed,
                                      num_accepted=o.num_accepted)
                          for o in result.outputs if o.num_proposed)
@@ -119,7 +140,7 @@ class SpeculationLink:
     async def reset(self) -> None:
         """The runner was reset: every row's books go."""
         released, self.open_rows = tuple(sorted(self.open_rows)), set()
-        self.proposals = {}
+        self.proposals, self.opened_at = {}, {}
         await self._send(SpecStep(step=self.num_steps, released=released))
 
     async def _send(self, msg: SpecStep) -> None:

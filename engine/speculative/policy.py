@@ -136,13 +136,18 @@ class SpeculationPolicy:
         """Tokens each row proposes in the next step of `batch_size` decoding rows (0: it
         decodes plainly); the caller cuts them to what the row may still emit."""
         out = dict.fromkeys(request_ids, 0)
-        if self.policy.max_batch and batch_size > self.policy.max_batch:
-            return out
-        if self.time is not None and batch_size >= 1 and not self.time.speculate(batch_size):
+        if not self.allows(batch_size):
             return out
         for rid in request_ids:
             out[rid] = self._row_tokens(rid)
         return out
+
+    def allows(self, batch_size: int) -> bool:
+        """Whether rows may propose at all in a step of `batch_size` decoding rows (the
+        hard cap and the time policy; rows' own back-off aside)."""
+        if self.policy.max_batch and batch_size > self.policy.max_batch:
+            return False
+        return self.time is None or batch_size < 1 or self.time.speculate(batch_size)
 
     def _row_tokens(self, request_id: str) -> int:
         books = self._rows.get(request_id)

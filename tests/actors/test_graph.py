@@ -101,8 +101,10 @@ async def test_with_speculation_the_speculation_edges_carry_steps_and_decisions(
         allowed.setdefault(mailbox, set()).update(messages)
     assert all(kind in allowed[name] for name, kind in set(seen)), set(seen)
     steps = seen.count(("speculation", "SpecStep"))
-    # one SpecStep per engine step, one decision per SpecStep
-    assert steps >= 10 and seen.count(("speculation_replies", "SpecDecision")) == steps
+    # one SpecStep per engine step, one decision per SpecStep (but the last, which the
+    # shutdown may cancel before it is answered)
+    assert steps >= 10
+    assert seen.count(("speculation_replies", "SpecDecision")) in (steps - 1, steps)
     assert stats.num_rows == 0  # every row's books were released when it ended
     assert stats.num_proposed > 0
 

@@ -25,7 +25,7 @@ async def _start(nursery, policy):
     spec_out, spec_in = open_mailbox(SPECULATION_MAILBOX, "speculation")
     replies_out, replies_in = open_mailbox(reply_mailbox_size(), "speculation_replies")
     await nursery.start(run_speculation, policy, DEFAULT, spec_in, replies_out)
-    return SpeculationLink(outbox=spec_out, replies=replies_in)
+    return SpeculationLink(outbox=spec_out, replies=replies_in, default=DEFAULT)
 
 
 async def test_books_rows_and_answers_each_step(nursery):
@@ -70,7 +70,7 @@ async def test_link_applies_the_latest_decision_and_releases_ended_rows(nursery)
     policy = SpeculationPolicy(SpecPolicy(throughput=ThroughputSettings(min_samples=1)))
     link = await _start(nursery, policy)
     plan = link.apply(_plan(["a"], new=["a"]))
-    assert plan.propose == ()  # no decision yet: the step runs plainly, nothing waits
+    assert plan.propose == (("a", 3),)  # no decision yet: its own k, nothing waits
     await link.report(plan, StepResult(outputs=(), kv_bytes=0), ["a"], {"a"})
     await trio.testing.wait_all_tasks_blocked()
     assert link.apply(_plan(["a"])).propose == (("a", 3),)  # learning: speculative first
@@ -95,3 +95,25 @@ async def test_link_applies_the_latest_decision_and_releases_ended_rows(nursery)
     await trio.testing.wait_all_tasks_blocked()
     assert link.apply(_plan([])).propose == () and policy.statistics().num_rows == 0
     assert link.num_decisions >= 3 and link.num_steps == 4 + 5 * reply_mailbox_size()
+
+
+async def test_new_rows_propose_their_own_k_only_where_the_batch_allows(nursery):
+    policy = SpeculationPolicy(SpecPolicy(max_batch=2, time_policy=False))
+    link = await _start(nursery, policy)
+    plan = link.apply(_plan(["a", "b"], new=["a", "b"]))
+    assert plan.propose == (("a", 3), ("b", 3))
+    await link.report(plan, StepResult(outputs=(), kv_bytes=0), ["a", "b"], {"a", "b"})
+    await trio.testing.wait_all_tasks_blocked()
+    # a third row joins: the last decision (batch 2) let new rows propose, so it does
+    plan = link.apply(_plan(["a", "b", "c"], new=["c"]))
+    assert plan.propose == (("a", 3), ("b", 3), ("c", 3))
+    await link.report(plan, StepResult(outputs=(), kv_bytes=0), ["a", "b", "c"],
+                      {"a", "b", "c"})
+    await trio.testing.wait_all_tasks_blocked()
+    # batch 3 is over the cap: nobody proposes, and a row opened now waits for a decision
+    plan = link.apply(_plan(["a", "b", "c", "d"], new=["d"]))
+    assert plan.propose == () and link.new_rows is False
+    await link.report(plan, StepResult(outputs=(), kv_bytes=0), ["b"], {"b", "d"})
+    await trio.testing.wait_all_tasks_blocked()
+    assert link.apply(_plan(["b", "d"])).propose == (("b", 3), ("d", 3))
+    assert policy.statistics().num_rows == 2 and link.open_rows == {"b", "d"}

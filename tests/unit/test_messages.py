@@ -55,7 +55,7 @@ EXAMPLES = [
     m.SpecOpen(request_id="r5", choice=True),
     m.RowVerified(request_id="r5", num_proposed=1, num_accepted=0),
     m.SpecDecision(step=7, proposals=(("r1", 4), ("r2", 0))),
-    m.SpecDecision(step=9),
+    m.SpecDecision(step=9, new_rows=False),
 ]
 
 
