@@ -13,7 +13,7 @@ one and turns proposals off where speculation is slower. Both estimates go stale
 batch's content and acceptance change), so each mode explores the other now and then:
 a bucket banks `explore_fraction` of the time it spends in its current mode and, once
 the bank covers one step of the other mode (its last measured duration), runs
-`explore_steps` steps of it, its old estimate scaled by `stale_weight` first (weighed
+`explore_steps` measured steps of it, its old estimate scaled by `stale_weight` first (weighed
 like about one new step, so the fresh steps decide). So exploring never costs more than about `explore_fraction`
 of the time, whichever mode is slow: with speculation 25x slower per token, a plain
 bucket still spends at most ~2% of its time trying it. Until a bucket has measured both
@@ -47,7 +47,9 @@ class ThroughputSettings:
     """See the module doc. `decay`: the weight an estimate keeps per new step of its mode."""
 
     margin: float = attrs.field(default=1.0, validator=_positive)
-    explore_fraction: float = attrs.field(default=0.02, validator=_fraction)
+    # 1%: the actor's decisions lag a step and a switch costs an unmeasured step or two,
+    # so an exploration of 2 measured steps runs ~4 steps of the other mode (~2% in all)
+    explore_fraction: float = attrs.field(default=0.01, validator=_fraction)
     explore_steps: int = attrs.field(default=2, validator=_positive)
     min_samples: int = attrs.field(default=2, validator=_positive)
     decay: float = attrs.field(default=0.9, validator=_fraction)
