@@ -8,13 +8,16 @@ states by plain steps too, keeps its acceptance; the draft catches up over plain
 from __future__ import annotations
 
 import attrs
+import mlx.core as mx
 import pytest
+from mlx_lm.models.cache import make_prompt_cache
 
 from tqserve.engine.model import DEFAULT_MODEL, load_model
 from tqserve.engine.runner import Runner
 from tqserve.engine.sampling import SamplingParams
 from tqserve.engine.scheduler import Finished, SchedulerCore, TokenOut
-from tqserve.engine.speculative.mtp import MtpProposer, load_mtp_head
+from tqserve.engine.speculative.mtp import (KEEP_PENDING, MAX_PENDING, MtpProposer,
+                                           forward_with_hidden, load_mtp_head)
 from tqserve.engine.speculative.policy import SpecChoice, SpecPolicy, SpeculationPolicy
 from tqserve.engine.speculative.proposers import DraftProposer
 from tqserve.engine.speculative.speculator import Speculator
@@ -79,3 +82,26 @@ def test_rows_alternating_plain_and_verify_steps_match_mlx_lm(big_model, method)
     # the proposals after plain steps still come from the right positions (a head fed
     # misaligned hidden states, or a draft that lost tokens, would accept next to nothing)
     assert stats.num_accepted / stats.num_proposed >= 0.3, stats
+
+
+def test_mtp_rows_held_plain_for_long_fold_their_hidden_states(big_model):
+    """A row kept plain for many steps records one hidden state per step; past
+    MAX_PENDING records it keeps only the latest KEEP_PENDING positions and its head starts
+    over from them: it then proposes exactly what a head fed only those positions does."""
+    head = load_mtp_head(big_model.path, big_model.model)
+    ids = big_model.tokenizer.encode(PROMPTS[2] * 40)[:MAX_PENDING + 88]
+    n = len(ids) - 1  # the last token is the one fed next: no hidden state for it yet
+    cache = make_prompt_cache(big_model.model)
+    _, hidden = forward_with_hidden(big_model.model, mx.array(ids[:n])[None], cache)
+    mx.eval(hidden)
+    stepped, fresh = MtpProposer(big_model.model, head), MtpProposer(big_model.model, head)
+    stepped.open_row("r")
+    fresh.open_row("r")
+    for t in range(n):  # one record per plain step
+        stepped.record_hidden("r", hidden[:, t:t + 1])
+    row = stepped._rows["r"]
+    kept = KEEP_PENDING + n - (MAX_PENDING + 1)
+    assert len(row.pending) == n - MAX_PENDING and row.num_pending == kept
+    fresh.record_hidden("r", hidden[:, n - kept:])
+    got = stepped.propose([("r", ids, 4)])
+    assert got == fresh.propose([("r", ids, 4)]) and len(got[0]) == 4
