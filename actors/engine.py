@@ -9,14 +9,16 @@ bounded mailbox of msgpack bytes, named after the actor that reads it:
 
                  Submit, Cancel            Submit, Cancel
     generate() ----------------> admission ----------------> scheduler <--> runner thread
-                                  |  ^  ^                     |  |  |        (MLX)
-                    Queued, Error |  |  +-- Dequeued (reply) -+  |  +-- Lease, Release,
-                                  v  |                           |      KvUsage
-                                  hub  <-- StepTokens (one per --+         |
-                                  |  |     step), Done, Error              v
-                                  |  +-- Cancel (reply) --> admission   cache_owner
-                                  v
-                   per-stream channels --> generate()
+                                  |  ^  ^                     |  |  |  ^     (MLX)
+                    Queued, Error |  |  +-- Dequeued (reply) -+  |  |  |
+                                  v  |                           |  |  +-- SpecDecision
+                                  hub  <-- StepTokens (one per --+  |  |    (reply)
+                                  |  |     step), Done, Error       |  |
+                                  |  +-- Cancel (reply) --> admission  |
+                                  v                                 |  +-- SpecStep -->
+                   per-stream channels --> generate()               |      speculation
+                                                                    v
+                                             Lease, Release, KvUsage --> cache_owner
 
     The prefix cache is part of the scheduler's task; its writer task takes snapshots
     from a bounded queue (WRITE_QUEUE, --ssd-flush async) and writes them to the SSD tier.
@@ -31,11 +33,16 @@ mailboxes `open_engine` creates and the messages that cross them:
     scheduler -> cache_owner: Lease Release KvUsage
     scheduler -> admission_replies: Dequeued (reply edge)
     hub -> admission: Cancel (reply edge)
+    scheduler -> speculation: SpecStep
+    speculation -> speculation_replies: SpecDecision (reply edge)
 
-Without the reply edges the graph is a DAG. The two reply edges never block a sender:
-admission_replies is sized for one Dequeued per queued request (send_nowait), and the hub's
-Cancels (a stream overflowed, or its text met a stop string) are sent by a task of their
-own (`run_hub_cancels`), never by delivery; the ids waiting are at most the open streams.
+The speculation actor and its two mailboxes exist only with speculation (--speculative or
+--draft-model). Without the reply edges the graph is a DAG. The reply edges never block a
+sender: admission_replies is sized for one Dequeued per queued request (send_nowait),
+the hub's Cancels (a stream overflowed, or its text met a stop string) are sent by a task
+of their own (`run_hub_cancels`), never by delivery; the ids waiting are at most the open
+streams; speculation_replies holds one decision per SpecStep that can be answered before
+the scheduler reads them all again (actors.speculation; send_nowait).
 
 With --warmup (auto: on a GPU only) the runner first runs every decode batch size once
 (engine.warmup: a private scheduler core, then a reset), before any actor starts.
@@ -76,6 +83,8 @@ from tqserve.actors.prefix_cache import (PrefixCache, PrefixCacheStatistics, hea
                                  run_writer)
 from tqserve.actors.runner_thread import RunnerThread
 from tqserve.actors.scheduler import GroupFailed, run_scheduler
+from tqserve.actors.speculation import (SPECULATION_MAILBOX, SpeculationLink, reply_mailbox_size,
+                                        run_speculation)
 from tqserve.engine.config import Config
 from tqserve.engine.detokenize import TextStream
 from tqserve.engine.distributed import (GroupFailure, LeaderRunner, PlanChannel, init_group,
@@ -83,8 +92,8 @@ from tqserve.engine.distributed import (GroupFailure, LeaderRunner, PlanChannel,
 from tqserve.engine.kv.factory import cache_factory_for
 from tqserve.engine.codec.turboquant import DEFAULT_ROTATION
 from tqserve.engine.model import LoadedModel, load_model
-from tqserve.engine.speculative.factory import build_speculator
-from tqserve.engine.speculative.policy import SpeculationStatistics
+from tqserve.engine.speculative.factory import build_speculator, spec_policy
+from tqserve.engine.speculative.policy import SpeculationPolicy, SpeculationStatistics
 from tqserve.engine.prefix import cache_namespace
 from tqserve.engine.request import GenerateRequest
 from tqserve.engine.runner import Runner
@@ -136,7 +145,8 @@ class Engine:
     def __init__(self, config: Config, loaded: LoadedModel, admission: Outbox, hub: Hub,
                  control: AdmissionControl, books: RowBooks, core: SchedulerCore,
                  prefix: PrefixCache | None = None, runner: Runner | None = None,
-                 mailboxes: dict[str, int] | None = None) -> None:
+                 mailboxes: dict[str, int] | None = None,
+                 speculation: SpeculationPolicy | None = None) -> None:
         self._live: dict[str, str] = {}  # caller's id -> internal id, while its stream is open
         self._live_changed = trio.Event()  # replaced after every stream end
         self._internal_ids = itertools.count()
@@ -153,6 +163,7 @@ class Engine:
         self.mailboxes = dict(mailboxes or {})  # the graph's mailboxes: name -> size
         self.group_failed = GroupFailed()  # --distributed: set when the group failed
         self._rejections: Counter[str] = Counter()  # refused before reaching admission
+        self._speculation = speculation  # the speculation actor's books (same trio thread)
 
     def note_rejection(self, code: str) -> None:
         """Count a request refused outside the engine (e.g. a bad frame at the API)."""
@@ -324,11 +335,8 @@ class Engine:
             speculative=self._speculative_statistics())
 
     def _speculative_statistics(self) -> SpeculationStatistics | None:
-        """The speculation books (plain counters the runner thread updates)."""
-        runner = self.runner
-        if runner is None or runner.speculator is None:
-            return None
-        return runner.speculator.policy.statistics()
+        """The speculation actor's books."""
+        return self._speculation.statistics() if self._speculation is not None else None
 
 
 @asynccontextmanager
@@ -384,6 +392,16 @@ async def open_engine(config: Config, *, loaded: LoadedModel | None = None,
         owner_out, owner_in = open_mailbox(sizes["cache_owner"], "cache_owner", recorder)
         replies_out, replies_in = open_mailbox(sizes["admission_replies"],
                                                "admission_replies", recorder)
+        speculation, link, spec_default = None, None, None
+        if speculator is not None:
+            spec_default = speculator.default
+            sizes["speculation"] = SPECULATION_MAILBOX
+            sizes["speculation_replies"] = reply_mailbox_size(SPECULATION_MAILBOX)
+            spec_out, spec_in = open_mailbox(sizes["speculation"], "speculation", recorder)
+            decisions_out, decisions_in = open_mailbox(sizes["speculation_replies"],
+                                                       "speculation_replies", recorder)
+            speculation = SpeculationPolicy(spec_policy(config))
+            link = SpeculationLink(outbox=spec_out, replies=decisions_in, default=spec_default)
         prefix = None
         if config.prefix_cache:
             if await thread.call(runner.can_snapshot):
@@ -401,9 +419,14 @@ async def open_engine(config: Config, *, loaded: LoadedModel | None = None,
                 async with trio.open_nursery() as nursery:
                     await nursery.start(run_hub, hub, hub_in)
                     await nursery.start(run_cache_owner, books, owner_in)
-                    await nursery.start(run_scheduler, core, runner, thread, scheduler_in,
-                                        replies_out, owner_out, hub_out.clone(), prefix,
-                                        group_failed)
+                    if speculation is not None:
+                        await nursery.start(run_speculation, speculation, spec_default,
+                                            spec_in, decisions_out)
+                    await nursery.start(
+                        functools.partial(run_scheduler, group_failed=group_failed,
+                                          speculation=link),
+                        core, runner, thread, scheduler_in, replies_out, owner_out,
+                        hub_out.clone(), prefix)
                     nursery.start_soon(run_hub_cancels, hub, admission_out.clone())
                     if isinstance(runner, LeaderRunner):
                         nursery.start_soon(run_health_check, runner, thread,
@@ -413,7 +436,7 @@ async def open_engine(config: Config, *, loaded: LoadedModel | None = None,
                                         scheduler_out, hub_out)
                     try:
                         engine = Engine(config, loaded, admission_out, hub, control, books,
-                                        core, prefix, runner, sizes)
+                                        core, prefix, runner, sizes, speculation)
                         engine.group_failed = group_failed
                         yield engine
                     finally:

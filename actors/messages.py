@@ -200,11 +200,70 @@ class Error:
                 "message": self.message}
 
 
+@attrs.frozen(kw_only=True)
+class SpecOpen:
+    """Inside `SpecStep`: a row the runner opened this step, with its request's choice
+    (a SpecChoice, False: never, None: the server's default)."""
+
+    request_id: str
+    choice: SpecChoice | bool | None = None
+
+
+@attrs.frozen(kw_only=True)
+class RowVerified:
+    """Inside `SpecStep`: what the target kept of a row's proposal this step."""
+
+    request_id: str
+    num_proposed: int
+    num_accepted: int
+
+
+def _tuple_of_strs(value: Any) -> tuple[str, ...]:
+    return tuple(str(v) for v in value)
+
+
+@attrs.frozen(kw_only=True)
+class SpecStep:
+    """scheduler -> speculation: one per engine step. Rows opened and released, each
+    proposing row's verified length, the rows decoding next (`batch`: what the answer is
+    for), and the step's measurement: `decode_seconds` (None: not a steady decode step),
+    whether rows proposed, the rows it decoded and the tokens they emitted. `step`
+    numbers the engine's steps."""
+
+    step: int
+    opened: tuple[SpecOpen, ...] = attrs.field(default=(), converter=tuple)
+    released: tuple[str, ...] = attrs.field(default=(), converter=_tuple_of_strs)
+    verified: tuple[RowVerified, ...] = attrs.field(default=(), converter=tuple)
+    batch: tuple[str, ...] = attrs.field(default=(), converter=_tuple_of_strs)
+    decode_seconds: float | None = None
+    speculative: bool = False
+    num_rows: int = 0
+    num_tokens: int = 0
+
+
+def _tuple_of_proposals(value: Any) -> tuple[tuple[str, int], ...]:
+    return tuple((str(rid), int(k)) for rid, k in value)
+
+
+@attrs.frozen(kw_only=True)
+class SpecDecision:
+    """speculation -> scheduler (reply edge): tokens each row booked by step `step`
+    proposes from the next step the scheduler plans (a row not named: 0, it decodes
+    plainly); `new_rows`: whether rows opened after that step may propose their own k
+    until a decision names them (the batch size allows speculation)."""
+
+    step: int
+    proposals: tuple[tuple[str, int], ...] = attrs.field(default=(),
+                                                         converter=_tuple_of_proposals)
+    new_rows: bool = True
+
+
 Event = Queued | Token | Done | Error
 
 _CLASSES: dict[str, type] = {cls.__name__: cls for cls in (
     Submit, Cancel, Dequeued, Lease, Release, KvUsage, Queued, Token, RowTokens, StepTokens,
-    Done, Error, SamplingParams, ResponseFormat, SpecChoice)}
+    Done, Error, SpecOpen, RowVerified, SpecStep, SpecDecision, SamplingParams, ResponseFormat,
+    SpecChoice)}
 
 
 class CodecError(ValueError):

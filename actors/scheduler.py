@@ -6,7 +6,9 @@ Receives: Submit, Cancel (from admission, SCHEDULER_MAILBOX; a Cancel with reaso
 Sends: one StepTokens per step (every row's new tokens) and Done/Error to the hub;
        Lease/Release/KvUsage to the cache owner;
        Dequeued to admission on the reply edge (send_nowait: that mailbox holds
-       one message per queued request, so it cannot fill).
+       one message per queued request, so it cannot fill);
+       one SpecStep per step to the speculation actor (with speculation), whose
+       SpecDecisions it reads without waiting (the speculation_replies reply edge).
 Between steps it drains its mailbox without waiting, so a cancel frees its row
 at the start of the next step. When idle it waits for a message.
 With a prefix cache (actors.prefix_cache), a request looks up its donor when it is about
@@ -14,6 +16,9 @@ to take a row; an SSD hit loads in a task of this actor's nursery (worker thread
 runner thread between steps) while the request waits without a row and the other rows keep
 decoding; it joins when its KV is ready. Each plan carries the cache's snapshot, persist,
 spill and drop orders, and each result is absorbed by it (a sync flush writes here).
+With speculation (actors.speculation), each plan carries the speculation actor's latest
+decision (`SpeculationLink.apply`, never waited for) and each step is reported to it in
+one SpecStep (opened and released rows, verified lengths, the step's measurement).
 A runner failure is our bug: it is logged, every request in flight gets an
 `internal_error` event, the runner is reset, the snapshots nobody indexed are dropped and
 the prefix index forgets what the runner lost, and serving goes on; with --distributed
@@ -23,6 +28,7 @@ the prefix index forgets what the runner lost, and serving goes on; with --distr
 from __future__ import annotations
 
 import logging
+from contextlib import nullcontext
 
 import trio
 
@@ -32,6 +38,7 @@ from tqserve.actors.messages import (Cancel, Dequeued, Done, Error, KvUsage, Lea
                                      RowTokens, StepTokens, Submit)
 from tqserve.actors.runner_thread import RunnerThread
 from tqserve.engine.distributed import GroupFailure
+from tqserve.actors.speculation import SpeculationLink
 from tqserve.engine.runner import Runner
 from tqserve.engine.scheduler import (Event, Finished, SchedulerCore, Started, StepPlan,
                                      TokenOut)
@@ -63,13 +70,17 @@ async def run_scheduler(
     hub: Outbox,
     prefix: PrefixCache | None = None,
     group_failed: GroupFailed | None = None,
+    speculation: SpeculationLink | None = None,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """The step loop: drain the mailbox, look up donors, then step or wait for work."""
-    actor = _Scheduler(core, runner, thread, inbox, admission_replies, cache_owner, hub, prefix)
+    actor = _Scheduler(core, runner, thread, inbox, admission_replies, cache_owner, hub, prefix,
+                       speculation)
     actor.group_failed = group_failed
     task_status.started()
-    async with admission_replies, cache_owner, hub, trio.open_nursery() as loads:
+    async with (admission_replies, cache_owner, hub,
+                speculation.outbox if speculation is not None else nullcontext(),
+                trio.open_nursery() as loads):
         while True:
             await actor.drain_inbox()
             actor.look_up(loads)
@@ -87,8 +98,9 @@ class _Scheduler:
 
     def __init__(self, core: SchedulerCore, runner: Runner, thread: RunnerThread, inbox: Inbox,
                  admission_replies: Outbox, cache_owner: Outbox, hub: Outbox,
-                 prefix: PrefixCache | None) -> None:
+                 prefix: PrefixCache | None, speculation: SpeculationLink | None) -> None:
         self.core, self.runner, self.thread, self.inbox = core, runner, thread, inbox
+        self.speculation = speculation
         self.admission_replies, self.cache_owner, self.hub = admission_replies, cache_owner, hub
         self.prefix = prefix
         self.closed = False  # the mailbox ended: finish what runs, then return
@@ -212,6 +224,8 @@ class _Scheduler:
         plan, started = self.core.schedule()
         if self.prefix is not None:
             plan = self.prefix.decorate(plan, self.core.prompt)
+        if self.speculation is not None:
+            plan = self.speculation.apply(plan)
         await self.emit(started)
         try:
             result = await self.thread.call(self.runner.execute, plan)
@@ -222,6 +236,9 @@ class _Scheduler:
         if self.prefix is not None:
             await self.prefix.absorb(plan, result)
         await self.emit(self.core.postprocess(result))
+        if self.speculation is not None:
+            await self.speculation.report(plan, result, self.core.decoding_ids(),
+                                          set(self.core.active_ids()))
         await trio.lowlevel.checkpoint()
 
     async def fail(self, plan: StepPlan, exc: Exception) -> None:
@@ -236,6 +253,8 @@ class _Scheduler:
             return
         log.exception("runner step failed; failing %d requests", len(self.core.active_ids()))
         await self.thread.call(self.runner.reset)
+        if self.speculation is not None:
+            await self.speculation.reset()
         if self.prefix is not None:
             for new in plan.new_rows:
                 self.prefix.release_reuse(new.request_id)

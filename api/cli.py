@@ -114,6 +114,10 @@ def _config_flags(p: argparse.ArgumentParser, *, server: bool) -> None:
                    help="tokens proposed per row and step (1..16)")
     p.add_argument("--speculative-max-batch", type=int, default=defaults.speculative_max_batch,
                    help="no row proposes while more rows than this decode (0 = no limit)")
+    p.add_argument("--no-speculative-time-policy", dest="speculative_time_policy",
+                   action="store_false",
+                   help="propose whenever a row speculates, even in batch sizes where "
+                        "measured speculative decoding is slower than plain decoding")
     p.add_argument("--speculative-ngram", type=int, default=defaults.speculative_ngram,
                    help="longest n-gram prompt lookup matches (1..16)")
     p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",

@@ -161,6 +161,7 @@ class Config:
     draft_model: str | None = None
     num_speculative_tokens: int = attrs.field(default=4, validator=_num_speculative)
     speculative_max_batch: int = attrs.field(default=0, validator=_non_negative)
+    speculative_time_policy: bool = True  # engine.speculative.throughput
     speculative_ngram: int = attrs.field(default=3, validator=_num_speculative)
     # HTTP and WebSocket exposure (api.auth): a bearer key, browser origins for WebSockets.
     api_key: str | None = attrs.field(default=None, validator=_api_key, repr=False)

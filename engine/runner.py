@@ -40,12 +40,16 @@ the batch's masks per row (unconstrained rows get all-ones masks, so their token
 unchanged). When a token completes the grammar the row's output says so
 (`grammar_done`) and the scheduler stops it with finish_reason "stop".
 
-Speculation (engine.speculative): a runner built with a `Speculator` runs every decode
-step as one verify step (Speculator.step: proposals, one forward of [last token +
-proposal] per row, acceptance, per-row rollback) instead of the pipelined forward; a row
-then outputs 1..k+1 tokens per step. A grammar row's proposal is cut to the prefix its
-grammar accepts, and each verified position samples under the mask after the proposals
-before it.
+Speculation (engine.speculative): a runner built with a `Speculator` runs a decode step
+in which some row proposes (`plan.propose`, the speculation actor's decision) as one
+verify step (Speculator.step: proposals, one forward of [last token + proposal] per row,
+acceptance, per-row rollback) instead of the pipelined forward; a row then outputs
+1..k+1 tokens per step. A step where no row proposes takes the plain pipelined path
+(MTP rows still hand the target's hidden states to their head). A grammar row's proposal
+is cut to the prefix its grammar accepts, and each verified position samples under the
+mask after the proposals before it. Each steady decode step (no prefill, join or
+release, the same path as the step before) reports its duration, the time since the
+previous step ended (`StepResult.decode_seconds`): the time policy's measurement.
 """
 
 from __future__ import annotations
@@ -66,6 +70,7 @@ from tqserve.engine.scheduler import RowOutput, SnapshotMade, SpillPayload, Step
 from tqserve.engine.snapshot import (PlaneLayout, Snapshot, describe, extract_snapshot, from_planes,
                              layer_kinds_text, plane_layout, row_from_snapshot, snapshot_kinds,
                              snapshot_of_row, to_planes)
+from tqserve.engine.speculative.mtp import forward_with_hidden
 from tqserve.engine.speculative.speculator import SpecRow, Speculator
 from tqserve.engine.structured import GrammarMasks, RowGrammar
 
@@ -129,6 +134,11 @@ class Runner:
         self.step_hook: Callable[[StepPlan], None] | None = None
         self._layout: PlaneLayout | None = None
         self._last_end: float | None = None
+        # the decode path of this step and of the last clean one (None: no steady decode):
+        # "plain" (pipelined), "speculative" (a verify step), "switch" (finishing the
+        # plain forward in flight before a verify step)
+        self._step_mode: str | None = None
+        self._last_mode: str | None = None
         self._step_gaps: deque[float] = deque(maxlen=STEP_GAPS_KEPT)
         self._num_step_gaps = 0
         self._step_gap_seconds = 0.0
@@ -144,8 +154,17 @@ class Runner:
             self._step_gaps.append(gap)
             self._num_step_gaps += 1
             self._step_gap_seconds += gap
+        self._step_mode = None
         result = self._execute(plan)
-        self._last_end = time.perf_counter()
+        end = time.perf_counter()
+        clean = self._step_mode is not None and not (
+            plan.new_rows or plan.prefill or plan.join or plan.release or plan.spill
+            or plan.snapshot or plan.prompt_snapshot)
+        if clean and self._last_end is not None and self._step_mode == self._last_mode:
+            result = attrs.evolve(result, decode_seconds=end - self._last_end,
+                                  speculative=self._step_mode == "speculative")
+        self._last_mode = self._step_mode if clean else None
+        self._last_end = end
         return result
 
     def step_gaps(self) -> list[float]:
@@ -202,11 +221,15 @@ class Runner:
         ready = self._sample_pending()
         for rid in plan.join:
             self._join(rid)
-        if self.speculator is not None and self.speculator.any_active(self._batch):
+        ks = self._proposal_sizes(plan.propose)
+        if any(ks):
             # a forward still in flight from the plain path is read first, not followed
-            outputs = self._finalize(ready) if ready is not None else self._speculate()
+            self._step_mode = "switch" if ready is not None else "speculative"
+            outputs = self._finalize(ready) if ready is not None else self._speculate(ks)
             return StepResult(outputs=outputs, kv_bytes=self.kv_bytes(),
                               snapshots=snapshots, spills=spills, writes=writes)
+        if self._batch:
+            self._step_mode = "plain" if ready is not None else "switch"
         if ready is None and self._batch:  # nothing in flight: this step's forward now
             self._launch(None)
             ready = self._sample_pending()
@@ -216,7 +239,20 @@ class Runner:
         return StepResult(outputs=outputs, kv_bytes=self.kv_bytes(), snapshots=snapshots,
                           spills=spills, writes=writes)
 
-    def _speculate(self) -> tuple[RowOutput, ...]:
+    def _proposal_sizes(self, propose: tuple[tuple[str, int], ...]) -> list[int]:
+        """Tokens each batch row proposes this step (the plan's sizes, cut to what the row
+        may still emit: a verify step emits up to k + 1); all 0: a plain step."""
+        wanted = dict(propose)
+        if self.speculator is None or not wanted:
+            return []
+        sizes = []
+        for rid in self._batch:
+            sampler = self._rows[rid].sampler
+            k = wanted.get(rid, 0) if self.speculator.choice(rid) is not None else 0
+            sizes.append(max(0, min(k, sampler.params.max_tokens - sampler.num_sampled - 1)))
+        return sizes
+
+    def _speculate(self, ks: list[int]) -> tuple[RowOutput, ...]:
         """One verify step of the whole batch (see the module doc)."""
         if self.speculator is None or self._batch_cache is None:
             raise RuntimeError("a verify step without a speculator or a batch")
@@ -226,7 +262,7 @@ class Runner:
                      for rid, r in zip(self._batch, rows)]
         results = self.speculator.step(self._model, self._batch_cache, spec_rows,
                                        [r.last_token for r in rows],
-                                       self._batch_masks(self._batch))
+                                       self._batch_masks(self._batch), ks)
         outputs = []
         for rid, row, res in zip(self._batch, rows, results):
             self._num_forward_tokens += 1 + res.num_proposed
@@ -403,7 +439,16 @@ class Runner:
         if joiners:
             parts.append(mx.array(joiners, dtype=mx.uint32))
         inputs = mx.concatenate(parts) if len(parts) > 1 else parts[0]
-        logits = self._model(inputs[:, None], cache=self._batch_cache)[:, -1, :]
+        hidden_rows = [] if self.speculator is None else [
+            i for i, rid in enumerate(self._batch) if self.speculator.wants_hidden(rid)]
+        if hidden_rows:  # MTP rows: the head reads the hidden state of every kept position
+            logits, hidden = forward_with_hidden(self._model, inputs[:, None],
+                                                 self._batch_cache)
+            for i in hidden_rows:
+                self.speculator.record_hidden(self._batch[i], hidden[i:i + 1])
+            logits = logits[:, -1, :]
+        else:
+            logits = self._model(inputs[:, None], cache=self._batch_cache)[:, -1, :]
         mx.async_eval(logits)
         self._pending = (logits, list(self._batch))
         self._num_forward_tokens += len(self._batch)

@@ -116,6 +116,10 @@ class StepPlan:
     persist: bool = False
     spill: tuple[str, ...] = ()
     drop: tuple[str, ...] = ()
+    # Speculation (set by the scheduler actor from the speculation actor's latest decision):
+    # (request id, k) of the decoding rows that propose up to k tokens this step; a row not
+    # named decodes plainly, and a step where none proposes is a plain step.
+    propose: tuple[tuple[str, int], ...] = ()
 
     @property
     def empty(self) -> bool:
@@ -166,6 +170,10 @@ class StepResult:
     snapshots: tuple[SnapshotMade, ...] = ()
     spills: tuple[SpillPayload, ...] = ()
     writes: tuple[SpillPayload, ...] = ()  # the persisted snapshots' bytes (still held)
+    # a steady decode step (no prefill, join or release; the same path as the step before):
+    # seconds since the previous step ended, and whether rows proposed (a verify step)
+    decode_seconds: float | None = None
+    speculative: bool = False
 
 
 @attrs.frozen(kw_only=True)
@@ -400,6 +408,10 @@ class SchedulerCore:
             row.num_generated = num_tokens
             del row.generated[num_tokens:]
         return [self._finish(row, reason)]
+
+    def decoding_ids(self) -> list[str]:
+        """The rows decoding now, in batch order."""
+        return list(self._decoding)
 
     def active_ids(self) -> list[str]:
         """Every request not yet finished, queued ones included."""

@@ -2,7 +2,8 @@
 
     tqserve bench-spec [--model PATH] [--draft-model PATH] [--dtype float32|bfloat16]
                        [--blas auto|none|PATH] [--batches 1,4,8] [--methods lookup,draft,mtp]
-                       [--new-tokens N] [--num-speculative-tokens K] [--quick] [--out FILE]
+                       [--new-tokens N] [--num-speculative-tokens K] [--warmup-tokens N]
+                       [--no-time-policy] [--quick] [--out FILE]
 
 Tasks (greedy, EOS ignored, prefix cache off, B concurrent requests with distinct prompts):
   continuation  windows of mlx-lm's own source (generate.py): held-out code the models
@@ -14,7 +15,10 @@ Figures per (task, B, method): aggregate decode tok/s (tools.bench.burst_rate: s
 so per-request gaps would mislead), the ratio to plain at the same B (median of `--repeats`
 runs), and acceptance from the engine's books: proposed, accepted,
 accepted / proposed (next to pycoder-29m's top-1 agreement ceilings: draft 73%, MTP 59%)
-and mean accepted length per verify step. JSON out. Runs on CUDA in bf16 too (`--dtype
+and mean accepted length per verify step, and the time policy's books per batch bucket
+(mode, plain and speculative tok/s measured; engine.speculative.throughput). Before each
+batch size one unmeasured burst of `--warmup-tokens` per request (plain and every method
+alike): what a server that has run a while knows of that size. JSON out. Runs on CUDA in bf16 too (`--dtype
 bfloat16`; no CPU-only path); on the CPU, float32 with an optimized BLAS (`--blas auto`).
 """
 
@@ -56,7 +60,8 @@ def edit_prompts(tokenizer: Any, count: int) -> list[list[int]]:
 
 
 async def _run(loaded: Any, draft_path: str | None, method: str | None, task_prompts: list,
-               batches: Sequence[int], n: int, k: int, repeats: int) -> dict[int, dict]:
+               batches: Sequence[int], n: int, k: int, repeats: int,
+               warmup: int, time_policy: bool) -> dict[int, dict]:
     """One engine for `method` (None: plain); every batch size; rates and acceptance."""
     import attrs
 
@@ -66,7 +71,8 @@ async def _run(loaded: Any, draft_path: str | None, method: str | None, task_pro
 
     extra: dict[str, Any] = {}
     if method is not None:
-        extra = {"speculative": method, "num_speculative_tokens": k}
+        extra = {"speculative": method, "num_speculative_tokens": k,
+                 "speculative_time_policy": time_policy}
         if method == "draft":
             extra["draft_model"] = draft_path
     config = Config(model=str(loaded.path), dtype=loaded.dtype if loaded.dtype in DTYPES
@@ -77,6 +83,8 @@ async def _run(loaded: Any, draft_path: str | None, method: str | None, task_pro
     async with open_engine(config, loaded=no_eos) as engine:
         await tq_batch(engine, task_prompts[:1], 4)  # warm-up
         for b in batches:
+            if warmup:  # a server that has run a while: its time policy knows this size
+                await tq_batch(engine, task_prompts[:b], warmup)
             before = engine.statistics().speculative
             rates = [burst_rate(await tq_batch(engine, task_prompts[:b], n))
                      for _ in range(repeats)]
@@ -89,7 +97,8 @@ async def _run(loaded: Any, draft_path: str | None, method: str | None, task_pro
                 row.update(proposed=proposed, accepted=accepted,
                            acceptance=accepted / proposed if proposed else 0.0,
                            mean_accepted_length=accepted / steps if steps else 0.0,
-                           ceiling=CEILINGS.get(method or ""))
+                           ceiling=CEILINGS.get(method or ""),
+                           buckets=[attrs.asdict(x) for x in after.buckets])
             out[b] = row
     return out
 
@@ -111,12 +120,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
              "edit": edit_prompts(loaded.tokenizer, max(batches))}
     results: dict[str, Any] = {}
     for task, prompts in tasks.items():
-        plain = trio.run(_run, loaded, draft, None, prompts, batches, args.new_tokens,
-                         args.num_speculative_tokens, args.repeats)
+        common = (args.num_speculative_tokens, args.repeats, args.warmup_tokens,
+                  args.time_policy)
+        plain = trio.run(_run, loaded, draft, None, prompts, batches, args.new_tokens, *common)
         per_b: dict[str, Any] = {str(b): {"plain": plain[b]} for b in batches}
         for method in methods:
             got = trio.run(_run, loaded, draft, method, prompts, batches, args.new_tokens,
-                           args.num_speculative_tokens, args.repeats)
+                           *common)
             for b in batches:
                 got[b]["speedup"] = got[b]["tok_s"] / plain[b]["tok_s"]
                 per_b[str(b)][method] = got[b]
@@ -157,6 +167,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-tokens", type=int, default=128, help="continuation prompt length")
     p.add_argument("--num-speculative-tokens", type=int, default=3, help="k per verify step")
     p.add_argument("--repeats", type=int, default=2, help="runs per figure (median)")
+    p.add_argument("--warmup-tokens", type=int, default=32,
+                   help="tokens per request of one unmeasured burst before each batch size "
+                        "(every method and plain alike: the time policy learns the size)")
+    p.add_argument("--no-time-policy", dest="time_policy", action="store_false",
+                   help="run with --no-speculative-time-policy (speculation always on)")
     p.add_argument("--quick", action="store_true", help="tiny sizes (smoke test)")
     p.add_argument("--out", type=Path, default=Path("bench-out/bench-spec.json"),
                    help="JSON report")
@@ -167,6 +182,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.quick:
         args.batches, args.new_tokens, args.repeats, args.prompt_tokens = "2", 12, 1, 32
+        args.warmup_tokens = 4
     path = blas.resolve(args.blas) if args.blas != "none" else None
     if path is not None and "mlx.core" not in sys.modules:  # the CLI may have loaded it
         blas.load(path)

@@ -30,4 +30,10 @@ def build_speculator(config: Any, loaded: Any, draft: Any = None) -> Speculator 
     if config.speculative is not None:
         default = SpecChoice(method=config.speculative,
                              num_tokens=config.num_speculative_tokens)
-    return Speculator(proposers, default, SpecPolicy(max_batch=config.speculative_max_batch))
+    return Speculator(proposers, default)
+
+
+def spec_policy(config: Any) -> SpecPolicy:
+    """The speculation actor's policy settings from the Config's flags."""
+    return SpecPolicy(max_batch=config.speculative_max_batch,
+                      time_policy=config.speculative_time_policy)

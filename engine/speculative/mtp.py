@@ -34,6 +34,8 @@ from mlx_lm.models.cache import KVCache
 from mlx_lm.models.qwen3 import ModelArgs, TransformerBlock
 
 MTP_FILE = "mtp.safetensors"
+MAX_PENDING = 512   # hidden-state records a row holds before it folds them (record_hidden)
+KEEP_PENDING = 256  # positions it keeps then
 
 
 def forward_with_hidden(model: Any, inputs: mx.array, cache: list[Any]) -> tuple[mx.array,
@@ -119,10 +121,21 @@ class MtpProposer:
         self._rows.pop(request_id, None)
 
     def record_hidden(self, request_id: str, hidden: mx.array) -> None:
-        """Pre-norm hidden states (1, P, D) of the row's next P positions."""
+        """Pre-norm hidden states (1, P, D) of the row's next P positions.
+
+        A row that has not proposed for MAX_PENDING records (the time policy kept its
+        batch plain) keeps only the latest KEEP_PENDING positions, in one array, and its
+        head cache starts over from them: memory stays bounded, proposals are then made
+        from a shorter history (weaker, never wrong: verification is exact)."""
         row = self._rows.get(request_id)
-        if row is not None and hidden.shape[1]:
-            row.pending.append(hidden)
+        if row is None or not hidden.shape[1]:
+            return
+        row.pending.append(hidden)
+        if len(row.pending) > MAX_PENDING:
+            kept = mx.concatenate(row.pending, axis=1)[:, -KEEP_PENDING:]
+            mx.eval(kept)
+            row.pending = [kept]
+            row.cache, row.num_speculative = KVCache(), 0
 
     def _embed(self, tokens: mx.array) -> mx.array:
         return self.model.model.embed_tokens(tokens)

@@ -10,11 +10,17 @@ policy and per-row adaptive back-off. Sans-io (no MLX): plain books per row.
   / proposed per verify step, weight `ema_weight`); below `backoff_threshold` the row
   stops proposing for `backoff_steps` steps, then tries again with its average reset to
   the threshold (so one more bad step backs it off again).
+* Time (engine.speculative.throughput, unless `time_policy` is off): per batch-size
+  bucket, rows propose only while measured speculative throughput beats plain decoding;
+  the caller reports every measured decode step (`observe_step`).
 """
 
 from __future__ import annotations
 
 import attrs
+
+from tqserve.engine.speculative.throughput import (BucketStatistics, ThroughputPolicy,
+                                                   ThroughputSettings)
 
 METHODS = ("draft", "mtp", "lookup")
 MAX_SPECULATIVE_TOKENS = 16
@@ -58,6 +64,18 @@ def parse_speculative(value: object) -> SpecChoice | bool | None:
         raise ValueError(f"speculative.{exc}") from None
 
 
+def resolve_choice(choice: object, default: SpecChoice | None) -> SpecChoice | None:
+    """A request's effective speculation: False -> none, None/True -> the server's
+    default, a SpecChoice -> itself."""
+    if choice is False:
+        return None
+    if choice is None or choice is True:
+        return default
+    if not isinstance(choice, SpecChoice):
+        raise TypeError(f"speculative must be a SpecChoice, a bool or None, got {choice!r}")
+    return choice
+
+
 @attrs.frozen(kw_only=True)
 class SpecPolicy:
     """Batch-size policy and back-off settings (see the module doc)."""
@@ -66,6 +84,8 @@ class SpecPolicy:
     backoff_threshold: float = 0.25
     backoff_steps: int = 16
     ema_weight: float = 0.3
+    time_policy: bool = True
+    throughput: ThroughputSettings = ThroughputSettings()
 
 
 @attrs.define
@@ -86,6 +106,7 @@ class SpeculationStatistics:
     num_verify_steps: int
     num_backoffs: int
     mean_accepted_length: float  # accepted tokens per verify step that proposed
+    buckets: tuple[BucketStatistics, ...] = ()  # the time policy's books per batch bucket
 
 
 class SpeculationPolicy:
@@ -95,6 +116,7 @@ class SpeculationPolicy:
         self.policy = policy
         self._rows: dict[str, _RowBooks] = {}
         self._num_proposed = self._num_accepted = self._num_steps = self._num_backoffs = 0
+        self.time = ThroughputPolicy(policy.throughput) if policy.time_policy else None
 
     def open_row(self, request_id: str, choice: SpecChoice | None) -> None:
         self._rows[request_id] = _RowBooks(choice=choice)
@@ -102,24 +124,56 @@ class SpeculationPolicy:
     def close_row(self, request_id: str) -> None:
         self._rows.pop(request_id, None)
 
+    def row_ids(self) -> list[str]:
+        """The rows with books, oldest first."""
+        return list(self._rows)
+
     def choice(self, request_id: str) -> SpecChoice | None:
         books = self._rows.get(request_id)
         return books.choice if books is not None else None
 
-    def num_tokens(self, request_id: str, batch_size: int, remaining: int) -> int:
-        """Tokens row `request_id` proposes this step (0: it decodes plainly); `remaining`
-        is how many tokens it may still emit (a verify step emits up to k + 1)."""
+    def decide(self, request_ids: list[str], batch_size: int) -> dict[str, int]:
+        """Tokens each row proposes in the next step of `batch_size` decoding rows (0: it
+        decodes plainly); the caller cuts them to what the row may still emit."""
+        out = dict.fromkeys(request_ids, 0)
+        if not self.allows(batch_size):
+            return out
+        for rid in request_ids:
+            out[rid] = self._row_tokens(rid)
+        return out
+
+    def allows(self, batch_size: int) -> bool:
+        """Whether rows may propose at all in a step of `batch_size` decoding rows (the
+        hard cap and the time policy; rows' own back-off aside)."""
+        if self.policy.max_batch and batch_size > self.policy.max_batch:
+            return False
+        return self.time is None or batch_size < 1 or self.time.speculate(batch_size)
+
+    def _row_tokens(self, request_id: str) -> int:
         books = self._rows.get(request_id)
         if books is None or books.choice is None:
-            return 0
-        if self.policy.max_batch and batch_size > self.policy.max_batch:
             return 0
         if books.cooldown > 0:
             books.cooldown -= 1
             if books.cooldown == 0:
                 books.rate = self.policy.backoff_threshold
             return 0
-        return max(0, min(books.choice.num_tokens, remaining - 1))
+        return books.choice.num_tokens
+
+    def absorb(self, verified: list[tuple[str, int, int]], batch_size: int, speculative: bool,
+               tokens: int, seconds: float | None) -> None:
+        """One step's outcome: (request id, proposed, accepted) per row that proposed, and
+        its measurement (`seconds` None: not a steady decode step, not measured)."""
+        for rid, proposed, accepted in verified:
+            self.verified(rid, proposed, accepted)
+        if seconds is not None:
+            self.observe_step(batch_size, speculative, tokens, seconds)
+
+    def observe_step(self, batch_size: int, speculative: bool, tokens: int,
+                     seconds: float) -> None:
+        """A measured decode step (see engine.speculative.throughput)."""
+        if self.time is not None and batch_size >= 1:
+            self.time.observe(batch_size, speculative, tokens, seconds)
 
     def verified(self, request_id: str, proposed: int, accepted: int) -> None:
         """What the target kept of a row's proposal."""
@@ -143,4 +197,5 @@ class SpeculationPolicy:
             num_rows=len(self._rows), num_proposed=self._num_proposed,
             num_accepted=self._num_accepted, num_verify_steps=self._num_steps,
             num_backoffs=self._num_backoffs,
-            mean_accepted_length=self._num_accepted / self._num_steps if self._num_steps else 0.0)
+            mean_accepted_length=self._num_accepted / self._num_steps if self._num_steps else 0.0,
+            buckets=self.time.statistics() if self.time is not None else ())

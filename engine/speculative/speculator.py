@@ -1,7 +1,9 @@
-"""The runner's speculation: proposers by method, the per-row policy, the verify step.
+"""The runner's speculation: proposers by method, each row's method, the verify step.
 
 Lives on the runner thread, called by engine.runner when the engine was built with
-speculation: every step then runs as one verify step (rows that do not propose are fed
+speculation. How many tokens each row proposes in a step is not decided here: the plan
+carries it (`StepPlan.propose`, from the speculation actor's books: actors.speculation);
+a step where some row proposes runs as one verify step (rows that do not propose are fed
 their one token), without the plain path's pipelining (a proposal depends on the tokens
 just accepted). A row's choice: its request's `SpecChoice`, `False` (never), or `None`
 (the server's default).
@@ -17,7 +19,7 @@ import numpy as np
 
 from tqserve.engine.sampling import RowSampler
 from tqserve.engine.speculative.mtp import forward_with_hidden
-from tqserve.engine.speculative.policy import SpecChoice, SpecPolicy, SpeculationPolicy
+from tqserve.engine.speculative.policy import SpecChoice, resolve_choice
 from tqserve.engine.speculative.proposers import Proposer
 from tqserve.engine.speculative.verify import Verified, VerifyRow, verify_step
 
@@ -35,43 +37,43 @@ class SpecRow:
 
 
 class Speculator:
-    """Proposers by method, the per-row policy, one verify step per engine step."""
+    """Proposers by method, each row's choice, one verify step per engine step."""
 
-    def __init__(self, proposers: Mapping[str, Proposer], default: SpecChoice | None = None,
-                 policy: SpecPolicy = SpecPolicy()) -> None:
+    def __init__(self, proposers: Mapping[str, Proposer],
+                 default: SpecChoice | None = None) -> None:
         if default is not None and default.method not in proposers:
             raise ValueError(f"--speculative {default.method} has no proposer")
         self.proposers = dict(proposers)
         self.default = default
-        self.policy = SpeculationPolicy(policy)
+        self._choices: dict[str, SpecChoice | None] = {}
 
     def resolve(self, choice: RequestChoice) -> SpecChoice | None:
         """A request's effective choice. ValueError naming the field if its method is not
         served here."""
-        if choice is False:
-            return None
-        if choice is None or choice is True:
-            return self.default
-        if choice.method not in self.proposers:
+        resolved = resolve_choice(choice, self.default)
+        if resolved is not None and resolved.method not in self.proposers:
             raise ValueError(f"speculative.method {choice.method!r} is not served here "
                              f"(available: {', '.join(sorted(self.proposers)) or 'none'})")
-        return choice
+        return resolved
 
     def open_row(self, request_id: str, choice: RequestChoice) -> None:
         resolved = self.resolve(choice)
-        self.policy.open_row(request_id, resolved)
+        self._choices[request_id] = resolved
         if resolved is not None:
             self.proposers[resolved.method].open_row(request_id)
 
     def close_row(self, request_id: str) -> None:
-        choice = self.policy.choice(request_id)
+        choice = self._choices.pop(request_id, None)
         if choice is not None:
             self.proposers[choice.method].close_row(request_id)
-        self.policy.close_row(request_id)
+
+    def choice(self, request_id: str) -> SpecChoice | None:
+        """The row's effective choice (None: it never speculates, or it is unknown)."""
+        return self._choices.get(request_id)
 
     def wants_hidden(self, request_id: str) -> bool:
         """Whether the row's proposer needs the target's hidden states (MTP)."""
-        choice = self.policy.choice(request_id)
+        choice = self.choice(request_id)
         return choice is not None and getattr(self.proposers[choice.method], "wants_hidden",
                                               False)
 
@@ -81,28 +83,26 @@ class Speculator:
             model(tokens, cache=cache)
             return
         _, hidden = forward_with_hidden(model, tokens, cache)
-        self._record_hidden(request_id, hidden)
+        self.record_hidden(request_id, hidden)
 
-    def _record_hidden(self, request_id: str, hidden: mx.array) -> None:
-        choice = self.policy.choice(request_id)
+    def record_hidden(self, request_id: str, hidden: mx.array) -> None:
+        choice = self.choice(request_id)
         if choice is not None:
             self.proposers[choice.method].record_hidden(request_id, hidden)  # type: ignore
 
     def any_active(self, request_ids: Sequence[str]) -> bool:
         """Whether any of these rows speculates at all (else the plain path runs)."""
-        return any(self.policy.choice(rid) is not None for rid in request_ids)
+        return any(self.choice(rid) is not None for rid in request_ids)
 
     def close_all(self, request_ids: Sequence[str]) -> None:
         for rid in list(request_ids):
             self.close_row(rid)
 
-    def proposals(self, rows: Sequence[SpecRow]) -> list[tuple[int, ...]]:
-        """Every row's proposal this step (empty for rows that do not propose)."""
+    def proposals(self, rows: Sequence[SpecRow], ks: Sequence[int]) -> list[tuple[int, ...]]:
+        """Every row's proposal this step, at most its k tokens (empty for k = 0)."""
         asks: dict[str, list[tuple[int, str, Sequence[int], int]]] = {}
-        for i, row in enumerate(rows):
-            remaining = row.sampler.params.max_tokens - row.sampler.num_sampled
-            k = self.policy.num_tokens(row.request_id, len(rows), remaining)
-            choice = self.policy.choice(row.request_id)
+        for i, (row, k) in enumerate(zip(rows, ks)):
+            choice = self.choice(row.request_id)
             if k > 0 and choice is not None:
                 asks.setdefault(choice.method, []).append((i, row.request_id, row.context, k))
         out: list[tuple[int, ...]] = [()] * len(rows)
@@ -113,9 +113,11 @@ class Speculator:
         return out
 
     def step(self, model: Any, cache: list[Any], rows: Sequence[SpecRow],
-             last_tokens: Sequence[int], masks: np.ndarray | None) -> list[Verified]:
-        """Propose, verify in one forward, roll back; the books learn the acceptance."""
-        proposals = self.proposals(rows)
+             last_tokens: Sequence[int], masks: np.ndarray | None,
+             ks: Sequence[int]) -> list[Verified]:
+        """Propose (row i at most ks[i] tokens), verify in one forward, roll back; each
+        result says how many of its row's proposals the target kept."""
+        proposals = self.proposals(rows, ks)
         position_masks: list[list[np.ndarray]] = [[] for _ in rows]
         for i, row in enumerate(rows):
             if row.grammar is not None and proposals[i]:
@@ -131,7 +133,6 @@ class Speculator:
                 return forward_with_hidden(model, inputs, c)
         results, hidden = verify_step(model, cache, verify_rows, masks, forward)
         for i, (row, res) in enumerate(zip(rows, results)):
-            self.policy.verified(row.request_id, res.num_proposed, res.num_accepted)
             if hidden_rows[i] and hidden is not None:
-                self._record_hidden(row.request_id, hidden[i:i + 1, :len(res.tokens)])
+                self.record_hidden(row.request_id, hidden[i:i + 1, :len(res.tokens)])
         return results

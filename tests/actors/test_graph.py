@@ -3,6 +3,9 @@ the same mailboxes, only the drawn messages cross each, and no cycle but the rep
 
 import re
 
+import trio
+import trio.testing
+
 from tqserve.actors import engine as engine_module
 from tqserve.actors.engine import open_engine
 from tqserve.actors.messages import Token, decode
@@ -11,7 +14,9 @@ from tqserve.engine.request import GenerateRequest
 from tqserve.engine.sampling import SamplingParams
 
 EDGE = re.compile(r"^    (\w+) -> (\w+): ([\w ]+?)( \(reply edge\))?$")
-OWNER = {"admission_replies": "admission"}  # the mailbox read by another actor's task
+# the mailboxes read by another actor's task
+OWNER = {"admission_replies": "admission", "speculation_replies": "scheduler"}
+SPECULATION = {"speculation", "speculation_replies"}  # only with speculation
 
 
 def drawn_edges():
@@ -21,7 +26,7 @@ def drawn_edges():
 
 def test_the_drawn_graph_is_a_dag_plus_reply_edges():
     edges = drawn_edges()
-    assert len(edges) == 7
+    assert len(edges) == 9
     graph: dict[str, set[str]] = {}
     for sender, mailbox, _, reply in edges:
         if not reply:
@@ -38,7 +43,8 @@ def test_the_drawn_graph_is_a_dag_plus_reply_edges():
     for node in list(graph):
         visit(node, [])
     replies = [(s, OWNER.get(m, m)) for s, m, _, reply in edges if reply]
-    assert replies == [("scheduler", "admission"), ("hub", "admission")]
+    assert replies == [("scheduler", "admission"), ("hub", "admission"),
+                       ("speculation", "scheduler")]
 
 
 async def test_open_engine_creates_the_drawn_mailboxes_and_only_drawn_messages_cross(
@@ -61,7 +67,7 @@ async def test_open_engine_creates_the_drawn_mailboxes_and_only_drawn_messages_c
                 break
         await engine.wait_idle()
         mailboxes = engine.mailboxes
-    edges = drawn_edges()
+    edges = [e for e in drawn_edges() if e[1] not in SPECULATION]
     assert set(mailboxes) == {mailbox for _, mailbox, _, _ in edges}
     assert all(size >= 1 for size in mailboxes.values())
     allowed = {}
@@ -73,3 +79,37 @@ async def test_open_engine_creates_the_drawn_mailboxes_and_only_drawn_messages_c
         assert {kind for name, kind in crossed if name == mailbox} & messages, (sender, mailbox)
     assert ("hub", "StepTokens") in crossed and ("hub", "Token") not in crossed
     assert seen.count(("admission", "Cancel")) == 2  # the hub's and the caller's
+
+
+async def test_with_speculation_the_speculation_edges_carry_steps_and_decisions(draft_model):
+    seen: list[tuple[str, str]] = []
+    config = Config(max_batch=2, speculative="lookup", speculative_time_policy=False)
+    async with open_engine(config, loaded=draft_model,
+                           recorder=lambda name, data: seen.append(
+                               (name, type(decode(data)).__name__))) as engine:
+        async with trio.open_nursery() as nursery:
+            for prompt in ("def f(x):\n    return x\n\ndef f(", "import os\nimport "):
+                nursery.start_soon(_drain, engine, prompt)
+        await engine.wait_idle()
+        await trio.testing.wait_all_tasks_blocked()  # the speculation actor read the last step
+        mailboxes = engine.mailboxes
+        stats = engine.statistics().speculative
+    edges = drawn_edges()
+    assert set(mailboxes) == {mailbox for _, mailbox, _, _ in edges}
+    allowed = {}
+    for _, mailbox, messages, _ in edges:
+        allowed.setdefault(mailbox, set()).update(messages)
+    assert all(kind in allowed[name] for name, kind in set(seen)), set(seen)
+    steps = seen.count(("speculation", "SpecStep"))
+    # one SpecStep per engine step, one decision per SpecStep (but the last, which the
+    # shutdown may cancel before it is answered)
+    assert steps >= 10
+    assert seen.count(("speculation_replies", "SpecDecision")) in (steps - 1, steps)
+    assert stats.num_rows == 0  # every row's books were released when it ended
+    assert stats.num_proposed > 0
+
+
+async def _drain(engine, prompt):
+    async for _ in engine.generate(GenerateRequest(
+            prompt=prompt, params=SamplingParams(temperature=0.0, max_tokens=24))):
+        pass

@@ -12,7 +12,8 @@ PROMPT = "def f(x):\n    return x\n\ndef f(x):\n"
 
 
 async def test_speculation_over_http(nursery, draft_model):
-    server = await start_server(nursery, draft_model, speculative="lookup")
+    server = await start_server(nursery, draft_model, speculative="lookup",
+                                speculative_time_policy=False)
     async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
         r = await client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 16,
                                                        "temperature": 0})

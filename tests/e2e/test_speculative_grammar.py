@@ -29,7 +29,8 @@ async def _one(engine, out, key, speculative, response_format, temperature=0.0, 
 
 
 async def test_grammar_rows_speculate_and_keep_their_tokens(draft_model):
-    config = Config(max_batch=6, speculative="lookup", num_speculative_tokens=4)
+    config = Config(max_batch=6, speculative="lookup", num_speculative_tokens=4,
+                    speculative_time_policy=False)
     out: dict = {}
     async with open_engine(config, loaded=draft_model) as engine:
         async with trio.open_nursery() as nursery:

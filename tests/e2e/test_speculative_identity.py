@@ -69,7 +69,7 @@ async def test_greedy_speculation_matches_mlx_lm(request, method, model, extra, 
     limits = [6 if k % 3 == 2 else MAX_TOKENS for k in range(batch)]
     spec = [False if k % 4 == 3 else None for k in range(batch)]  # a plain row among them
     config = Config(max_batch=batch, prefill_chunk=16, speculative=method, prefix_cache=prefix,
-                    num_speculative_tokens=3, **extra)
+                    num_speculative_tokens=3, speculative_time_policy=False, **extra)
     outcomes = {"same": 0, "near_tie": 0}
     async with open_engine(config, loaded=loaded) as engine:
         rounds = 2 if prefix else 1  # the second round reuses the first one's prefixes
@@ -95,6 +95,7 @@ async def test_turboquant_k8v3_speculative_equals_plain_decoding(draft_model):
     picks = [0, 2, 6, 1]
     limits = [MAX_TOKENS] * 4
     config = Config(max_batch=4, prefill_chunk=16, speculative="lookup", turboquant="k8v3",
+                    speculative_time_policy=False,
                     num_speculative_tokens=4)
     async with open_engine(config, loaded=draft_model) as engine:
         plain = await _batch(engine, picks, limits, [False] * 4)

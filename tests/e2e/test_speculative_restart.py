@@ -39,7 +39,7 @@ async def _serve(config, loaded, seeds):
 async def test_restart_from_ssd_continues_token_identically(draft_model, tmp_path, method):
     extra = {"draft_model": str(DEFAULT_MODEL)} if method == "draft" else {}
     config = Config(cache_dir=str(tmp_path), ssd_flush="sync", speculative=method,
-                    num_speculative_tokens=3, **extra)
+                    num_speculative_tokens=3, speculative_time_policy=False, **extra)
     seeds = [None, 7]
     first = await _serve(config, draft_model, seeds)
     second = await _serve(config, draft_model, seeds)

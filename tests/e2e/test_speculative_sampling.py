@@ -47,7 +47,7 @@ async def test_speculative_sampling_follows_the_target(big_model, method):
     # An MTP row reusing a prefix has no hidden states for it (no paired snapshots yet), so
     # it could not propose at its first step: MTP runs without the prefix cache.
     config = Config(max_batch=8, speculative=method, num_speculative_tokens=1,
-                    prefix_cache=method != "mtp", **extra)
+                    prefix_cache=method != "mtp", speculative_time_policy=False, **extra)
     num_seeds = NUM_SEEDS if method != "mtp" else NUM_SEEDS // 3  # each one prefills
     out: dict = {}
     async with open_engine(config, loaded=big_model) as engine:

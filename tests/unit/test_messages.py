@@ -44,6 +44,18 @@ EXAMPLES = [
     m.Submit(request_id="r4", prompt_tokens=(4,), params=SamplingParams(), speculative=False),
     m.Done(request_id="r1", finish_reason="stop", prompt_tokens=3, completion_tokens=9,
            speculative=(12, 7, 4)),
+    m.SpecStep(step=7, opened=(m.SpecOpen(request_id="r1", choice=SpecChoice(method="mtp")),
+                               m.SpecOpen(request_id="r2", choice=False),
+                               m.SpecOpen(request_id="r3")),
+               released=("r0",), verified=(m.RowVerified(request_id="r4", num_proposed=3,
+                                                         num_accepted=2),),
+               batch=("r1", "r2", "r3", "r4"), decode_seconds=0.0125, speculative=True,
+               num_rows=4, num_tokens=6),
+    m.SpecStep(step=8),
+    m.SpecOpen(request_id="r5", choice=True),
+    m.RowVerified(request_id="r5", num_proposed=1, num_accepted=0),
+    m.SpecDecision(step=7, proposals=(("r1", 4), ("r2", 0))),
+    m.SpecDecision(step=9, new_rows=False),
 ]
 
 

@@ -8,6 +8,7 @@ import pytest
 from tqserve.engine.speculative.policy import (SpecChoice, SpecPolicy, SpeculationPolicy,
                                                parse_speculative)
 from tqserve.engine.speculative.proposers import LookupSettings, lookup_tokens
+from tqserve.engine.speculative.throughput import ThroughputSettings
 
 
 def test_lookup_proposes_what_followed_the_latest_match() -> None:
@@ -21,27 +22,40 @@ def test_lookup_proposes_what_followed_the_latest_match() -> None:
         LookupSettings(max_ngram=2, min_ngram=3)
 
 
-def test_policy_limits_by_batch_remaining_tokens_and_backs_off() -> None:
+def test_policy_limits_by_batch_and_backs_off() -> None:
     policy = SpeculationPolicy(SpecPolicy(max_batch=4, backoff_threshold=0.5, backoff_steps=2,
-                                          ema_weight=0.5))
+                                          ema_weight=0.5, time_policy=False))
     policy.open_row("a", SpecChoice(method="lookup", num_tokens=4))
     policy.open_row("plain", None)
-    assert policy.num_tokens("plain", 1, 100) == 0
-    assert policy.num_tokens("a", 4, 100) == 4
-    assert policy.num_tokens("a", 5, 100) == 0      # batch larger than the policy's limit
-    assert policy.num_tokens("a", 1, 3) == 2        # a verify step emits up to k + 1
+    assert policy.decide(["plain", "a"], 1) == {"plain": 0, "a": 4}
+    assert policy.decide(["a"], 4) == {"a": 4}
+    assert policy.decide(["a"], 5) == {"a": 0}       # batch larger than the policy's limit
     policy.verified("a", 4, 4)
-    assert policy.num_tokens("a", 1, 100) == 4
+    assert policy.decide(["a"], 1) == {"a": 4}
     policy.verified("a", 4, 0)                      # rate 0.5 -> 0.5: not below
     policy.verified("a", 4, 0)                      # 0.25: backs off for 2 steps
-    assert [policy.num_tokens("a", 1, 100) for _ in range(3)] == [0, 0, 4]
+    assert [policy.decide(["a"], 1)["a"] for _ in range(3)] == [0, 0, 4]
     stats = policy.statistics()
     assert (stats.num_proposed, stats.num_accepted, stats.num_verify_steps,
-            stats.num_backoffs) == (12, 4, 3, 1)
+            stats.num_backoffs, stats.buckets) == (12, 4, 3, 1, ())
     policy.verified("a", 4, 0)                      # back at the threshold: one bad step
-    assert policy.num_tokens("a", 1, 100) == 0
+    assert policy.decide(["a"], 1) == {"a": 0}
     policy.close_row("a")
-    assert policy.num_tokens("a", 1, 100) == 0 and policy.statistics().num_rows == 1
+    assert policy.decide(["a"], 1) == {"a": 0} and policy.statistics().num_rows == 1
+
+
+def test_policy_asks_the_time_policy_per_bucket() -> None:
+    policy = SpeculationPolicy(SpecPolicy(throughput=ThroughputSettings(min_samples=1)))
+    policy.open_row("a", SpecChoice(method="draft", num_tokens=3))
+    assert policy.decide(["a"], 1) == {"a": 3}      # learning: speculative first
+    policy.observe_step(1, True, 2, 0.1)            # 20 tok/s speculating
+    assert policy.decide(["a"], 1) == {"a": 0}      # learning: plain next
+    policy.observe_step(1, False, 1, 0.01)          # 100 tok/s plain: off in bucket 0
+    assert policy.decide(["a"], 1) == {"a": 0}
+    assert policy.decide(["a", "b"], 2) == {"a": 3, "b": 0}  # bucket 1 still learns
+    (bucket,) = policy.statistics().buckets[:1]
+    assert (bucket.bucket, bucket.mode, bucket.plain_tok_s, bucket.speculative_tok_s) == (
+        0, "plain", pytest.approx(100.0), pytest.approx(20.0))
 
 
 @pytest.mark.parametrize("value,message", [

@@ -1,0 +1,149 @@
+"""Speculation actor: the per-row speculation books, one decision per engine step.
+
+Owns: a SpeculationPolicy (engine.speculative.policy: per row the method, k, acceptance
+      average and back-off; per batch-size bucket the time policy of
+      engine.speculative.throughput) and the server's default choice.
+Receives: SpecStep from the scheduler (SPECULATION_MAILBOX), one per engine step: rows
+      opened and released, verified lengths per row, the step's measured duration.
+Sends: one SpecDecision per SpecStep to the scheduler on the reply edge
+      (speculation_replies): tokens each open row proposes from the next step planned.
+      The scheduler never waits for it: it applies the latest decision it has to each
+      plan, so a decision arriving late applies to a later step. The reply mailbox holds
+      one decision per SpecStep that can be in flight (the scheduler reads every waiting
+      decision before it sends the next SpecStep), so `send_nowait` never fails and this
+      actor never blocks on the scheduler.
+The proposers' MLX state (draft caches, MTP-head caches and hidden states) stays on the
+runner thread keyed by request id; the runner opens and closes it with the rows. N-gram
+lookup keeps no state. `SpeculationLink` is the scheduler's end of the two edges.
+"""
+
+from __future__ import annotations
+
+from typing import Collection, Sequence
+
+import attrs
+import trio
+
+from tqserve.actors.mailbox import Inbox, Outbox
+from tqserve.actors.messages import RowVerified, SpecDecision, SpecOpen, SpecStep
+from tqserve.engine.scheduler import StepPlan, StepResult
+from tqserve.engine.speculative.policy import SpecChoice, SpeculationPolicy, resolve_choice
+
+SPECULATION_MAILBOX = 4  # a few steps' reports; booking one takes microseconds
+
+
+def reply_mailbox_size(speculation_mailbox: int = SPECULATION_MAILBOX) -> int:
+    """Decisions that can wait for the scheduler, which reads them all before each send:
+    one per SpecStep that can be answered before its next read (those in the speculation
+    mailbox, the one being answered, and the one its send waited to put in)."""
+    return speculation_mailbox + 2
+
+
+def decide_step(policy: SpeculationPolicy, default: SpecChoice | None,
+                msg: SpecStep) -> SpecDecision:
+    """Book one step (sync, no I/O) and decide every open row's next proposal size."""
+    for opened in msg.opened:
+        policy.open_row(opened.request_id, resolve_choice(opened.choice, default))
+    for rid in msg.released:
+        policy.close_row(rid)
+    policy.absorb([(v.request_id, v.num_proposed, v.num_accepted) for v in msg.verified],
+                  msg.num_rows, msg.speculative, msg.num_tokens, msg.decode_seconds)
+    rows = policy.row_ids()
+    # rows about to decode (still prefilling) count towards the batch they will join
+    batch_size = len(msg.batch) or len(rows)
+    decided = policy.decide(rows, batch_size)
+    return SpecDecision(step=msg.step, proposals=tuple(
+        (rid, k) for rid, k in decided.items() if k > 0), new_rows=policy.allows(batch_size))
+
+
+async def run_speculation(policy: SpeculationPolicy, default: SpecChoice | None,
+                          inbox: Inbox, replies: Outbox,
+                          task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+                          ) -> None:
+    """Answer each SpecStep with a SpecDecision until the scheduler closes the edge."""
+    task_status.started()
+    async with replies:
+        async for msg in inbox:
+            match msg:
+                case SpecStep():
+                    replies.send_nowait(decide_step(policy, default, msg))
+                case _:
+                    raise TypeError(f"speculation got unexpected {type(msg).__name__}")
+
+
+@attrs.define
+class SpeculationLink:
+    """The scheduler's end: puts the latest decision into each plan, reports each step."""
+
+    outbox: Outbox
+    replies: Inbox
+    default: SpecChoice | None = None  # the server's (resolves a new row's own k)
+    proposals: dict[str, int] = attrs.Factory(dict)
+    decided_step: int = -1             # the step the latest decision was made after
+    new_rows: bool = True              # the latest decision's `new_rows`
+    open_rows: set[str] = attrs.Factory(set)
+    # rows in a plan: the SpecStep number that opens them, and their own k
+    opened_at: dict[str, tuple[int, int]] = attrs.Factory(dict)
+    num_steps: int = 0
+    num_decisions: int = 0
+
+    def apply(self, plan: StepPlan) -> StepPlan:
+        """The plan with the latest decision's proposal sizes for its decoding rows; a row
+        the decision does not know yet (opened since) proposes its own k if the decision
+        allows new rows (so a short request speculates from its first decode step)."""
+        self._read_decisions()
+        for new in plan.new_rows:
+            choice = resolve_choice(new.speculative, self.default)
+            self.opened_at[new.request_id] = (self.num_steps,
+                                              choice.num_tokens if choice is not None else 0)
+        propose = []
+        for rid in plan.decode:
+            opened, own = self.opened_at.get(rid, (-1, 0))
+            k = (own if self.new_rows else 0) if opened > self.decided_step else (
+                self.proposals.get(rid, 0))
+            if k > 0:
+                propose.append((rid, k))
+        return attrs.evolve(plan, propose=tuple(propose))
+
+    def _read_decisions(self) -> None:
+        while True:
+            try:
+                decision = self.replies.receive_nowait()
+            except (trio.WouldBlock, trio.EndOfChannel):
+                return
+            if not isinstance(decision, SpecDecision):
+                raise TypeError(f"scheduler got unexpected {type(decision).__name__}")
+            self.proposals = dict(decision.proposals)
+            self.decided_step, self.new_rows = decision.step, decision.new_rows
+            self.num_decisions += 1
+
+    async def report(self, plan: StepPlan, result: StepResult, batch: Sequence[str],
+                     active: Collection[str]) -> None:
+        """One SpecStep for the step just run; `batch`: the rows decoding next, `active`:
+        every request not finished (the books of the others go now, as they end)."""
+        opened = tuple(SpecOpen(request_id=n.request_id, choice=n.speculative)  # type: ignore
+                       for n in plan.new_rows)
+        self.open_rows.update(o.request_id for o in opened)
+        released = tuple(sorted(self.open_rows.difference(active)))
+        self.open_rows.difference_update(released)
+        for rid in released:
+            self.opened_at.pop(rid, None)
+        verified = tuple(RowVerified(request_id=o.request_id, num_proposed=o.num_proposed,
+                                     num_accepted=o.num_accepted)
+                         for o in result.outputs if o.num_proposed)
+        await self._send(SpecStep(
+            step=self.num_steps, opened=opened, released=released, verified=verified,
+            batch=tuple(batch), decode_seconds=result.decode_seconds,
+            speculative=result.speculative, num_rows=len(result.outputs),
+            num_tokens=sum(len(o.tokens) for o in result.outputs)))
+
+    async def reset(self) -> None:
+        """The runner was reset: every row's books go."""
+        released, self.open_rows = tuple(sorted(self.open_rows)), set()
+        self.proposals, self.opened_at = {}, {}
+        await self._send(SpecStep(step=self.num_steps, released=released))
+
+    async def _send(self, msg: SpecStep) -> None:
+        self._read_decisions()  # first: keeps the reply mailbox within its size
+        self.num_steps += 1
+        await self.outbox.send(msg)
