@@ -33,6 +33,7 @@ import trio
 
 from tqserve.storage.cachedir import (QUARANTINE_DIR, entry_is_regular, open_regular, prepare_directory,
                               quarantine_entry)
+from tqserve.storage.shard import ShardId, check_shard
 from tqserve.storage.snapshot import (Plane, SnapshotError, SnapshotHeader, check_sizes, decode_header,
                               decode_snapshot, encode_snapshot, read_header)
 from tqserve.storage.writer import (SNAPSHOT_SUFFIX, fsync_directory, is_temporary_name, snapshot_key,
@@ -97,11 +98,14 @@ class SsdTier:
         expected_namespaces: Collection[str] | None = None,
         on_evict: Callable[[str], None] | None = None,
         validate_header: Callable[[SnapshotHeader], None] | None = None,
+        shard: ShardId | None = None,
     ) -> None:
         """`on_evict(key)` runs before each evicted file is unlinked (during recover under
         the tier's lock, during put outside it; it must not call back into the tier).
         `validate_header(header)` raises SnapshotError for a header this tier must not index
-        or serve (checked at recovery and every load; pure: no I/O, any thread)."""
+        or serve (checked at recovery and every load; pure: no I/O, any thread).
+        `shard`: this tier holds one rank's shard (storage.shard): its files say so, and
+        files of another shard or of a single process are refused (None: a single process)."""
         if max_bytes <= 0:
             raise ValueError(f"max_bytes must be positive, got {max_bytes}")
         self.directory = Path(directory)
@@ -111,6 +115,7 @@ class SsdTier:
         self._expected_namespaces = _optional_set(expected_namespaces)
         self._on_evict = on_evict
         self._validate_header = validate_header
+        self._shard = shard
         self._lock = threading.Lock()  # the index and counters; never held across file I/O
         self._write_lock = threading.Lock()  # serializes put()
         self._index: dict[str, TierEntry] | None = None
@@ -180,7 +185,8 @@ class SsdTier:
             sequence = self._next_sequence
             self._next_sequence += 1
         fields = dict(header_fields)
-        fields["extra"] = {**(fields.get("extra") or {}), SEQUENCE_FIELD: sequence}
+        fields["extra"] = {**(fields.get("extra") or {}), SEQUENCE_FIELD: sequence,
+                           **(self._shard.fields() if self._shard is not None else {})}
         data = encode_snapshot(**fields, planes=planes, level=self.zstd_level)
         header = decode_header(data)
         if len(data) > self.max_bytes:
@@ -348,6 +354,7 @@ class SsdTier:
         problem = self._identity_problem(header.model_fingerprint, header.namespace)
         if problem is not None:
             raise SnapshotError(problem)
+        check_shard(header, self._shard)
         if key != snapshot_key(header.namespace, header.token_ids):
             raise SnapshotError("file name does not match the key of its header")
 
