@@ -17,7 +17,7 @@ import logging
 import os
 import signal
 import sys
-from typing import TYPE_CHECKING, NoReturn, Sequence
+from typing import TYPE_CHECKING, Any, NoReturn, Sequence
 
 import trio
 
@@ -343,6 +343,14 @@ def _load_blas(choice: str) -> None:
         print(line, file=sys.stderr)
 
 
+def _follow(config: Config, group: Any) -> int:
+    """A rank other than 0 of `serve --distributed` (engine.follower)."""
+    from tqserve.engine.follower import run_follower
+
+    logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
+    return run_follower(config, group)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in _TOOLS:  # the tools parse their own flags
@@ -363,11 +371,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "generate":
             return trio.run(_generate, config, _sampling(config, args), args, blas_line)
         if config.distributed:
-            from tqserve.engine.distributed import init_group, run_follower
+            from tqserve.engine.distributed import init_group
 
             group = init_group()
             if group.rank() != 0:
-                return run_follower(config, group)
+                return _follow(config, group)
         return trio.run(_serve, config, blas_line, args.record)
     except ValueError as exc:  # ModelLoadError is a ValueError
         print(f"tqserve: error: {exc}", file=sys.stderr)

@@ -8,27 +8,31 @@ CUDA, JACCL), runs one process per rank:
   `all_sum` after o_proj and down_proj. The embedding and the head are not split, so
   every rank ends each forward with the same full logits;
 * rank 0 runs the actors and the API as in a single process, with a `LeaderRunner`: before
-  each runner operation that changes state (a step's plan, a reset, a retain, the final
-  close) it broadcasts the operation and its arguments to the other ranks, then runs it;
-* every other rank runs `follow`: receive an operation, run it on its own `Runner`,
-  repeat, until rank 0 broadcasts STOP (exit 0). They never start trio or the API.
+  each runner operation that changes state (a step's plan, a reset, a retain, an SSD-tier
+  order, the final close) it broadcasts the operation and its arguments to the other
+  ranks (engine.plan_channel), then runs it;
+* every other rank runs `engine.follower.follow`: receive an operation, run it on its own
+  `Runner`, repeat, until rank 0 broadcasts STOP (exit 0). They never start trio or the API.
 
 Every rank samples the same token: sampling is seeded per row and reads the same logits,
 so only rank 0 reports. Each step's plan also carries the tokens rank 0 sampled in the
 step before, and every rank checks its own against them: a divergence (which would leave a
-rank's KV built on other tokens) ends the group instead of corrupting it silently. Cancels, joins, retirements and prefix-cache orders ride in the
-plan, so each rank's KV cache holds its own KV heads of the same rows, and each rank keeps
-its own shard of every prefix snapshot under the same key (made, reused and dropped by
-the same plans: restored together or not at all). TurboQuant and affine caches work
-unchanged on the local heads (they quantize per KV head). Not yet: the SSD tier
-(`--cache-dir`, per-rank snapshot files) and speculation (the draft / MTP head is not
-sharded); `engine.config.Config` refuses both with --distributed.
+rank's KV built on other tokens) ends the group instead of corrupting it silently.
+Cancels, joins, retirements and prefix-cache orders ride in the plan, so each rank's KV
+cache holds its own KV heads of the same rows, and each rank keeps its own shard of every
+prefix snapshot under the same key (made, reused and dropped by the same plans: restored
+together or not at all). TurboQuant and affine caches work unchanged on the local heads
+(they quantize per KV head). Not yet: speculation (the draft / MTP head is not sharded);
+`engine.config.Config` refuses it with --distributed.
 
-Broadcast: one `all_sum` of a BLOCK-byte uint8 array (zeros on the other ranks) carries a
-length and the first bytes; a longer payload takes a second all_sum. The payload is a
-pickle read back by an unpickler that accepts only tqserve.engine classes and plain
-containers (the peers are the processes the launcher started, but a payload never
-names arbitrary callables).
+SSD tier (`--cache-dir`): every rank writes its own shard of each persisted snapshot to its
+own directory (storage.shard: `tp<size>-rank<rank>/`, the shard named in every header).
+Rank 0's prefix cache decides everything (actors.shard_group): its orders ride the same
+broadcast as the plans (`shard`: write this step's payload, read, remove, recover, keep),
+the other ranks hand the file work to a disk thread (storage.shard_disk) so their step
+loop never waits for the disk, and rank 0 collects what became of each order by polling
+(`shard_poll`: a broadcast and a `gather`, between steps). `restore_shards` restores a
+snapshot that every rank read on every rank in one operation, or on none.
 
 Failure: any error in a distributed step is fatal to the group (`GroupFailure`): a rank
 whose step failed may have left its peers inside a collective, so no rank can go on
@@ -39,15 +43,13 @@ after the failure can wait forever; so every group operation runs under a `Watch
 (`--distributed-timeout`, exit 1 with one line), rank 0 pings while idle (a broadcast of
 nothing, so a dead peer is found without traffic and the followers' watchdogs, which
 also watch their wait for rank 0, stay quiet). mlx.launch also ends the other ranks when
-one exits non-zero (its own exit code stays 0).
+one exits non-zero (its own exit code stays 0). A bad snapshot file is not a failure of
+the group: it is a miss on every rank (actors.shard_group).
 """
 
 from __future__ import annotations
 
-import io
 import os
-import pickle
-import signal
 import sys
 import threading
 import time
@@ -56,18 +58,12 @@ from typing import Any, Iterable, Iterator
 
 import mlx.core as mx
 
+from tqserve.engine.plan_channel import GroupFailure, PlanChannel, decode_reply, encode
 from tqserve.engine.runner import Runner
 from tqserve.engine.scheduler import StepPlan, StepResult
 
-BLOCK = 4096  # bytes of the first broadcast: 4 of length, then a decode step's whole plan
 STOP = "stop"
 PING = "ping"
-_SAFE_BUILTINS = {"tuple", "list", "dict", "set", "frozenset", "object", "int", "float",
-                  "str", "bytes", "bool", "complex"}
-
-
-class GroupFailure(RuntimeError):
-    """The tensor-parallel group cannot go on (a peer died or a step failed)."""
 
 
 def init_group() -> Any:
@@ -101,56 +97,6 @@ def shard_model(model: Any, group: Any) -> None:
     check_shardable(model, group.size())
     model.shard(group)
     mx.eval(model.parameters())
-
-
-class _PlanUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str) -> Any:
-        if module.startswith("tqserve.engine.") or (
-                module == "copyreg" and name in ("__newobj__", "_reconstructor")) or (
-                module == "builtins" and name in _SAFE_BUILTINS):
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"a plan may not carry {module}.{name}")
-
-
-def encode(op: str, args: tuple[Any, ...]) -> bytes:
-    return pickle.dumps((op, args), protocol=pickle.HIGHEST_PROTOCOL)
-
-
-def decode(data: bytes) -> tuple[str, tuple[Any, ...]]:
-    op, args = _PlanUnpickler(io.BytesIO(data)).load()
-    return str(op), tuple(args)
-
-
-class PlanChannel:
-    """Rank 0 sends, every other rank receives, through all_sum (see the module doc)."""
-
-    def __init__(self, group: Any) -> None:
-        self.group = group
-        self.rank = group.rank()
-
-    def _sum(self, data: mx.array) -> bytes:
-        try:
-            out = mx.distributed.all_sum(data, group=self.group)
-            mx.eval(out)
-        except RuntimeError as exc:
-            raise GroupFailure(f"rank {self.rank}: {exc}") from exc
-        return bytes(memoryview(out))
-
-    def send(self, payload: bytes) -> None:
-        if self.rank != 0:
-            raise RuntimeError("only rank 0 sends plans")
-        head = len(payload).to_bytes(4, "little") + payload[:BLOCK - 4]
-        self._sum(mx.array(memoryview(head.ljust(BLOCK, b"\0")), dtype=mx.uint8))
-        if len(payload) > BLOCK - 4:
-            rest = payload[BLOCK - 4:]
-            self._sum(mx.array(memoryview(rest), dtype=mx.uint8))
-
-    def receive(self) -> bytes:
-        head = self._sum(mx.zeros((BLOCK,), dtype=mx.uint8))
-        size = int.from_bytes(head[:4], "little")
-        if size <= BLOCK - 4:
-            return head[4:4 + size]
-        return head[4:] + self._sum(mx.zeros((size - (BLOCK - 4),), dtype=mx.uint8))
 
 
 Sampled = tuple[tuple[str, tuple[int, ...]], ...]
@@ -191,6 +137,14 @@ class Watchdog:
                       f"{self._what} took over {self._limit:g} s (a peer died or hangs; "
                       "--distributed-timeout)", file=sys.stderr, flush=True)
                 os._exit(1)
+
+
+class ShardRestoreError(ValueError):
+    """A snapshot some rank could not restore; no rank holds it. `problems`: rank -> why."""
+
+    def __init__(self, problems: dict[int, str]) -> None:
+        super().__init__("; ".join(f"rank {rank}: {why}" for rank, why in sorted(problems.items())))
+        self.problems = problems
 
 
 class LeaderRunner(Runner):
@@ -268,7 +222,50 @@ class LeaderRunner(Runner):
         super().drop_snapshot(key)
 
     def restore(self, *args: Any, **kwargs: Any) -> int:
-        raise GroupFailure("SSD snapshots are not restored with --distributed")
+        raise GroupFailure("with --distributed a snapshot is restored on every rank "
+                           "(restore_shards)")
+
+    def shard(self, op: str, *args: Any) -> None:
+        """Broadcast one SSD-tier order (engine.follower.FollowerShards); the other ranks
+        answer nothing now: what came of it is collected by `shard_poll`."""
+        with self.watchdog.watch("an SSD order"):
+            self._send(op, *args)
+
+    def shard_poll(self) -> list[list[dict[str, Any]]]:
+        """The other ranks' SSD results since the last poll: one list per rank 1, 2, ..."""
+        with self.watchdog.watch("an SSD poll"):
+            self._send("shard_poll")
+            replies = self._gather(b"")
+        return [list(decode_reply(reply)) for reply in replies[1:]]
+
+    def restore_shards(self, key: str, ssd_key: str, order: int, kinds: str, offset: int,
+                       boundary: int, planes: dict[str, tuple[bytes, tuple[int, ...], str]]
+                       ) -> int:
+        """Hold the snapshot under `key` on every rank: rank 0's from `planes`, each other
+        rank's from what its disk read for `order` (file `ssd_key`); its bytes here.
+        ShardRestoreError (no rank holds it then) if any rank could not."""
+        problems: dict[int, str] = {}
+        num_bytes = 0
+        with self.watchdog.watch("a restore"):
+            self._send("restore", key, ssd_key, order, kinds, offset, boundary)
+            try:
+                num_bytes = super().restore(key, kinds, offset, boundary, planes)
+            except Exception as exc:  # still answer the gather: every rank issues it
+                problems[0] = f"{type(exc).__name__}: {exc}"
+            replies = self._gather(b"")
+        problems |= {rank: reply.decode("utf-8", "replace")
+                     for rank, reply in enumerate(replies) if reply}
+        if problems:
+            self.drop_snapshot(key)
+            raise ShardRestoreError(problems)
+        return num_bytes
+
+    def _gather(self, reply: bytes) -> list[bytes]:
+        try:
+            return self.channel.gather(reply)
+        except GroupFailure:
+            self._stopped = True
+            raise
 
     def close(self) -> None:
         """Tell the other ranks to stop (they exit 0), then close as usual; a group that is
@@ -282,61 +279,3 @@ class LeaderRunner(Runner):
             self._stopped = True
         with self.watchdog.watch("the close"):
             super().close()
-
-
-_FOLLOWED = {"reset", "retain", "drop_snapshot", "plane_layout"}
-
-
-def run_follower(config: Any, group: Any) -> int:
-    """A non-zero rank of `serve --distributed`: load and shard the model, build the same
-    runner as rank 0 (actors.engine.open_engine), then `follow`."""
-    from tqserve.engine.kv.factory import cache_factory_for
-    from tqserve.engine.model import load_model
-    from tqserve.engine.structured import GrammarMasks
-
-    loaded = load_model(config.model, config.dtype)
-    shard_model(loaded.model, group)
-    make_cache = cache_factory_for(loaded.model, config.turboquant, config.quantized_kv_start,
-                                   config.kv_quant, config.kv_group_size)
-    runner = Runner(loaded.model, make_cache,
-                    GrammarMasks(loaded.tokenizer, loaded.vocab_size, loaded.eos_token_ids))
-    return follow(runner, PlanChannel(group), Watchdog(group.rank(), config.distributed_timeout))
-
-
-def follow(runner: Runner, channel: PlanChannel, watchdog: Watchdog) -> int:
-    """A non-zero rank's loop: run what rank 0 broadcasts until STOP. Returns the exit
-    code: 0 on STOP, 1 (with one line on stderr) when the group failed. SIGINT is ignored
-    (Ctrl-C reaches every rank: rank 0 shuts down and sends STOP); SIGTERM still ends it.
-    Waiting for rank 0 is watched too (twice the timeout: rank 0's own step may take up to
-    one timeout; it pings while idle)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    mine: Sampled = ()  # what this rank sampled in the previous step
-    try:
-        decode(channel.receive())  # rank 0's join (it may load its shard for any time)
-        while True:
-            with watchdog.watch("waiting for rank 0", 2 * watchdog.timeout):
-                op, args = decode(channel.receive())
-            if op == STOP:
-                with watchdog.watch("the close"):
-                    runner.close()
-                return 0
-            if op == PING:
-                continue
-            if op == "execute":
-                plan, expected = args
-                if expected != mine:
-                    raise GroupFailure(f"diverged: rank 0 sampled {expected[:4]}, this rank "
-                                       f"{mine[:4]} in the previous step")
-                with watchdog.watch("a step"):
-                    mine = sampled(runner.execute(plan))
-                continue
-            if op not in _FOLLOWED:
-                raise GroupFailure(f"unknown operation {op!r} from rank 0")
-            if op == "reset":
-                mine = ()
-            with watchdog.watch(op):
-                getattr(runner, op)(*args)
-    except Exception as exc:
-        print(f"tqserve: error: tensor-parallel group failed: rank {channel.rank}: "
-              f"{type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
-        return 1

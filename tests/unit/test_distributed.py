@@ -1,5 +1,6 @@
 """engine.distributed without a model group: the plan codec, the shard check, the refusals,
-and the plan broadcast itself over 2 real ring ranks (a tiny script under mlx.launch)."""
+and the plan broadcast and the replies' gather over 2
+real ring ranks (a tiny script under mlx.launch)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ import pytest
 
 from tqserve.api.cli import main
 from tqserve.engine.config import Config
-from tqserve.engine.distributed import (BLOCK, check_shardable, decode, encode, init_group)
+from tqserve.engine.distributed import check_shardable, init_group
+from tqserve.engine.plan_channel import BLOCK, decode, encode
 from tqserve.engine.sampling import SamplingParams
 from tqserve.engine.scheduler import NewRow, PrefillChunk, StepPlan
 from tqserve.engine.speculative.policy import SpecChoice
@@ -70,7 +72,8 @@ def test_refusals_name_the_flag(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 BROADCAST = """
-from tqserve.engine.distributed import PlanChannel, init_group
+from tqserve.engine.distributed import init_group
+from tqserve.engine.plan_channel import PlanChannel
 channel = PlanChannel(init_group())
 sizes = [0, 1, {block} - 4, {block} - 3, 3 * {block} + 17]
 for size in sizes:
@@ -80,6 +83,9 @@ for size in sizes:
     else:
         got = channel.receive()
         assert got == payload, (size, len(got))
+replies = [(b"", b""), (b"", b"r1"), (b"r0", b""), (b"zero", bytes(range(256)) * 20)]
+for mine in replies:  # every rank gets every rank's reply, empty ones included
+    assert channel.gather(mine[channel.rank]) == list(mine), mine
 print(f"rank {{channel.rank}} ok {{len(sizes)}}", flush=True)
 """
 
@@ -121,7 +127,9 @@ def test_the_watchdog_ends_a_stuck_rank_with_one_line() -> None:
 
 DIVERGED = """
 import sys
-from tqserve.engine.distributed import PING, PlanChannel, Watchdog, encode, follow, init_group
+from tqserve.engine.distributed import PING, Watchdog, init_group
+from tqserve.engine.follower import follow
+from tqserve.engine.plan_channel import PlanChannel, encode
 from tqserve.engine.model import load_model
 from tqserve.engine.runner import Runner
 from tqserve.engine.scheduler import StepPlan
