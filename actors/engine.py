@@ -83,15 +83,16 @@ from tqserve.actors.prefix_cache import (PrefixCache, PrefixCacheStatistics, hea
                                  run_writer)
 from tqserve.actors.runner_thread import RunnerThread
 from tqserve.actors.scheduler import GroupFailed, run_scheduler
+from tqserve.actors.shard_group import ShardGroup
 from tqserve.actors.speculation import (SPECULATION_MAILBOX, SpeculationLink, reply_mailbox_size,
                                         run_speculation)
 from tqserve.engine.config import Config
 from tqserve.engine.detokenize import TextStream
-from tqserve.engine.distributed import (GroupFailure, LeaderRunner, PlanChannel, init_group,
-                                        shard_model)
+from tqserve.engine.distributed import GroupFailure, LeaderRunner, init_group, shard_model
 from tqserve.engine.kv.factory import cache_factory_for
 from tqserve.engine.codec.turboquant import DEFAULT_ROTATION
 from tqserve.engine.model import LoadedModel, load_model
+from tqserve.engine.plan_channel import PlanChannel
 from tqserve.engine.speculative.factory import build_speculator, spec_policy
 from tqserve.engine.speculative.policy import SpeculationPolicy, SpeculationStatistics
 from tqserve.engine.prefix import cache_namespace
@@ -102,6 +103,7 @@ from tqserve.engine.snapshot import PlaneLayout
 from tqserve.engine.structured import GrammarMasks
 from tqserve.engine.warmup import wanted, warm_up
 from tqserve.storage import SsdTier
+from tqserve.storage.shard import ShardId
 
 HEALTH_CHECKS = 4  # pings per --distributed-timeout: a follower waits at most 2 timeouts
 log = logging.getLogger("tqserve.engine")
@@ -485,11 +487,18 @@ def _log_eviction(key: str) -> None:
 def _prefix_cache(config: Config, loaded: LoadedModel, runner: Runner,
                   thread: RunnerThread, layout: PlaneLayout | None) -> PrefixCache:
     namespace = cache_namespace(loaded.fingerprint, kv_scheme(config, loaded.dtype))
-    tier = None
+    tier, group = None, None
+    # --distributed: rank 0's shard in its own subdirectory (storage.shard); the other
+    # ranks' shards are ordered through the group (actors.shard_group)
+    shard = (ShardId(runner.channel.group.size(), 0) if isinstance(runner, LeaderRunner)
+             else None)
     if config.cache_dir is not None:
-        tier = SsdTier(config.cache_dir, config.ssd_cache_bytes,
+        tier = SsdTier(shard.directory(config.cache_dir) if shard else config.cache_dir,
+                       config.ssd_cache_bytes,
                        expected_fingerprints=[loaded.fingerprint], on_evict=_log_eviction,
-                       validate_header=header_validator(namespace, layout))
+                       validate_header=header_validator(namespace, layout), shard=shard)
+        if isinstance(runner, LeaderRunner) and shard is not None:
+            group = ShardGroup(runner, thread, tier, shard.size)
 
     async def restore(*args: object) -> int:
         return await thread.call(runner.restore, *args)
@@ -497,4 +506,4 @@ def _prefix_cache(config: Config, loaded: LoadedModel, runner: Runner,
     return PrefixCache(
         namespace=namespace,
         fingerprint=loaded.fingerprint, ram_budget=config.ram_cache_bytes, tier=tier,
-        flush=config.ssd_flush, write=config.ssd_write, runner_call=restore)
+        flush=config.ssd_flush, write=config.ssd_write, runner_call=restore, group=group)

@@ -35,10 +35,16 @@ scheduler stops first; then `close_writes` closes the queue's send end and the w
 drains what was queued before returning (open_engine's exit path).
 
 Acknowledgement: a snapshot is acknowledged when SsdTier.put returned (temp file, fsync,
-rename, directory fsync); then "snapshot acknowledged <key>" is logged on tqserve.prefix.
+rename, directory fsync) and, with --distributed, once every other rank reported its own
+file of it durable too (actors.shard_group); then "snapshot acknowledged <key>" is logged
+on tqserve.prefix.
 Files dropped later (superseded, evicted) log "snapshot removed <key>" before the unlink
 (evictions inside SsdTier through its `on_evict` hook), so an acknowledged file that is gone
 after a crash was always announced.
+
+Tensor parallel (`group`, an actors.shard_group.ShardGroup on rank 0 of `serve
+--distributed`): every write is also ordered on the other ranks, every load and the
+recovery agree across them, every removal reaches them; the design is in that module.
 """
 
 from __future__ import annotations
@@ -48,7 +54,7 @@ import itertools
 import logging
 import time
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import trio
@@ -57,6 +63,9 @@ from tqserve.engine.prefix import PrefixEntry, PrefixIndex, Tier
 from tqserve.engine.scheduler import Finished, SpillPayload, StepPlan, StepResult
 from tqserve.engine.snapshot import PlaneLayout
 from tqserve.storage import SnapshotError, SnapshotHeader, SsdTier, snapshot_key
+
+if TYPE_CHECKING:
+    from tqserve.actors.shard_group import ShardGroup
 
 log = logging.getLogger("tqserve.prefix")
 WRITE_QUEUE = 8  # snapshots waiting for the disk in async mode; beyond it writes drop
@@ -106,7 +115,8 @@ class PrefixCache:
 
     def __init__(self, *, namespace: str, fingerprint: str, ram_budget: int,
                  tier: SsdTier | None, flush: str,
-                 runner_call: Callable[..., Any], write: str = "through") -> None:
+                 runner_call: Callable[..., Any], write: str = "through",
+                 group: ShardGroup | None = None) -> None:
         self.namespace = namespace
         self.fingerprint = fingerprint
         self.index = PrefixIndex(ram_budget)
@@ -114,6 +124,7 @@ class PrefixCache:
         self.flush = flush
         self.write_mode = write
         self._runner_call = runner_call  # awaitable: run a function on the runner thread
+        self.group = group  # --distributed: the other ranks' shards of the SSD tier
         self._ids = itertools.count()
         self._tick = 0
         self._pinned: dict[str, str] = {}          # request id -> pinned RAM key
@@ -142,12 +153,17 @@ class PrefixCache:
         """Index the SSD tier's verified files of this namespace (after SsdTier.recover)."""
         if self.tier is None:
             return
+        if self.group is not None:
+            await self.group.start_recovery(self.namespace)
         try:
             report = await self.tier.recover_async()
         except OSError as exc:  # the user's directory: say which and why, no traceback
             raise ValueError(f"--cache-dir {str(self.tier.directory)!r} cannot be used: "
                              f"{exc.strerror or exc}") from exc
         self._counts["quarantined"] += report.num_quarantined
+        if self.group is not None:  # indexed only where every rank holds a file of it
+            await self.group.agree([e.key for e in self.tier.entries()
+                                    if e.header.namespace == self.namespace])
         for entry in self.tier.entries():
             header = entry.header
             if header.namespace != self.namespace or entry.key in self.index:
@@ -207,6 +223,7 @@ class PrefixCache:
         is gone or fails any check: such a file is quarantined (files are untrusted)."""
         if self.tier is None:
             return None
+        order = await self.group.fetch(key) if self.group is not None else 0
         try:
             found = await self.tier.get_async(key)
         except SnapshotError as exc:
@@ -218,6 +235,8 @@ class PrefixCache:
             if await trio.to_thread.run_sync(self.tier.quarantine, key, f"unreadable: {exc}"):
                 self._counts["quarantined"] += 1
             found = None
+        if self.group is not None:  # every rank read its file of it, or no rank restores it
+            found = await self.group.fetched(order, key, found)
         if found is None:
             self.index.forget(key)
             await self._reconcile()
@@ -226,10 +245,12 @@ class PrefixCache:
         temporary = f"s{next(self._ids)}"
         kinds = str(header.extra.get("layer_kinds", ""))
         arrays = {name: (p.data, p.shape, p.dtype) for name, p in planes.items()}
+        restore = (self._runner_call if self.group is None
+                   else functools.partial(self.group.restore, key, order))
         self._restoring.add(temporary)
         try:
-            num_bytes = await self._runner_call(temporary, kinds, header.offset,
-                                                header.minimum_reusable_offset, arrays)
+            num_bytes = await restore(temporary, kinds, header.offset,
+                                      header.minimum_reusable_offset, arrays)
         except Exception as exc:  # a file that cannot be restored, whatever the reason
             log.warning("snapshot %s does not fit this engine: %s", key, exc,
                         exc_info=not isinstance(exc, ValueError))
@@ -246,9 +267,12 @@ class PrefixCache:
         """A file was missing: drop every index entry whose file vanished (deleted dir)."""
         if self.tier is None:
             return
-        for gone in await trio.to_thread.run_sync(self.tier.reconcile):
-            if gone in self.index:
-                self.index.forget(gone)
+        gone = await trio.to_thread.run_sync(self.tier.reconcile)
+        for key in gone:
+            if key in self.index:
+                self.index.forget(key)
+        if self.group is not None:
+            await self.group.remove(gone)
 
     def release_reuse(self, request_id: str) -> None:
         """The request's row is built (or it will never be): unpin its donor."""
@@ -309,7 +333,7 @@ class PrefixCache:
                          minimum_reusable_offset=made.minimum_reusable_offset) \
                 if payload is not None and not on_disk else None
             if job is not None and self.flush == "sync":
-                on_disk = await self.write(job)
+                on_disk = await self._write_now(job)
                 job = None
             self._tokens[made.key] = tokens
             if on_disk:
@@ -322,6 +346,8 @@ class PrefixCache:
                 self._tokens.pop(key, None)
         for payload in result.spills:
             await self._send_spill(payload)
+        if self.group is not None:  # before the next step: the other ranks stage until then
+            await self.group.send_orders()
 
     def _publish_ram(self, entry: PrefixEntry) -> None:
         superseded, over = self.index.publish(entry, Tier.RAM, self._next_tick())
@@ -350,6 +376,27 @@ class PrefixCache:
             self._queue.send_nowait(job)
         except trio.WouldBlock:
             self._counts["spills_dropped"] += 1
+            return
+        self._order(job)
+
+    def _order(self, job: _Write) -> None:
+        """--distributed: every other rank is to write its shard of `job` too."""
+        if self.group is not None:
+            key, fields = self._identity(job)
+            self.group.order(job.ram_key, key, fields)
+
+    async def _write_now(self, job: _Write) -> bool:
+        """A sync flush: order the other ranks' writes, then `write`."""
+        self._order(job)
+        if self.group is not None:
+            await self.group.send_orders()
+        return await self.write(job)
+
+    def _identity(self, job: _Write) -> tuple[str, dict[str, Any]]:
+        """The file key of `job` and the header fields every rank writes alike."""
+        return snapshot_key(self.namespace, job.tokens), {
+            "model_fingerprint": self.fingerprint, "namespace": self.namespace,
+            "token_ids": job.tokens, "created_ns": time.time_ns()}
 
     async def _send_spill(self, payload: SpillPayload) -> None:
         """A write-back spill: the RAM copy is gone; write it or drop it."""
@@ -362,7 +409,7 @@ class PrefixCache:
         job = _Write(ram_key=payload.key, tokens=tokens, payload=payload,
                      minimum_reusable_offset=entry.minimum_reusable_offset)
         if self.flush == "sync":
-            await self.write(job)
+            await self._write_now(job)
         else:
             self._enqueue(job)
 
@@ -370,14 +417,18 @@ class PrefixCache:
         """Write one snapshot to the SSD tier and index it there; False if it failed."""
         if self.tier is None:
             raise RuntimeError("write without an SSD tier")
-        key = snapshot_key(self.namespace, job.tokens)
-        fields = {**job.payload.header, "model_fingerprint": self.fingerprint,
-                  "namespace": self.namespace, "token_ids": job.tokens,
-                  "created_ns": time.time_ns()}
+        key, fields = self._identity(job)
+        stored, problem = None, None
         try:
-            stored = await self.tier.put_async(key, fields, job.payload.planes)
+            stored = await self.tier.put_async(key, {**job.payload.header, **fields},
+                                               job.payload.planes)
         except (OSError, ValueError) as exc:
-            log.warning("snapshot %s abandoned: %s", key, exc)
+            problem = str(exc)
+        if self.group is not None:  # acknowledged once every rank's file is durable
+            problem = await self.group.written(job.ram_key, key, mine=stored is not None,
+                                               keep=key in self.index) or problem
+        if stored is None or problem is not None:
+            log.warning("snapshot %s abandoned: %s", key, problem)
             return False
         log.info("snapshot acknowledged %s", key)
         self._counts["spills"] += 1
@@ -391,8 +442,11 @@ class PrefixCache:
             await self._remove_files(superseded)
         if self.tier.statistics().num_entries < self.index.statistics().ssd_entries:
             live = {e.key for e in self.tier.entries()}  # the tier evicted some files
-            for gone in [k for k in self.index.keys(Tier.SSD) if k not in live]:
+            evicted = [k for k in self.index.keys(Tier.SSD) if k not in live]
+            for gone in evicted:
                 self.index.forget(gone)
+            if self.group is not None:
+                await self.group.remove(evicted)
         return True
 
     async def _remove_files(self, keys: list[str]) -> None:
@@ -402,6 +456,8 @@ class PrefixCache:
                 # not required, never an acknowledged file gone without a word.
                 log.info("snapshot removed %s", key)
                 await trio.to_thread.run_sync(functools.partial(self.tier.remove, key))
+        if self.group is not None:
+            await self.group.remove(keys)
 
     def reconcile(self, held: set[str]) -> set[str]:
         """After a failed step: `held` are the snapshots the runner still holds. Entries
@@ -425,14 +481,16 @@ class PrefixCache:
     def statistics(self) -> PrefixCacheStatistics:
         index = self.index.statistics()
         tier = self.tier.statistics() if self.tier is not None else None
+        group = self.group
         queued = self._queue.statistics().current_buffer_used if self._queue else 0
         return PrefixCacheStatistics(
             ram_bytes=index.ram_bytes, ram_entries=index.ram_entries,
             ssd_bytes=index.ssd_bytes, ssd_entries=index.ssd_entries,
             hits_ram=index.hits_ram, hits_ssd=index.hits_ssd, misses=index.misses,
             spills=self._counts["spills"], spills_dropped=self._counts["spills_dropped"],
-            quarantined=self._counts["quarantined"],
-            ssd_write_errors=tier.num_write_errors if tier is not None else 0,
+            quarantined=self._counts["quarantined"] + (group.num_quarantined if group else 0),
+            ssd_write_errors=(tier.num_write_errors if tier is not None else 0)
+            + (group.num_write_errors if group else 0),
             writes_pending=queued, loads_pending=len(self._loading))
 
     async def close_writes(self) -> None:

@@ -344,11 +344,17 @@ def _load_blas(choice: str) -> None:
 
 
 def _follow(config: Config, group: Any) -> int:
-    """A rank other than 0 of `serve --distributed` (engine.follower)."""
+    """A rank other than 0 of `serve --distributed` (engine.follower), with its shard of the
+    SSD tier when there is one (actors.shard_group)."""
+    from tqserve.actors.shard_group import follower_disk
     from tqserve.engine.follower import run_follower
+    from tqserve.storage.shard import ShardId
 
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
-    return run_follower(config, group)
+    open_disk = None
+    if config.cache_dir is not None and config.prefix_cache:
+        open_disk = follower_disk(config, ShardId(group.size(), group.rank()))
+    return run_follower(config, group, open_disk)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

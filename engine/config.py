@@ -167,7 +167,8 @@ class Config:
     api_key: str | None = attrs.field(default=None, validator=_api_key, repr=False)
     allowed_origins: tuple[str, ...] = attrs.field(default=(), converter=_origins)
     # Tensor parallel over mx.distributed (engine.distributed): this process is one rank of
-    # a group started by mlx.launch; rank 0 serves, the others follow its plans.
+    # a group started by mlx.launch; rank 0 serves, the others follow its plans. With
+    # cache_dir each rank keeps its own shard of every snapshot file (storage.shard).
     distributed: bool = False
     # Seconds one group operation (a step, a broadcast) may take before the rank exits 1.
     distributed_timeout: float = attrs.field(default=60.0, validator=_positive_seconds)
@@ -182,9 +183,6 @@ class Config:
             raise ValueError(f"--max-step-tokens ({self.max_step_tokens}) must be >= "
                              f"--max-batch ({self.max_batch}): each decoding row takes one "
                              f"token of a step")
-        if self.distributed and self.cache_dir is not None and self.prefix_cache:
-            raise ValueError("--cache-dir is not supported with --distributed yet (each rank "
-                             "would need its own snapshot files): the prefix cache stays in RAM")
         if self.distributed and (self.speculative is not None or self.draft_model is not None):
             raise ValueError("--speculative is not supported with --distributed yet (the "
                              "draft model and the MTP head are not sharded)")

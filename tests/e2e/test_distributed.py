@@ -7,8 +7,11 @@ TurboQuant k4v4, affine 8-bit), up to proven near-ties (tests/e2e/reference.clas
 A prefix hit and a cancel run across the group; SIGTERM on rank 0 stops both ranks with
 exit 0; SIGKILL on rank 1 ends the group within a bounded time with one line, under the
 launcher (mid-request: an error frame, or a closed socket where rank 0's watchdog had to
-end a collective that hung) and without it (while idle: rank 0's health check). Three
-groups in all, short generations: the CI machine has 2 cores.
+end a collective that hung) and without it (while idle: rank 0's health check). The
+plain group writes its snapshots through to a cache dir (one file per rank); a second
+group restarted over it serves them from the SSD, and a snapshot with one rank's file
+corrupted or deleted runs cold on both ranks. Four groups in all, short generations: the
+CI machine has 2 cores.
 """
 
 from __future__ import annotations
@@ -31,10 +34,11 @@ import trio
 from mlx_lm.generate import generate_step
 from trio_websocket import ConnectionClosed, open_websocket_url
 
-from tests.api.wsclient import Session, wait_stats
+from tests.api.wsclient import Session, stats, wait_stats
 from tests.conftest import BIG_MODEL
 from tests.e2e.reference import PROMPTS, classify
 from tqserve.engine.kv.factory import cache_factory_for
+from tqserve.storage import decode_header
 
 REPO = Path(__file__).resolve().parents[2]
 LAUNCH = shutil.which("mlx.launch", path=str(Path(sys.executable).parent)) or shutil.which(
@@ -149,10 +153,12 @@ def check_identity(results: dict[str, Any], prompts: dict[str, str],
     return near
 
 
-async def test_two_ranks_plain_prefix_cancel_and_stop(big_model: Any) -> None:
+async def test_two_ranks_plain_prefix_cancel_stop_and_restart_from_the_ssd(
+        tmp_path: Path, big_model: Any) -> None:
     prompts = {f"p{i}": p for i, p in enumerate(PROMPTS[:4])} | {"shared": SHARED}
     want = {p: reference(big_model, p) for p in [*prompts.values(), LONGER]}
-    group = Group("--max-batch", "8")
+    cache = tmp_path / "cache"
+    group = Group("--max-batch", "8", "--cache-dir", str(cache))
     try:
         await group.started()
         ranks = group.ranks()
@@ -189,6 +195,94 @@ async def test_two_ranks_plain_prefix_cancel_and_stop(big_model: Any) -> None:
         assert not alive(ranks[0]) and not alive(ranks[1])
     finally:
         group.kill()
+    await restart_from_the_ssd(cache, big_model, want, acknowledged(err))
+
+
+def shard_files(cache: Path) -> dict[int, dict[str, Path]]:
+    """rank -> {key: file} of each rank's shard directory (storage.shard)."""
+    return {rank: {p.name.removesuffix(".tqsnap"): p
+                   for p in (cache / f"tp2-rank{rank}").glob("*.tqsnap")} for rank in (0, 1)}
+
+
+def acknowledged(log: str, state: dict[str, bool] | None = None) -> dict[str, bool]:
+    """key -> whether rank 0's log left it acknowledged (true) or removed after (false)."""
+    state = dict(state or {})
+    for line in log.splitlines():
+        words = line.split()
+        if words[:2] == ["tqserve.prefix:", "snapshot"] and len(words) >= 4:
+            if words[2] in ("acknowledged", "removed"):
+                state[words[3].rstrip(":")] = words[2] == "acknowledged"
+    return state
+
+
+def assert_on_every_rank(cache: Path, acked: dict[str, bool]) -> dict[int, dict[str, Path]]:
+    """Both ranks hold the same files: exactly the acknowledged keys, each saying whose."""
+    files = shard_files(cache)
+    assert set(files[0]) == set(files[1]) == {k for k, ok in acked.items() if ok}, files
+    for rank, paths in files.items():
+        for path in paths.values():
+            extra = decode_header(path.read_bytes()).extra
+            assert (extra["tp_size"], extra["tp_rank"]) == (2, rank), path
+    return files
+
+
+def file_of(files: dict[str, Path], tokenizer: Any, prompt: str) -> str:
+    """The one key whose snapshot covers `prompt` (its own finish snapshot)."""
+    ids = tuple(tokenizer.encode(prompt))[:-1]
+    keys = [k for k, path in files.items()
+            if decode_header(path.read_bytes()).token_ids[:len(ids)] == ids]
+    assert len(keys) == 1, (prompt, keys)
+    return keys[0]
+
+
+async def restart_from_the_ssd(cache: Path, big_model: Any, want: dict[str, Any],
+                               acked: dict[str, bool]) -> None:
+    """A new group over the first group's cache dir (sync flush this time): an SSD hit
+    with the single process's tokens; one snapshot whose rank-1 file has a corrupted
+    plane (found at load) and one whose rank-0 file was deleted (found at recovery) run
+    cold on both ranks with the same tokens; the bad file quarantined on rank 1, the
+    orphan removed, the group still up, /v1/stats reporting the SSD tier."""
+    files = assert_on_every_rank(cache, acked)
+    bad = file_of(files[0], big_model.tokenizer, PROMPTS[2])
+    gone = file_of(files[0], big_model.tokenizer, PROMPTS[3])
+    data = bytearray(files[1][bad].read_bytes())
+    data[-1] ^= 0xFF  # the last plane's bytes: its header still checks out at recovery
+    files[1][bad].write_bytes(bytes(data))
+    files[0][gone].unlink()
+    group = Group("--max-batch", "8", "--cache-dir", str(cache), "--ssd-flush", "sync")
+    try:
+        await group.started()
+        async with httpx.AsyncClient(timeout=30) as client:
+            start = (await stats(client, group.url))["prefix_cache"]
+            assert start["ssd_entries"] == len(files[0]) - 1, start  # not `gone`
+            for _ in range(50):  # rank 1 removes its orphan on its disk thread (bounded)
+                if gone not in shard_files(cache)[1]:
+                    break
+                await trio.sleep(0.2)
+            assert gone not in shard_files(cache)[1]
+
+            prompts = {"ssd": LONGER, "bad": PROMPTS[2], "gone": PROMPTS[3]}
+            results = await greedy_batch(group.ws_url, prompts)
+            check_identity(results, prompts, want)
+            usage = {rid: r.end["usage"] for rid, r in results.items()}
+            assert usage["ssd"]["cached_tokens_by_tier"]["ssd"] > 0, usage
+            assert usage["bad"]["cached_tokens"] == usage["gone"]["cached_tokens"] == 0, usage
+            assert (cache / "tp2-rank1" / "quarantine" / f"{bad}.tqsnap").is_file()
+            again = await greedy_batch(group.ws_url, {"again": PROMPTS[2]})  # still up, same KV
+            check_identity(again, {"again": PROMPTS[2]}, want)
+            assert again["again"].end["usage"]["cached_tokens_by_tier"]["ram"] > 0
+            end = (await wait_stats(client, group.url, **IDLE))["prefix_cache"]
+            assert end["hits_ssd"] >= 1 and end["quarantined"] == 1, end
+            assert end["ssd_write_errors"] == 0 and end["ssd_entries"] > 0, end
+            assert end["ssd_bytes"] > 0 and end["spills"] > 0, end
+        os.kill(group.ranks()[0], signal.SIGTERM)
+        assert await group.exit_code() == 0, group.stderr()
+        err = group.stderr()
+        assert "Node with rank" not in err and "Traceback" not in err, err
+        assert f"snapshot {bad} failed on rank 1 (quarantined): checksum mismatch" in err, err
+    finally:
+        group.kill()
+    assert_on_every_rank(cache, acknowledged(err, acked | {gone: False}))
 
 
 async def test_two_ranks_turboquant_then_a_rank_dies(big_model: Any) -> None:

@@ -1,5 +1,5 @@
 """engine.distributed without a model group: the plan codec, the shard check, the refusals,
-and the plan broadcast and the replies' gather over 2
+the SSD tier's recovery agreement, and the plan broadcast and the replies' gather over 2
 real ring ranks (a tiny script under mlx.launch)."""
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from tqserve.actors.shard_group import agreed
 from tqserve.api.cli import main
 from tqserve.engine.config import Config
 from tqserve.engine.distributed import check_shardable, init_group
@@ -58,9 +59,7 @@ def test_shard_check_names_what_does_not_divide(draft_model: Any) -> None:
 
 
 def test_refusals_name_the_flag(capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(ValueError, match="--cache-dir is not supported with --distributed"):
-        Config(distributed=True, cache_dir="/tmp/x")
-    Config(distributed=True, cache_dir="/tmp/x", prefix_cache=False)  # no SSD tier then
+    Config(distributed=True, cache_dir="/tmp/x")  # each rank keeps its own shard files
     with pytest.raises(ValueError, match="--speculative is not supported with --distributed"):
         Config(distributed=True, speculative="lookup")
     with pytest.raises(ValueError, match="needs 2 or more processes started by mlx.launch"):
@@ -69,6 +68,12 @@ def test_refusals_name_the_flag(capsys: pytest.CaptureFixture[str]) -> None:
     err = capsys.readouterr().err
     assert err.startswith("tqserve: error: --distributed needs 2 or more processes"), err
     assert "Traceback" not in err
+
+
+def test_recovery_indexes_only_the_keys_every_rank_holds() -> None:
+    assert agreed({"a", "b", "c"}, [{"a", "b"}, {"b", "c", "d"}]) == {"b"}
+    assert agreed({"a"}, []) == {"a"}
+    assert agreed(set(), [{"a"}]) == set()
 
 
 BROADCAST = """

@@ -1,0 +1,198 @@
+"""Rank 0's side of the SSD tier under tensor parallelism (`serve --distributed --cache-dir`).
+
+Every rank writes its own shard of each persisted snapshot to its own directory
+(storage.shard); the other ranks do their file work on a disk thread (storage.shard_disk)
+under rank 0's orders, which reach them through the runner (engine.distributed.LeaderRunner:
+a broadcast, in one order with the plans; engine.follower on their side). The prefix cache
+(actors.prefix_cache) calls this in rank 0's trio thread, in its own task:
+
+* writes: a snapshot queued for the disk (or written now, --ssd-flush sync) is ordered
+  written on every rank (`order`; `send_orders` before the next step, since the other
+  ranks keep a step's payloads only until the next one). Rank 0 writes its own file, then
+  `written` waits for every rank's report: the snapshot is acknowledged only once every
+  rank's file is durable; if any rank failed, no rank keeps a file of it;
+* loads: `fetch` orders every rank to read and verify its file while rank 0 reads its
+  own; `fetched` waits for their reports, and only when every read passed is the snapshot
+  restored, on every rank in one operation (`restore`). Otherwise it is a miss on every
+  rank (the request runs cold): the bad file is quarantined by the rank that found it and
+  every other rank's file of it is removed;
+* recovery: `start_recovery` has every rank recover its own directory while rank 0
+  recovers its own; `agree` keeps the keys that every rank holds and removes every rank's
+  files of the others;
+* `remove(keys)`: eviction, supersession or a vanished file on rank 0 removes the other
+  ranks' files of those keys.
+
+Reports come back only when rank 0 asks (the other ranks never start a collective): a
+waiter polls (`LeaderRunner.shard_poll`: one broadcast, one gather, on the runner thread
+between steps) every POLL_SECONDS until every rank has answered its order; one poll at a
+time collects the answers for every waiter.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Callable, Collection, Iterable, Mapping
+from typing import Any
+
+import trio
+
+from tqserve.actors.prefix_cache import header_validator
+from tqserve.actors.runner_thread import RunnerThread
+from tqserve.engine.distributed import LeaderRunner, ShardRestoreError
+from tqserve.engine.snapshot import PlaneLayout
+from tqserve.storage import Plane, SnapshotHeader, SsdTier
+from tqserve.storage.shard import ShardId
+from tqserve.storage.shard_disk import ShardDisk
+
+log = logging.getLogger("tqserve.prefix")
+POLL_SECONDS = 0.01  # between polls while another rank's disk work is awaited (an fsync: ms)
+# Another rank's SSD budget, as a multiple of rank 0's: rank 0's budget decides what stays
+# (it orders every eviction), and a shard file's size is rank 0's within compression noise.
+FOLLOWER_BUDGET = 2
+
+Found = tuple[SnapshotHeader, dict[str, Plane]]
+
+
+def agreed(mine: Collection[str], others: Iterable[Collection[str]]) -> set[str]:
+    """The keys every rank holds (rank 0's, intersected with each other rank's)."""
+    return set(mine).intersection(*others)
+
+
+class ShardGroup:
+    """Rank 0's books of the other ranks' SSD work (see the module doc)."""
+
+    def __init__(self, runner: LeaderRunner, thread: RunnerThread, tier: SsdTier,
+                 num_ranks: int) -> None:
+        self._runner, self._thread, self._tier = runner, thread, tier
+        self._others = num_ranks - 1
+        self._ids = itertools.count(1)
+        self._orders: dict[str, int] = {}   # RAM key -> the order of its write
+        self._unsent: list[tuple[int, str, str, dict[str, Any]]] = []
+        self._reports: dict[tuple[str, int], dict[int, dict[str, Any]]] = {}
+        self._polling = trio.Lock()
+        self.num_quarantined = 0   # files the other ranks quarantined
+        self.num_write_errors = 0  # writes that failed on another rank
+
+    def order(self, ram_key: str, key: str, fields: Mapping[str, Any]) -> None:
+        """Every rank is to write its payload of snapshot `ram_key` (this step's) as file
+        `key` with these header fields (sent by `send_orders`)."""
+        order = next(self._ids)
+        self._orders[ram_key] = order
+        self._unsent.append((order, ram_key, key, dict(fields)))
+
+    async def send_orders(self) -> None:
+        if self._unsent:
+            orders, self._unsent = tuple(self._unsent), []
+            await self._thread.call(self._runner.shard, "shard_persist", orders)
+
+    async def written(self, ram_key: str, key: str, *, mine: bool, keep: bool) -> str | None:
+        """Wait for every rank's write of `ram_key`; None when all are durable (and rank 0's,
+        `mine`), else what failed. On a failure no rank keeps a file of `key`, unless
+        `keep` (an earlier write of it was acknowledged)."""
+        order = self._orders.pop(ram_key)
+        await self.send_orders()  # (already sent, unless the step's absorb was cancelled)
+        failed = {rank: report["reason"]
+                  for rank, report in (await self._wait("write", order)).items()
+                  if report["status"] != "ok"}
+        self.num_write_errors += len(failed)
+        if (failed or not mine) and not keep:
+            await trio.to_thread.run_sync(self._tier.remove, key)
+            await self.remove([key])
+        return "; ".join(f"rank {rank}: {why}" for rank, why in sorted(failed.items())) or None
+
+    async def fetch(self, key: str) -> int:
+        """Every other rank starts reading its file `key`; the order to pass to `fetched`."""
+        order = next(self._ids)
+        await self._thread.call(self._runner.shard, "shard_read", order, key)
+        return order
+
+    async def fetched(self, order: int, key: str, mine: Found | None) -> Found | None:
+        """`mine` (rank 0's read) when every rank's read passed; else None, with every rank's
+        file of `key` gone (quarantined where it was bad, removed elsewhere)."""
+        failed = {rank: report for rank, report in (await self._wait("read", order)).items()
+                  if report["status"] != "ok"}
+        for rank, report in sorted(failed.items()):
+            log.warning("snapshot %s failed on rank %d (%s): %s", key, rank, report["status"],
+                        report["reason"])
+            self.num_quarantined += report["status"] == "quarantined"
+        if mine is not None and not failed:
+            return mine
+        await self._thread.call(self._runner.shard, "shard_discard", order)
+        if await trio.to_thread.run_sync(self._tier.remove, key):
+            log.info("snapshot removed %s", key)
+        await self.remove([key])
+        return None
+
+    async def restore(self, ssd_key: str, order: int, key: str, kinds: str, offset: int,
+                      boundary: int, planes: dict[str, tuple[bytes, tuple[int, ...], str]]
+                      ) -> int:
+        """Hold the fetched snapshot under `key` on every rank; ValueError if any could not
+        (no rank holds it then; the prefix cache quarantines rank 0's file if it was rank
+        0's fault: otherwise rank 0's file is removed here, the others' too)."""
+        try:
+            return await self._thread.call(self._runner.restore_shards, key, ssd_key, order,
+                                           kinds, offset, boundary, planes)
+        except ShardRestoreError as exc:
+            self.num_quarantined += len(set(exc.problems) - {0})
+            if 0 not in exc.problems and await trio.to_thread.run_sync(self._tier.remove,
+                                                                        ssd_key):
+                log.info("snapshot removed %s", ssd_key)
+            await self.remove([ssd_key])
+            raise
+
+    async def start_recovery(self, namespace: str) -> None:
+        """Every other rank recovers its own directory (rank 0 then recovers its own)."""
+        await self._thread.call(self._runner.shard, "shard_recover", namespace)
+
+    async def agree(self, mine: Collection[str]) -> set[str]:
+        """The keys every rank holds; every rank removes its files of the others. ValueError
+        if another rank's directory cannot be used."""
+        reports = await self._wait("recovered", 0)
+        broken = [f"rank {rank}: {r['reason']}" for rank, r in sorted(reports.items())
+                  if r["status"] != "ok"]
+        if broken:
+            raise ValueError(f"--cache-dir cannot be used: {'; '.join(broken)}")
+        self.num_quarantined += sum(r["quarantined"] for r in reports.values())
+        keys = agreed(mine, (r["keys"] for r in reports.values()))
+        await self._thread.call(self._runner.shard, "shard_keep", tuple(sorted(keys)))
+        for key in sorted(set(mine) - keys):
+            log.info("snapshot removed %s: not held by every rank", key)
+            await trio.to_thread.run_sync(self._tier.remove, key)
+        return keys
+
+    async def remove(self, keys: Iterable[str]) -> None:
+        """The other ranks remove their files of `keys` (after their queued work)."""
+        keys = tuple(keys)
+        if keys:
+            await self._thread.call(self._runner.shard, "shard_remove", keys)
+
+    async def _wait(self, kind: str, order: int) -> dict[int, dict[str, Any]]:
+        """Every other rank's report of order `order` of `kind`, by rank."""
+        slot = (kind, order)
+        while len(self._reports.get(slot, ())) < self._others:
+            await trio.sleep(POLL_SECONDS)
+            async with self._polling:
+                if len(self._reports.get(slot, ())) < self._others:
+                    polled = await self._thread.call(self._runner.shard_poll)
+                    for rank, reports in enumerate(polled, start=1):
+                        for report in reports:
+                            self._reports.setdefault(
+                                (report["kind"], report["order"]), {})[rank] = report
+        return self._reports.pop(slot)
+
+
+def follower_disk(config: Any, shard: ShardId) -> Callable[[str, str, PlaneLayout | None],
+                                                            ShardDisk]:
+    """The `open_disk(fingerprint, namespace, layout)` of a rank other than 0
+    (engine.follower.run_follower): its shard of the cache dir, checked against its own
+    model (fingerprint, plane layout) as rank 0's is."""
+
+    def open_disk(fingerprint: str, namespace: str, layout: PlaneLayout | None) -> ShardDisk:
+        tier = SsdTier(shard.directory(config.cache_dir),
+                       FOLLOWER_BUDGET * config.ssd_cache_bytes,
+                       expected_fingerprints=[fingerprint],
+                       validate_header=header_validator(namespace, layout), shard=shard)
+        return ShardDisk(tier, namespace)
+
+    return open_disk
