@@ -223,7 +223,8 @@ class PrefixCache:
         is gone or fails any check: such a file is quarantined (files are untrusted)."""
         if self.tier is None:
             return None
-        order = await self.group.fetch(key) if self.group is not None else 0
+        if self.group is not None:
+            await self.group.fetch(key)
         try:
             found = await self.tier.get_async(key)
         except SnapshotError as exc:
@@ -236,7 +237,7 @@ class PrefixCache:
                 self._counts["quarantined"] += 1
             found = None
         if self.group is not None:  # every rank read its file of it, or no rank restores it
-            found = await self.group.fetched(order, key, found)
+            found = await self.group.fetched(key, found)
         if found is None:
             self.index.forget(key)
             await self._reconcile()
@@ -246,7 +247,7 @@ class PrefixCache:
         kinds = str(header.extra.get("layer_kinds", ""))
         arrays = {name: (p.data, p.shape, p.dtype) for name, p in planes.items()}
         restore = (self._runner_call if self.group is None
-                   else functools.partial(self.group.restore, key, order))
+                   else functools.partial(self.group.restore, key))
         self._restoring.add(temporary)
         try:
             num_bytes = await restore(temporary, kinds, header.offset,

@@ -15,7 +15,8 @@ a broadcast, in one order with the plans; engine.follower on their side). The pr
   own; `fetched` waits for their reports, and only when every read passed is the snapshot
   restored, on every rank in one operation (`restore`). Otherwise it is a miss on every
   rank (the request runs cold): the bad file is quarantined by the rank that found it and
-  every other rank's file of it is removed;
+  every other rank's file of it is removed (a rank whose disk queue was full only reads
+  again: its file is fine);
 * recovery: `start_recovery` has every rank recover its own directory while rank 0
   recovers its own; `agree` keeps the keys that every rank holds and removes every rank's
   files of the others;
@@ -68,6 +69,7 @@ class ShardGroup:
         self._others = num_ranks - 1
         self._ids = itertools.count(1)
         self._orders: dict[str, int] = {}   # RAM key -> the order of its write
+        self._fetches: dict[str, int] = {}  # SSD key -> the order of its read
         self._unsent: list[tuple[int, str, str, dict[str, Any]]] = []
         self._reports: dict[tuple[str, int], dict[int, dict[str, Any]]] = {}
         self._polling = trio.Lock()
@@ -101,35 +103,41 @@ class ShardGroup:
             await self.remove([key])
         return "; ".join(f"rank {rank}: {why}" for rank, why in sorted(failed.items())) or None
 
-    async def fetch(self, key: str) -> int:
-        """Every other rank starts reading its file `key`; the order to pass to `fetched`."""
-        order = next(self._ids)
+    async def fetch(self, key: str) -> None:
+        """Every other rank starts reading its file `key` (one load of a key at a time)."""
+        order = self._fetches[key] = next(self._ids)
         await self._thread.call(self._runner.shard, "shard_read", order, key)
-        return order
 
-    async def fetched(self, order: int, key: str, mine: Found | None) -> Found | None:
-        """`mine` (rank 0's read) when every rank's read passed; else None, with every rank's
-        file of `key` gone (quarantined where it was bad, removed elsewhere)."""
-        failed = {rank: report for rank, report in (await self._wait("read", order)).items()
-                  if report["status"] != "ok"}
+    async def fetched(self, key: str, mine: Found | None) -> Found | None:
+        """`mine` (rank 0's read) when every rank's read of `key` passed; else None, with
+        every rank's file of `key` gone (quarantined where it was bad, removed elsewhere).
+        A rank whose disk had no room for the read ("busy") reads it again (its queue
+        drains: the file is fine)."""
+        while True:
+            reports = await self._wait("read", self._fetches[key])
+            if mine is None or all(r["status"] != "busy" for r in reports.values()):
+                break
+            await self._thread.call(self._runner.shard, "shard_discard", self._fetches[key])
+            await self.fetch(key)
+        failed = {rank: report for rank, report in reports.items() if report["status"] != "ok"}
         for rank, report in sorted(failed.items()):
             log.warning("snapshot %s failed on rank %d (%s): %s", key, rank, report["status"],
                         report["reason"])
             self.num_quarantined += report["status"] == "quarantined"
         if mine is not None and not failed:
             return mine
-        await self._thread.call(self._runner.shard, "shard_discard", order)
+        await self._thread.call(self._runner.shard, "shard_discard", self._fetches.pop(key))
         if await trio.to_thread.run_sync(self._tier.remove, key):
             log.info("snapshot removed %s", key)
         await self.remove([key])
         return None
 
-    async def restore(self, ssd_key: str, order: int, key: str, kinds: str, offset: int,
-                      boundary: int, planes: dict[str, tuple[bytes, tuple[int, ...], str]]
-                      ) -> int:
-        """Hold the fetched snapshot under `key` on every rank; ValueError if any could not
-        (no rank holds it then; the prefix cache quarantines rank 0's file if it was rank
-        0's fault: otherwise rank 0's file is removed here, the others' too)."""
+    async def restore(self, ssd_key: str, key: str, kinds: str, offset: int, boundary: int,
+                      planes: dict[str, tuple[bytes, tuple[int, ...], str]]) -> int:
+        """Hold the fetched snapshot `ssd_key` under `key` on every rank; ValueError if any
+        could not (no rank holds it then; the prefix cache quarantines rank 0's file if it
+        was rank 0's fault: otherwise rank 0's file is removed here, the others' too)."""
+        order = self._fetches.pop(ssd_key)
         try:
             return await self._thread.call(self._runner.restore_shards, key, ssd_key, order,
                                            kinds, offset, boundary, planes)

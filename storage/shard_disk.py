@@ -22,8 +22,8 @@ Orders (called on the step loop's thread; none blocks):
   * `remove(keys)`, `quarantine(key, reason)`.
 
 Bounds: at most `max_jobs` writes and reads are queued, running or holding planes; beyond
-that an order fails at once with status "busy" (rank 0 abandons that write, or serves that
-load as a miss). Removals, quarantines and the recovery are never dropped: each concerns
+that an order fails at once with status "busy" (rank 0 abandons that write, or orders that
+read again). Removals, quarantines and the recovery are never dropped: each concerns
 files this rank holds. `close()` runs what is queued, then stops the thread.
 """
 
@@ -59,6 +59,8 @@ class ShardDisk:
         self._lock = threading.Lock()  # results, held planes, the job count
         self._results: list[Result] = []
         self._held: dict[int, tuple[SnapshotHeader, dict[str, Plane]]] = {}
+        self._reading: set[int] = set()    # reads queued or running
+        self._discarded: set[int] = set()  # of those, the ones let go of already
         self._num_jobs = 0  # writes and reads queued, running or holding planes
         self._thread = threading.Thread(target=self._run, name="tqserve-shard-disk",
                                         daemon=True)
@@ -82,6 +84,8 @@ class ShardDisk:
 
     def read(self, order: int, key: str) -> None:
         if self._admit("read", order):
+            with self._lock:
+                self._reading.add(order)
             self._jobs.put(self._reporting("read", order, lambda: self._read(order, key)))
 
     def take_read(self, order: int) -> tuple[SnapshotHeader, dict[str, Plane]] | None:
@@ -93,7 +97,13 @@ class ShardDisk:
             return found
 
     def discard(self, order: int) -> None:
-        self.take_read(order)
+        """Let go of the planes of `order`, now or, if its read still runs, when it ends."""
+        with self._lock:
+            if order in self._held:
+                del self._held[order]
+                self._num_jobs -= 1
+            elif order in self._reading:
+                self._discarded.add(order)
 
     def remove(self, keys: Iterable[str]) -> None:
         keys = tuple(keys)
@@ -142,6 +152,9 @@ class ShardDisk:
             self._results.append(result)
             if release:
                 self._num_jobs -= 1
+            if result["kind"] == "read":
+                self._reading.discard(result["order"])
+                self._discarded.discard(result["order"])
 
     def _run(self) -> None:
         while True:
@@ -197,8 +210,13 @@ class ShardDisk:
             self._report(_result("read", order, "missing", "no such file"), release=True)
             return
         with self._lock:
-            self._held[order] = found
             self._results.append(_result("read", order, "ok"))
+            self._reading.discard(order)
+            if order in self._discarded:
+                self._discarded.remove(order)
+                self._num_jobs -= 1
+            else:
+                self._held[order] = found
 
     def _remove(self, keys: tuple[str, ...]) -> None:
         for key in keys:

@@ -166,3 +166,17 @@ def test_keep_removes_this_namespaces_other_files_and_recovery_reports_its_keys(
     (recovered,) = drained(disk)
     assert sorted(recovered["keys"]) == sorted(mine) and recovered["quarantined"] == 1
     assert sorted(e.key for e in fresh.entries()) == sorted([mine[1], other])  # other NS kept
+
+
+def test_planes_let_go_of_before_or_after_their_read_ends_free_the_slot(tmp_path: Path
+                                                                         ) -> None:
+    shard = ShardId(2, 1)
+    tier = tier_at(shard.directory(tmp_path), shard)
+    key = key_of((1, 2))
+    tier.put(key, header_fields(token_ids=(1, 2)), planes())
+    disk = ShardDisk(tier, NS, max_jobs=1)
+    disk.read(1, key)
+    disk.discard(1)  # the read may not have run yet: it lets go when it ends
+    assert statuses(drained(disk)) == {("read", 1): "ok"}
+    disk.read(2, key)  # (closed: nothing runs, but the slot is free again, so no "busy")
+    assert disk.take_results() == [] and disk.take_read(1) is None
