@@ -8,8 +8,9 @@ ring ranks in tests/unit/test_distributed.py and tests/e2e/test_distributed.py.
 
 Covered here because two real processes cannot be steered into them: a follower's write
 that fails, a follower's disk too busy for a read (it reads again), a follower's file that
-fails its read or disagrees with rank 0's header at restore, and the recovery agreement
-removing the files only one rank holds.
+fails its read or disagrees with rank 0's header at restore, the recovery agreement
+removing the files only one rank holds, and the prefix cache's eviction over its SSD budget
+removing rank 1's file of the evicted key.
 """
 
 from __future__ import annotations
@@ -22,19 +23,20 @@ import types
 from pathlib import Path
 from typing import Any
 
+import attrs
 import mlx.core as mx
 import pytest
 import trio
 from mlx_lm.models.cache import make_prompt_cache
 
-from tqserve.actors.prefix_cache import header_validator
+from tqserve.actors.prefix_cache import PrefixCache, header_validator
 from tqserve.actors.runner_thread import RunnerThread
 from tqserve.actors.shard_group import ShardGroup
 from tqserve.engine.distributed import LeaderRunner, ShardRestoreError, Watchdog
 from tqserve.engine import follower as follower_module
 from tqserve.engine.follower import FollowerShards, follow
 from tqserve.engine.runner import Runner
-from tqserve.engine.scheduler import StepResult
+from tqserve.engine.scheduler import SnapshotMade, StepPlan, StepResult
 from tqserve.engine.snapshot import snapshot_of_row
 from tqserve.storage import SsdTier, snapshot_key
 from tqserve.storage.shard import ShardId
@@ -140,7 +142,8 @@ async def test_rank_0_books_the_other_ranks_disk_work(draft_model: Any, tmp_path
     monkeypatch.setattr(follower_module, "signal", types.SimpleNamespace(
         signal=lambda *args: None, SIGINT=signal.SIGINT, SIG_IGN=signal.SIG_IGN))
     model, fingerprint = draft_model.model, draft_model.fingerprint
-    tokens = {name: tuple(range(100 + 7 * i, 120 + 7 * i)) for i, name in enumerate("ABCDEF")}
+    tokens = {name: tuple(range(100 + 7 * i, 120 + 7 * i))
+              for i, name in enumerate("ABCDEFGHI")}
     payloads = {name: payload_of(model, t, f"p{name}") for name, t in tokens.items()}
     keys = {name: common(t, fingerprint)[0] for name, t in tokens.items()}
     loop = Loopback()
@@ -251,6 +254,27 @@ async def test_rank_0_books_the_other_ranks_disk_work(draft_model: Any, tmp_path
                 tier.get, keys["A"])) is not None
             assert files(tmp_path, 0) == files(tmp_path, 1) == {keys["A"]}
             await group.restore(keys["A"], "sA2", *args)  # (takes rank 1's read planes)
+
+            # the prefix cache's own path (sync flush) over a budget of two files: the
+            # third write evicts the oldest on rank 0, and rank 1's file of it goes too
+            small = SsdTier(ShardId(2, 0).directory(tmp_path), 5 * tier.entries()[0].num_bytes
+                            // 2, expected_fingerprints=[fingerprint], shard=ShardId(2, 0),
+                            validate_header=header_validator(NS, layout))
+            prefix = PrefixCache(namespace=NS, fingerprint=fingerprint, ram_budget=1 << 30,
+                                 tier=small, flush="sync", runner_call=thread.call,
+                                 group=ShardGroup(leader, thread, small, 2))
+            await prefix.recover()
+            for name in "GHI":
+                plan = prefix.decorate(StepPlan(join=(name,)), lambda rid: (*tokens[rid], 1))
+                ((_, ram_key),) = plan.prompt_snapshot
+                made = attrs.evolve(payloads[name], key=ram_key)
+                result = StepResult(outputs=(), kv_bytes=0, writes=(made,), snapshots=(
+                    SnapshotMade(key=ram_key, request_id=name, offset=len(tokens[name]),
+                                 minimum_reusable_offset=0, num_bytes=1),))
+                shards.stage(result)  # (what rank 1's execute of this plan staged)
+                await prefix.absorb(plan, result)
+            assert files(tmp_path, 0) == files(tmp_path, 1) == {keys["H"], keys["I"]}
+            assert prefix.statistics().ssd_entries == 2
         finally:
             await thread.call(leader.close)
             await thread.aclose()
