@@ -85,6 +85,7 @@ from tqserve.actors.runner_thread import RunnerThread
 from tqserve.actors.scheduler import GroupFailed, run_scheduler
 from tqserve.actors.speculation import (SPECULATION_MAILBOX, SpeculationLink, reply_mailbox_size,
                                         run_speculation)
+from tqserve.engine import fastpath
 from tqserve.engine.config import Config
 from tqserve.engine.detokenize import TextStream
 from tqserve.engine.distributed import (GroupFailure, LeaderRunner, PlanChannel, init_group,
@@ -367,7 +368,11 @@ async def open_engine(config: Config, *, loaded: LoadedModel | None = None,
             eos_token_ids=loaded.eos_token_ids,
             speculative_methods=speculator.proposers if speculator is not None else ())
         masks = GrammarMasks(tokenizer, loaded.vocab_size, loaded.eos_token_ids)
-        runner = (Runner(loaded.model, make_cache, masks, speculator) if channel is None
+        fast = fastpath.wanted(config.fast_decode, config.distributed)
+        if fast:  # in place: one copy of the weights (engine.fastpath)
+            await thread.call(fastpath.fuse_projections, loaded.model)
+        runner = (Runner(loaded.model, make_cache, masks, speculator, fast_decode=fast)
+                  if channel is None
                   else LeaderRunner(channel, config.distributed_timeout, loaded.model,
                                     make_cache, masks))
         if isinstance(runner, LeaderRunner):

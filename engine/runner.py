@@ -63,6 +63,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
+from tqserve.engine.fastpath import DecodeForward
 from tqserve.engine.kv.slots import is_slot_batch, retire_order, slot_batch
 from tqserve.engine.prefill import PrefillGroups
 from tqserve.engine.sampling import LazySample, RowSampler, build_sample, finalize_sample
@@ -120,8 +121,12 @@ class Runner:
 
     def __init__(self, model: Any, make_cache: CacheFactory | None = None,
                  masks: GrammarMasks | None = None,
-                 speculator: Speculator | None = None) -> None:
+                 speculator: Speculator | None = None, *, fast_decode: bool = False) -> None:
         self._model = model
+        # the pipelined decode forward: the model itself, or its compiled decode layers
+        # (engine.fastpath; Qwen3-style models only, others keep the model's own forward)
+        self._decode = DecodeForward(model) if fast_decode and DecodeForward.supports(
+            model) else None
         self.speculator = speculator
         self._make_cache = make_cache or make_prompt_cache
         self.masks = masks
@@ -447,6 +452,8 @@ class Runner:
             for i in hidden_rows:
                 self.speculator.record_hidden(self._batch[i], hidden[i:i + 1])
             logits = logits[:, -1, :]
+        elif self._decode is not None:
+            logits = self._decode(inputs[:, None], self._batch_cache)[:, -1, :]
         else:
             logits = self._model(inputs[:, None], cache=self._batch_cache)[:, -1, :]
         mx.async_eval(logits)
