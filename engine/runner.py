@@ -48,8 +48,9 @@ acceptance, per-row rollback) instead of the pipelined forward; a row then outpu
 (MTP rows still hand the target's hidden states to their head). A grammar row's proposal
 is cut to the prefix its grammar accepts, and each verified position samples under the
 mask after the proposals before it. Each steady decode step (no prefill, join or
-release, the same path as the step before) reports its duration, the time since the
-previous step ended (`StepResult.decode_seconds`): the time policy's measurement.
+release, the same path as the step before, a forward shape run before: the first run of a
+shape may compile kernels on MLX-CUDA) reports its duration, the time since the previous
+step ended (`StepResult.decode_seconds`): the time policy's measurement.
 """
 
 from __future__ import annotations
@@ -144,6 +145,10 @@ class Runner:
         # plain forward in flight before a verify step)
         self._step_mode: str | None = None
         self._last_mode: str | None = None
+        # forward shapes run so far (mode, rows, positions per row): a step of a new one
+        # is not reported as a measurement (its first run may include kernel compiles)
+        self._shapes: set[tuple[str, int, int]] = set()
+        self._step_shape: tuple[str, int, int] | None = None
         self._step_gaps: deque[float] = deque(maxlen=STEP_GAPS_KEPT)
         self._num_step_gaps = 0
         self._step_gap_seconds = 0.0
@@ -160,17 +165,29 @@ class Runner:
             self._num_step_gaps += 1
             self._step_gap_seconds += gap
         self._step_mode = None
+        self._step_shape = None
         result = self._execute(plan)
         end = time.perf_counter()
         clean = self._step_mode is not None and not (
             plan.new_rows or plan.prefill or plan.join or plan.release or plan.spill
             or plan.snapshot or plan.prompt_snapshot)
-        if clean and self._last_end is not None and self._step_mode == self._last_mode:
+        # the first step of a forward shape may compile kernels (MLX-CUDA): not measured
+        first_of_shape = self._step_shape is not None and self._step_shape not in self._shapes
+        if self._step_shape is not None:
+            self._shapes.add(self._step_shape)
+        if (clean and not first_of_shape and self._last_end is not None
+                and self._step_mode == self._last_mode):
             result = attrs.evolve(result, decode_seconds=end - self._last_end,
                                   speculative=self._step_mode == "speculative")
         self._last_mode = self._step_mode if clean else None
         self._last_end = end
         return result
+
+    @property
+    def step_shape(self) -> tuple[str, int, int] | None:
+        """The last step's decode forward: (plain | speculative, rows, positions per row),
+        or None if it ran none."""
+        return self._step_shape
 
     def step_gaps(self) -> list[float]:
         """The most recent step gaps in seconds (at most STEP_GAPS_KEPT), oldest first."""
@@ -230,11 +247,13 @@ class Runner:
         if any(ks):
             # a forward still in flight from the plain path is read first, not followed
             self._step_mode = "switch" if ready is not None else "speculative"
+            self._step_shape = ("speculative", len(self._batch), 1 + max(ks))
             outputs = self._finalize(ready) if ready is not None else self._speculate(ks)
             return StepResult(outputs=outputs, kv_bytes=self.kv_bytes(),
                               snapshots=snapshots, spills=spills, writes=writes)
         if self._batch:
             self._step_mode = "plain" if ready is not None else "switch"
+            self._step_shape = ("plain", len(self._batch), 1)
         if ready is None and self._batch:  # nothing in flight: this step's forward now
             self._launch(None)
             ready = self._sample_pending()
