@@ -68,7 +68,7 @@ import logging
 import uuid
 from collections import Counter
 from contextlib import asynccontextmanager
-from typing import AsyncIterator, Callable
+from typing import AsyncIterator, Callable, Mapping
 
 import attrs
 import trio
@@ -94,8 +94,9 @@ from tqserve.engine.kv.factory import cache_factory_for
 from tqserve.engine.codec.turboquant import DEFAULT_ROTATION
 from tqserve.engine.model import LoadedModel, load_model
 from tqserve.engine.speculative.factory import build_speculator, spec_policy
-from tqserve.engine.speculative.policy import SpeculationPolicy, SpeculationStatistics
-from tqserve.engine.prefix import cache_namespace
+from tqserve.engine.speculative.policy import SpecChoice, SpeculationPolicy, SpeculationStatistics
+from tqserve.engine.speculative.state import PairedLayout, StateLayout
+from tqserve.engine.namespaces import CacheNamespaces
 from tqserve.engine.request import GenerateRequest
 from tqserve.engine.runner import Runner
 from tqserve.engine.scheduler import SchedulerCore
@@ -411,7 +412,9 @@ async def open_engine(config: Config, *, loaded: LoadedModel | None = None,
         if config.prefix_cache:
             if await thread.call(runner.can_snapshot):
                 layout = await thread.call(runner.plane_layout)
-                prefix = _prefix_cache(config, loaded, runner, thread, layout)
+                states = await thread.call(runner.state_layouts)
+                prefix = _prefix_cache(config, loaded, runner, thread, layout, states,
+                                       spec_default)
             else:
                 log.warning("prefix cache off: this model has caches that cannot be reused "
                             "by prefix (sliding-window layers)")
@@ -487,19 +490,26 @@ def _log_eviction(key: str) -> None:
     logging.getLogger("tqserve.prefix").info("snapshot removed %s", key)
 
 
-def _prefix_cache(config: Config, loaded: LoadedModel, runner: Runner,
-                  thread: RunnerThread, layout: PlaneLayout | None) -> PrefixCache:
-    namespace = cache_namespace(loaded.fingerprint, kv_scheme(config, loaded.dtype))
+def _prefix_cache(config: Config, loaded: LoadedModel, runner: Runner, thread: RunnerThread,
+                  layout: PlaneLayout | None, states: Mapping[str, StateLayout],
+                  default: SpecChoice | None) -> PrefixCache:
+    """The prefix cache with its namespaces (engine.namespaces): state-free, and one per
+    speculation method whose rows pair their proposer's state (`states`)."""
+    namespaces = CacheNamespaces.build(loaded.fingerprint, kv_scheme(config, loaded.dtype),
+                                       {m: s.identity for m, s in states.items()}, default)
+    namespace = namespaces.base
     tier = None
     if config.cache_dir is not None:
+        paired = {namespaces.paired[m][1]: PairedLayout(target=layout, state=s)
+                  for m, s in states.items() if layout is not None}
         tier = SsdTier(config.cache_dir, config.ssd_cache_bytes,
                        expected_fingerprints=[loaded.fingerprint], on_evict=_log_eviction,
-                       validate_header=header_validator(namespace, layout))
+                       validate_header=header_validator(namespace, layout, paired))
 
     async def restore(*args: object) -> int:
         return await thread.call(runner.restore, *args)
 
     return PrefixCache(
-        namespace=namespace,
+        namespace=namespace, namespaces=namespaces,
         fingerprint=loaded.fingerprint, ram_budget=config.ram_cache_bytes, tier=tier,
         flush=config.ssd_flush, write=config.ssd_write, runner_call=restore)

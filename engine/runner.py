@@ -27,7 +27,10 @@ actor maps the offset back to tokens). `plan.spill` snapshots are serialized to 
 sliced from the snapshot (no copy) and prefills only the rest of its prompt. A row named
 in `plan.prompt_snapshot` is snapshotted from its own caches once its prefill is complete,
 before it joins (its prompt's KV, published while it decodes); with `plan.persist` every
-snapshot made in the step is also serialized (write-through) and kept.
+snapshot made in the step is also serialized (write-through) and kept. A row whose
+proposer keeps state (draft, MTP) pairs every snapshot with that state for the same
+tokens (engine.speculative.state; no paired snapshot where none is exact), and a row built
+from a paired snapshot gets both parts.
 
 Failure: `step_hook(plan)`, when set, runs in the middle of each step (after the prefill,
 before the joins): the place where a fault test raises. After a failed step `reset()`
@@ -70,10 +73,11 @@ from tqserve.engine.prefill import PrefillGroups
 from tqserve.engine.sampling import LazySample, RowSampler, build_sample, finalize_sample
 from tqserve.engine.scheduler import RowOutput, SnapshotMade, SpillPayload, StepPlan, StepResult
 from tqserve.engine.snapshot import (PlaneLayout, Snapshot, describe, extract_snapshot, from_planes,
-                             layer_kinds_text, plane_layout, row_from_snapshot, snapshot_kinds,
+                             header_extra, plane_layout, row_from_snapshot, snapshot_kinds,
                              snapshot_of_row, to_planes)
 from tqserve.engine.speculative.mtp import forward_with_hidden
 from tqserve.engine.speculative.speculator import SpecRow, Speculator
+from tqserve.engine.speculative.state import StateLayout
 from tqserve.engine.structured import GrammarMasks, RowGrammar
 
 CacheFactory = Callable[[Any], list[Any]]
@@ -201,7 +205,11 @@ class Runner:
             if self.speculator is not None:
                 self.speculator.open_row(new.request_id, new.speculative)
             if new.reuse is not None:
-                cache = row_from_snapshot(self._snapshots[new.reuse], new.cached)
+                snap = self._snapshots[new.reuse]
+                cache = row_from_snapshot(snap, new.cached)
+                if self.speculator is not None:  # its proposer's part of the snapshot
+                    self.speculator.restore_state(new.request_id, snap.paired,
+                                                  new.prompt[:new.cached])
             else:
                 cache = self._make_cache(self._model)
                 if new.group and PrefillGroups.can_batch(cache) and not (
@@ -345,13 +353,21 @@ class Runner:
         return tuple(m for m in made if m is not None)
 
     def _hold(self, key: str, rid: str, snap: Snapshot | None) -> SnapshotMade | None:
-        """Keep a non-empty snapshot under `key`; what the step reports of it."""
+        """Keep a non-empty snapshot under `key`, paired with the row's proposer state
+        (none: no snapshot); what the step reports of it."""
         if snap is None or snap.offset == 0:
             return None
+        state = self.speculator.state_identity(rid) if self.speculator is not None else ""
+        if state and self.speculator is not None:
+            row = self._rows[rid]
+            paired = self.speculator.state_at(rid, (*row.prompt, *row.generated)[:snap.offset])
+            if paired is None:
+                return None
+            snap = attrs.evolve(snap, paired=paired)
         self._snapshots[key] = snap
         return SnapshotMade(key=key, request_id=rid, offset=snap.offset,
-                            minimum_reusable_offset=snap.minimum_reusable_offset,
-                            num_bytes=snap.nbytes)
+                            minimum_reusable_offset=snap.reusable_from,
+                            num_bytes=snap.nbytes, state=state)
 
     def _spill(self, key: str) -> SpillPayload:
         return self._payload(key, self._snapshots.pop(key))
@@ -360,18 +376,29 @@ class Runner:
     def _payload(key: str, snap: Snapshot) -> SpillPayload:
         header = {**describe(snap), "offset": snap.offset,
                   "minimum_reusable_offset": snap.minimum_reusable_offset,
-                  "extra": {"layer_kinds": layer_kinds_text(snap)}}
+                  "extra": header_extra(snap)}
         return SpillPayload(key=key, header=header, planes=tuple(to_planes(snap)))
 
     def restore(self, key: str, kinds: str, offset: int, boundary: int,
-                planes: dict[str, tuple[bytes, tuple[int, ...], str]]) -> int:
-        """Hold a snapshot read from the SSD tier under `key`; returns its bytes.
+                planes: dict[str, tuple[bytes, tuple[int, ...], str]], state: str = "") -> int:
+        """Hold a snapshot read from the SSD tier under `key`, with its proposer state
+        `state` (an identity; "" for none); returns its bytes.
 
-        ValueError if it does not fit this engine's caches."""
+        ValueError if it does not fit this engine's caches or proposer."""
+        paired, own = None, {}
+        if state:  # both parts are checked before either is decoded
+            if self.speculator is None:
+                raise ValueError(f"no proposer here holds state {state!r:.80}")
+            paired, own, planes = self.speculator.paired_planes(state, offset, planes)
         snap = from_planes(self._make_cache(self._model), kinds, offset, boundary, planes,
                            self.plane_layout())
+        snap = attrs.evolve(snap, paired=paired.restore(offset, own) if paired else None)
         self._snapshots[key] = snap
         return snap.nbytes
+
+    def state_layouts(self) -> dict[str, StateLayout]:
+        """Per speculation method whose rows publish paired snapshots: its state's planes."""
+        return self.speculator.state_layouts() if self.speculator is not None else {}
 
     def plane_layout(self) -> PlaneLayout | None:
         """What a restorable snapshot of this model holds (probed once; None if the caches
