@@ -68,7 +68,7 @@ import logging
 import uuid
 from collections import Counter
 from contextlib import asynccontextmanager
-from typing import AsyncIterator, Callable
+from typing import AsyncIterator, Callable, Mapping
 
 import attrs
 import trio
@@ -86,6 +86,7 @@ from tqserve.actors.scheduler import GroupFailed, run_scheduler
 from tqserve.actors.shard_group import ShardGroup
 from tqserve.actors.speculation import (SPECULATION_MAILBOX, SpeculationLink, reply_mailbox_size,
                                         run_speculation)
+from tqserve.engine import fastpath
 from tqserve.engine.config import Config
 from tqserve.engine.detokenize import TextStream
 from tqserve.engine.distributed import GroupFailure, LeaderRunner, init_group, shard_model
@@ -94,8 +95,9 @@ from tqserve.engine.codec.turboquant import DEFAULT_ROTATION
 from tqserve.engine.model import LoadedModel, load_model
 from tqserve.engine.plan_channel import PlanChannel
 from tqserve.engine.speculative.factory import build_speculator, spec_policy
-from tqserve.engine.speculative.policy import SpeculationPolicy, SpeculationStatistics
-from tqserve.engine.prefix import cache_namespace
+from tqserve.engine.speculative.policy import SpecChoice, SpeculationPolicy, SpeculationStatistics
+from tqserve.engine.speculative.state import PairedLayout, StateLayout
+from tqserve.engine.namespaces import CacheNamespaces
 from tqserve.engine.request import GenerateRequest
 from tqserve.engine.runner import Runner
 from tqserve.engine.scheduler import SchedulerCore
@@ -369,7 +371,11 @@ async def open_engine(config: Config, *, loaded: LoadedModel | None = None,
             eos_token_ids=loaded.eos_token_ids,
             speculative_methods=speculator.proposers if speculator is not None else ())
         masks = GrammarMasks(tokenizer, loaded.vocab_size, loaded.eos_token_ids)
-        runner = (Runner(loaded.model, make_cache, masks, speculator) if channel is None
+        fast = fastpath.wanted(config.fast_decode, config.distributed)
+        if fast:  # in place: one copy of the weights (engine.fastpath)
+            await thread.call(fastpath.fuse_projections, loaded.model)
+        runner = (Runner(loaded.model, make_cache, masks, speculator, fast_decode=fast)
+                  if channel is None
                   else LeaderRunner(channel, config.distributed_timeout, loaded.model,
                                     make_cache, masks))
         if isinstance(runner, LeaderRunner):
@@ -408,7 +414,9 @@ async def open_engine(config: Config, *, loaded: LoadedModel | None = None,
         if config.prefix_cache:
             if await thread.call(runner.can_snapshot):
                 layout = await thread.call(runner.plane_layout)
-                prefix = _prefix_cache(config, loaded, runner, thread, layout)
+                states = await thread.call(runner.state_layouts)
+                prefix = _prefix_cache(config, loaded, runner, thread, layout, states,
+                                       spec_default)
             else:
                 log.warning("prefix cache off: this model has caches that cannot be reused "
                             "by prefix (sliding-window layers)")
@@ -484,19 +492,27 @@ def _log_eviction(key: str) -> None:
     logging.getLogger("tqserve.prefix").info("snapshot removed %s", key)
 
 
-def _prefix_cache(config: Config, loaded: LoadedModel, runner: Runner,
-                  thread: RunnerThread, layout: PlaneLayout | None) -> PrefixCache:
-    namespace = cache_namespace(loaded.fingerprint, kv_scheme(config, loaded.dtype))
+def _prefix_cache(config: Config, loaded: LoadedModel, runner: Runner, thread: RunnerThread,
+                  layout: PlaneLayout | None, states: Mapping[str, StateLayout],
+                  default: SpecChoice | None) -> PrefixCache:
+    """The prefix cache with its namespaces (engine.namespaces): state-free, and one per
+    speculation method whose rows pair their proposer's state (`states`)."""
+    namespaces = CacheNamespaces.build(loaded.fingerprint, kv_scheme(config, loaded.dtype),
+                                       {m: s.identity for m, s in states.items()}, default)
+    namespace = namespaces.base
     tier, group = None, None
     # --distributed: rank 0's shard in its own subdirectory (storage.shard); the other
     # ranks' shards are ordered through the group (actors.shard_group)
     shard = (ShardId(runner.channel.group.size(), 0) if isinstance(runner, LeaderRunner)
              else None)
     if config.cache_dir is not None:
+        paired = {namespaces.paired[m][1]: PairedLayout(target=layout, state=s)
+                  for m, s in states.items() if layout is not None}
         tier = SsdTier(shard.directory(config.cache_dir) if shard else config.cache_dir,
                        config.ssd_cache_bytes,
                        expected_fingerprints=[loaded.fingerprint], on_evict=_log_eviction,
-                       validate_header=header_validator(namespace, layout), shard=shard)
+                       validate_header=header_validator(namespace, layout, paired),
+                       shard=shard)
         if isinstance(runner, LeaderRunner) and shard is not None:
             group = ShardGroup(runner, thread, tier, shard.size)
 
@@ -504,6 +520,6 @@ def _prefix_cache(config: Config, loaded: LoadedModel, runner: Runner,
         return await thread.call(runner.restore, *args)
 
     return PrefixCache(
-        namespace=namespace,
+        namespace=namespace, namespaces=namespaces,
         fingerprint=loaded.fingerprint, ram_budget=config.ram_cache_bytes, tier=tier,
         flush=config.ssd_flush, write=config.ssd_write, runner_call=restore, group=group)

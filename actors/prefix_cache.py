@@ -19,6 +19,11 @@ Used by the scheduler actor, in its task (no mailbox of its own):
     result)` after it indexes the new snapshots and writes them.
   * `reconcile(held)` after a failed step: the index and the runner agree again.
 
+Namespaces (engine.namespaces): a request looks up, and its row publishes, only in the
+namespace of its speculation method: state-free (no speculation, lookup) or paired with
+its proposer's state (draft, mtp; the runner reports which with each snapshot). A paired
+entry's reuse bound includes its state's (`paired_minimum` in the file's header).
+
 Write modes (`--ssd-write`): "through" (default with a cache dir): every published
 snapshot is also written to the SSD tier; RAM pressure then only drops RAM copies.
 "back": a snapshot reaches the disk only when RAM pressure evicts it (a spill).
@@ -53,15 +58,17 @@ import functools
 import itertools
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import attrs
 import trio
 
+from tqserve.engine.namespaces import CacheNamespaces
 from tqserve.engine.prefix import PrefixEntry, PrefixIndex, Tier
 from tqserve.engine.scheduler import Finished, SpillPayload, StepPlan, StepResult
 from tqserve.engine.snapshot import PlaneLayout
+from tqserve.engine.speculative.state import paired_minimum
 from tqserve.storage import SnapshotError, SnapshotHeader, SsdTier, snapshot_key
 
 if TYPE_CHECKING:
@@ -105,6 +112,7 @@ class _Write:
     """A snapshot on its way to disk: its bytes and what the SSD entry will say."""
 
     ram_key: str
+    namespace: str
     tokens: tuple[int, ...]
     minimum_reusable_offset: int
     payload: SpillPayload
@@ -116,8 +124,10 @@ class PrefixCache:
     def __init__(self, *, namespace: str, fingerprint: str, ram_budget: int,
                  tier: SsdTier | None, flush: str,
                  runner_call: Callable[..., Any], write: str = "through",
+                 namespaces: CacheNamespaces | None = None,
                  group: ShardGroup | None = None) -> None:
-        self.namespace = namespace
+        self.namespace = namespace  # the state-free one
+        self.namespaces = namespaces or CacheNamespaces(base=namespace)
         self.fingerprint = fingerprint
         self.index = PrefixIndex(ram_budget)
         self.tier = tier
@@ -161,23 +171,27 @@ class PrefixCache:
             raise ValueError(f"--cache-dir {str(self.tier.directory)!r} cannot be used: "
                              f"{exc.strerror or exc}") from exc
         self._counts["quarantined"] += report.num_quarantined
+        ours = self.namespaces.all()
         if self.group is not None:  # indexed only where every rank holds a file of it
             await self.group.agree([e.key for e in self.tier.entries()
-                                    if e.header.namespace == self.namespace])
+                                    if e.header.namespace in ours])
         for entry in self.tier.entries():
             header = entry.header
-            if header.namespace != self.namespace or entry.key in self.index:
+            if header.namespace not in ours or entry.key in self.index:
                 continue
             superseded, _ = self.index.publish(PrefixEntry(
                 key=entry.key, namespace=header.namespace, tokens=header.token_ids,
-                minimum_reusable_offset=header.minimum_reusable_offset, trimmable=True,
+                minimum_reusable_offset=_reuse_bound(header), trimmable=True,
                 num_bytes=entry.num_bytes), Tier.SSD, self._next_tick())
             await self._remove_files(superseded)
 
-    def lookup(self, request_id: str, prompt: tuple[int, ...]) -> Reuse | str | None:
-        """A request is about to take a row: its RAM reuse, LOADING (an SSD hit: call
-        `load(key)` unless `loading` says it runs already), or None on a miss."""
-        match = self.index.lookup(self.namespace, prompt, self._next_tick())
+    def lookup(self, request_id: str, prompt: tuple[int, ...],
+               speculative: object = None) -> Reuse | str | None:
+        """A request (speculation choice `speculative`) is about to take a row: its RAM
+        reuse, LOADING (an SSD hit: call `load(key)` unless `loading` says it runs
+        already), or None on a miss."""
+        match = self.index.lookup(self.namespaces.of_request(speculative), prompt,
+                                  self._next_tick())
         if match is None:
             return None
         if match.tier is Tier.RAM:
@@ -197,7 +211,7 @@ class PrefixCache:
         """Read SSD entry `key`, rebuild it on the runner and promote it to the RAM tier;
         the waiting requests' reuses then come out of `take_ready`."""
         entry = self.index.entry(key) if key in self.index else None
-        restored = await self._restore(key) if entry is not None else None
+        restored = await self._restore(key, entry) if entry is not None else None
         waiters = self._loading.pop(key, [])
         self._started.discard(key)
         if restored is None or entry is None:
@@ -218,7 +232,7 @@ class PrefixCache:
         self.changed = trio.Event()
         return ready
 
-    async def _restore(self, key: str) -> tuple[str, int] | None:
+    async def _restore(self, key: str, entry: PrefixEntry) -> tuple[str, int] | None:
         """The SSD entry `key` rebuilt in the runner; None (the request runs cold) if its file
         is gone or fails any check: such a file is quarantined (files are untrusted)."""
         if self.tier is None:
@@ -250,8 +264,11 @@ class PrefixCache:
                    else functools.partial(self.group.restore, key))
         self._restoring.add(temporary)
         try:
+            if _reuse_bound(header) > entry.minimum_reusable_offset:
+                raise ValueError("its reuse bound is above the one it was indexed with")
+            state = self.namespaces.state_of(header.namespace) or ""
             num_bytes = await restore(temporary, kinds, header.offset,
-                                      header.minimum_reusable_offset, arrays)
+                                      header.minimum_reusable_offset, arrays, state)
         except Exception as exc:  # a file that cannot be restored, whatever the reason
             log.warning("snapshot %s does not fit this engine: %s", key, exc,
                         exc_info=not isinstance(exc, ValueError))
@@ -290,10 +307,11 @@ class PrefixCache:
         """Whether spill or drop orders wait for a step (the scheduler then runs one)."""
         return bool(self._spill or self._drop)
 
-    def decorate(self, plan: StepPlan,
-                 prompt_of: Callable[[str], tuple[int, ...]]) -> StepPlan:
+    def decorate(self, plan: StepPlan, prompt_of: Callable[[str], tuple[int, ...]],
+                 speculative_of: Callable[[str], object] = lambda rid: None) -> StepPlan:
         """Add this step's snapshot, persist, spill and drop orders to the core's plan;
-        `prompt_of(rid)` is a joining row's prompt (the core's record)."""
+        `prompt_of(rid)`, `speculative_of(rid)`: a joining row's prompt and speculation
+        choice (the core's record)."""
         orders = []
         for rid, tokens in zip(plan.release, plan.release_tokens):
             if tokens:
@@ -303,7 +321,8 @@ class PrefixCache:
         prompts = []
         for rid in plan.join:
             tokens = prompt_of(rid)[:-1]
-            if tokens and not self.index.has_tokens(self.namespace, tokens, Tier.RAM):
+            namespace = self.namespaces.of_request(speculative_of(rid))
+            if tokens and not self.index.has_tokens(namespace, tokens, Tier.RAM):
                 key = f"p{next(self._ids)}"
                 prompts.append((rid, key))
                 self._tokens[key] = tokens
@@ -321,16 +340,17 @@ class PrefixCache:
         writes = {payload.key: payload for payload in result.writes}
         for made in result.snapshots:
             tokens = self._tokens.pop(made.key, ())[:made.offset]
+            namespace = self.namespaces.of_state(made.state)
             if (len(tokens) != made.offset
-                    or self.index.has_tokens(self.namespace, tokens, Tier.RAM)):
+                    or self.index.has_tokens(namespace, tokens, Tier.RAM)):
                 self._drop.append(made.key)
                 continue
-            entry = PrefixEntry(key=made.key, namespace=self.namespace, tokens=tokens,
+            entry = PrefixEntry(key=made.key, namespace=namespace, tokens=tokens,
                                 minimum_reusable_offset=made.minimum_reusable_offset,
                                 trimmable=True, num_bytes=made.num_bytes)
             payload = writes.get(made.key)
-            on_disk = self.index.has_tokens(self.namespace, tokens, Tier.SSD)
-            job = _Write(ram_key=made.key, tokens=tokens, payload=payload,
+            on_disk = self.index.has_tokens(namespace, tokens, Tier.SSD)
+            job = _Write(ram_key=made.key, namespace=namespace, tokens=tokens, payload=payload,
                          minimum_reusable_offset=made.minimum_reusable_offset) \
                 if payload is not None and not on_disk else None
             if job is not None and self.flush == "sync":
@@ -395,8 +415,8 @@ class PrefixCache:
 
     def _identity(self, job: _Write) -> tuple[str, dict[str, Any]]:
         """The file key of `job` and the header fields every rank writes alike."""
-        return snapshot_key(self.namespace, job.tokens), {
-            "model_fingerprint": self.fingerprint, "namespace": self.namespace,
+        return snapshot_key(job.namespace, job.tokens), {
+            "model_fingerprint": self.fingerprint, "namespace": job.namespace,
             "token_ids": job.tokens, "created_ns": time.time_ns()}
 
     async def _send_spill(self, payload: SpillPayload) -> None:
@@ -407,8 +427,8 @@ class PrefixCache:
             return
         entry = self.index.entry(payload.key)
         self.index.forget(payload.key)  # SPILLING: it matched nothing since the eviction
-        job = _Write(ram_key=payload.key, tokens=tokens, payload=payload,
-                     minimum_reusable_offset=entry.minimum_reusable_offset)
+        job = _Write(ram_key=payload.key, namespace=entry.namespace, tokens=tokens,
+                     payload=payload, minimum_reusable_offset=entry.minimum_reusable_offset)
         if self.flush == "sync":
             await self._write_now(job)
         else:
@@ -437,7 +457,7 @@ class PrefixCache:
             self._on_disk.add(job.ram_key)
         if key not in self.index:
             superseded, _ = self.index.publish(PrefixEntry(
-                key=key, namespace=self.namespace, tokens=job.tokens,
+                key=key, namespace=job.namespace, tokens=job.tokens,
                 minimum_reusable_offset=job.minimum_reusable_offset, trimmable=True,
                 num_bytes=stored.num_bytes), Tier.SSD, self._next_tick())
             await self._remove_files(superseded)
@@ -519,20 +539,30 @@ async def run_writer(prefix: PrefixCache,
         prefix._writer_done.set()
 
 
-def header_validator(namespace: str,
-                     layout: PlaneLayout | None) -> Callable[[SnapshotHeader], None]:
+def header_validator(namespace: str, layout: PlaneLayout | None,
+                     paired: Mapping[str, Any] | None = None
+                     ) -> Callable[[SnapshotHeader], None]:
     """The SSD tier's `validate_header`: a header of this engine's namespace must describe
-    planes this model restores (engine.snapshot.PlaneLayout); other namespaces are never
-    served by this engine, so they are left alone."""
+    planes this model restores (engine.snapshot.PlaneLayout), one of a paired namespace
+    (`paired`: namespace -> engine.speculative.state.PairedLayout) the target's planes and
+    its proposer's; other namespaces are never served by this engine, so they are left
+    alone."""
+    layouts: dict[str, Any] = {namespace: layout, **(paired or {})}
 
     def validate(header: SnapshotHeader) -> None:
-        if header.namespace != namespace:
+        if header.namespace not in layouts:
             return
-        if layout is None:
+        checker = layouts[header.namespace]
+        if checker is None:
             raise SnapshotError("this model's caches cannot be restored from snapshots")
         try:
-            layout.check_header(header)
+            checker.check_header(header)
         except ValueError as exc:
             raise SnapshotError(f"does not fit this model: {exc}") from None
 
     return validate
+
+
+def _reuse_bound(header: SnapshotHeader) -> int:
+    """The shortest reuse of a file's snapshot: its KV's boundary and its paired state's."""
+    return max(header.minimum_reusable_offset, paired_minimum(header.extra))

@@ -200,7 +200,7 @@ class _Scheduler:
                                cached_tier=reuse.tier)
         while batch := core.next_to_start():
             for rid, prompt in batch:
-                found = prefix.lookup(rid, prompt)
+                found = prefix.lookup(rid, prompt, core.speculative(rid))
                 if found == LOADING:
                     core.hold(rid)
                 elif found is None:
@@ -223,7 +223,7 @@ class _Scheduler:
         """One engine step: plan, run it on the runner thread, send what came of it."""
         plan, started = self.core.schedule()
         if self.prefix is not None:
-            plan = self.prefix.decorate(plan, self.core.prompt)
+            plan = self.prefix.decorate(plan, self.core.prompt, self.core.speculative)
         if self.speculation is not None:
             plan = self.speculation.apply(plan)
         await self.emit(started)

@@ -133,14 +133,15 @@ class ShardGroup:
         return None
 
     async def restore(self, ssd_key: str, key: str, kinds: str, offset: int, boundary: int,
-                      planes: dict[str, tuple[bytes, tuple[int, ...], str]]) -> int:
+                      planes: dict[str, tuple[bytes, tuple[int, ...], str]],
+                      state: str = "") -> int:
         """Hold the fetched snapshot `ssd_key` under `key` on every rank; ValueError if any
         could not (no rank holds it then; the prefix cache quarantines rank 0's file if it
         was rank 0's fault: otherwise rank 0's file is removed here, the others' too)."""
         order = self._fetches.pop(ssd_key)
         try:
             return await self._thread.call(self._runner.restore_shards, key, ssd_key, order,
-                                           kinds, offset, boundary, planes)
+                                           kinds, offset, boundary, planes, state)
         except ShardRestoreError as exc:
             self.num_quarantined += len(set(exc.problems) - {0})
             if 0 not in exc.problems and await trio.to_thread.run_sync(self._tier.remove,

@@ -103,6 +103,9 @@ def _config_flags(p: argparse.ArgumentParser, *, server: bool) -> None:
                    help="run each decode batch size (1, 2, 4, ... --max-batch) once at start, "
                         "so first requests do not pay for kernel compiles; auto: on a GPU "
                         "only" + ("" if server else " (generate runs one request: off)"))
+    p.add_argument("--fast-decode", choices=("auto", "on", "off"), default=defaults.fast_decode,
+                   help="decode fast path: fused q/k/v and gate/up weights and compiled decode "
+                        "layers (engine.fastpath); auto: on a GPU only, off with --distributed")
     p.add_argument("--speculative", choices=("draft", "mtp", "lookup"), default=None,
                    help="speculative decoding inside the batch: draft model, the target's "
                         "MTP head, or prompt lookup (default: off; requests may opt out)")

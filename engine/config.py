@@ -111,6 +111,12 @@ def _warmup(inst: object, attr: attrs.Attribute, value: str) -> None:
 WARMUP_CHOICES = ("auto", "on", "off")
 
 
+def _fast_decode(inst: object, attr: attrs.Attribute, value: str) -> None:
+    if value not in WARMUP_CHOICES:
+        raise ValueError(f"--fast-decode must be one of {', '.join(WARMUP_CHOICES)}, "
+                         f"got {value!r}")
+
+
 @attrs.frozen(kw_only=True)
 class Config:
     """Engine and server settings (defaults suit a laptop and the bundled model)."""
@@ -148,6 +154,9 @@ class Config:
     # Run every decode batch bucket once at start (engine.warmup): auto = on a GPU only,
     # where first shapes compile kernels; on the CPU there is nothing to compile.
     warmup: str = attrs.field(default="auto", validator=_warmup)
+    # Decode fast path (engine.fastpath: fused q/k/v and gate/up weights, compiled decode
+    # layers): auto = on a GPU only, where a step is host-bound; off with --distributed.
+    fast_decode: str = attrs.field(default="auto", validator=_fast_decode)
     # Prefix cache (DESIGN.md 3.3): RAM tier budget; the SSD tier only with cache_dir.
     prefix_cache: bool = True
     ram_cache_bytes: int = attrs.field(default=1 << 30, validator=_non_negative)
@@ -183,6 +192,9 @@ class Config:
             raise ValueError(f"--max-step-tokens ({self.max_step_tokens}) must be >= "
                              f"--max-batch ({self.max_batch}): each decoding row takes one "
                              f"token of a step")
+        if self.distributed and self.fast_decode == "on":
+            raise ValueError("--fast-decode on is not supported with --distributed (the "
+                             "shards' projections are split, not fused)")
         if self.distributed and (self.speculative is not None or self.draft_model is not None):
             raise ValueError("--speculative is not supported with --distributed yet (the "
                              "draft model and the MTP head are not sharded)")

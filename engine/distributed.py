@@ -239,17 +239,17 @@ class LeaderRunner(Runner):
         return [list(decode_reply(reply)) for reply in replies[1:]]
 
     def restore_shards(self, key: str, ssd_key: str, order: int, kinds: str, offset: int,
-                       boundary: int, planes: dict[str, tuple[bytes, tuple[int, ...], str]]
-                       ) -> int:
+                       boundary: int, planes: dict[str, tuple[bytes, tuple[int, ...], str]],
+                       state: str = "") -> int:
         """Hold the snapshot under `key` on every rank: rank 0's from `planes`, each other
         rank's from what its disk read for `order` (file `ssd_key`); its bytes here.
         ShardRestoreError (no rank holds it then) if any rank could not."""
         problems: dict[int, str] = {}
         num_bytes = 0
         with self.watchdog.watch("a restore"):
-            self._send("restore", key, ssd_key, order, kinds, offset, boundary)
+            self._send("restore", key, ssd_key, order, kinds, offset, boundary, state)
             try:
-                num_bytes = super().restore(key, kinds, offset, boundary, planes)
+                num_bytes = super().restore(key, kinds, offset, boundary, planes, state)
             except Exception as exc:  # still answer the gather: every rank issues it
                 problems[0] = f"{type(exc).__name__}: {exc}"
             replies = self._gather(b"")

@@ -80,7 +80,7 @@ class FollowerShards:
 
     @staticmethod
     def _restore(disk: Any, runner: Runner, key: str, ssd_key: str, order: int, kinds: str,
-                 offset: int, boundary: int) -> str:
+                 offset: int, boundary: int, state: str) -> str:
         """Hold what the disk read for `order` under `key`: "" or what failed."""
         found = disk.take_read(order)
         if found is None:
@@ -93,7 +93,8 @@ class FollowerShards:
                 raise ValueError(f"its layer kinds, offset and boundary {mine!r:.200} are not "
                                  f"rank 0's {(kinds, offset, boundary)!r:.200}")
             runner.restore(key, kinds, offset, boundary,
-                           {name: (p.data, p.shape, p.dtype) for name, p in planes.items()})
+                           {name: (p.data, p.shape, p.dtype) for name, p in planes.items()},
+                           state)
         except Exception as exc:  # a file that cannot be restored, whatever the reason
             reason = f"cannot be restored: {exc}"
             disk.quarantine(ssd_key, reason)

@@ -30,8 +30,9 @@ The longest usable n wins; ties prefer RAM over SSD, then the most recently used
 published).
 
 Namespaces: `cache_namespace(fingerprint, kv_scheme, speculation)` hashes the model
-fingerprint, the KV scheme and the speculation method; entries of different namespaces
-live in different trees and never match.
+fingerprint, the KV scheme and the speculation state the snapshots carry ("none", or a
+proposer's state identity: engine.namespaces says which a request uses); entries of
+different namespaces live in different trees and never match.
 
 Supersession: adding entry E drops an entry A of the same tier and namespace whose tokens
 are a prefix of E's, only when E can serve every length A could: E's

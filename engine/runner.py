@@ -27,7 +27,10 @@ actor maps the offset back to tokens). `plan.spill` snapshots are serialized to 
 sliced from the snapshot (no copy) and prefills only the rest of its prompt. A row named
 in `plan.prompt_snapshot` is snapshotted from its own caches once its prefill is complete,
 before it joins (its prompt's KV, published while it decodes); with `plan.persist` every
-snapshot made in the step is also serialized (write-through) and kept.
+snapshot made in the step is also serialized (write-through) and kept. A row whose
+proposer keeps state (draft, MTP) pairs every snapshot with that state for the same
+tokens (engine.speculative.state; no paired snapshot where none is exact), and a row built
+from a paired snapshot gets both parts.
 
 Failure: `step_hook(plan)`, when set, runs in the middle of each step (after the prefill,
 before the joins): the place where a fault test raises. After a failed step `reset()`
@@ -48,8 +51,9 @@ acceptance, per-row rollback) instead of the pipelined forward; a row then outpu
 (MTP rows still hand the target's hidden states to their head). A grammar row's proposal
 is cut to the prefix its grammar accepts, and each verified position samples under the
 mask after the proposals before it. Each steady decode step (no prefill, join or
-release, the same path as the step before) reports its duration, the time since the
-previous step ended (`StepResult.decode_seconds`): the time policy's measurement.
+release, the same path as the step before, a forward shape run before: the first run of a
+shape may compile kernels on MLX-CUDA) reports its duration, the time since the previous
+step ended (`StepResult.decode_seconds`): the time policy's measurement.
 """
 
 from __future__ import annotations
@@ -63,15 +67,17 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
+from tqserve.engine.fastpath import DecodeForward
 from tqserve.engine.kv.slots import is_slot_batch, retire_order, slot_batch
 from tqserve.engine.prefill import PrefillGroups
 from tqserve.engine.sampling import LazySample, RowSampler, build_sample, finalize_sample
 from tqserve.engine.scheduler import RowOutput, SnapshotMade, SpillPayload, StepPlan, StepResult
 from tqserve.engine.snapshot import (PlaneLayout, Snapshot, describe, extract_snapshot, from_planes,
-                             layer_kinds_text, plane_layout, row_from_snapshot, snapshot_kinds,
+                             header_extra, plane_layout, row_from_snapshot, snapshot_kinds,
                              snapshot_of_row, to_planes)
 from tqserve.engine.speculative.mtp import forward_with_hidden
 from tqserve.engine.speculative.speculator import SpecRow, Speculator
+from tqserve.engine.speculative.state import StateLayout
 from tqserve.engine.structured import GrammarMasks, RowGrammar
 
 CacheFactory = Callable[[Any], list[Any]]
@@ -120,8 +126,12 @@ class Runner:
 
     def __init__(self, model: Any, make_cache: CacheFactory | None = None,
                  masks: GrammarMasks | None = None,
-                 speculator: Speculator | None = None) -> None:
+                 speculator: Speculator | None = None, *, fast_decode: bool = False) -> None:
         self._model = model
+        # the pipelined decode forward: the model itself, or its compiled decode layers
+        # (engine.fastpath; Qwen3-style models only, others keep the model's own forward)
+        self._decode = DecodeForward(model) if fast_decode and DecodeForward.supports(
+            model) else None
         self.speculator = speculator
         self._make_cache = make_cache or make_prompt_cache
         self.masks = masks
@@ -139,6 +149,10 @@ class Runner:
         # plain forward in flight before a verify step)
         self._step_mode: str | None = None
         self._last_mode: str | None = None
+        # forward shapes run so far (mode, rows, positions per row): a step of a new one
+        # is not reported as a measurement (its first run may include kernel compiles)
+        self._shapes: set[tuple[str, int, int]] = set()
+        self._step_shape: tuple[str, int, int] | None = None
         self._step_gaps: deque[float] = deque(maxlen=STEP_GAPS_KEPT)
         self._num_step_gaps = 0
         self._step_gap_seconds = 0.0
@@ -155,17 +169,29 @@ class Runner:
             self._num_step_gaps += 1
             self._step_gap_seconds += gap
         self._step_mode = None
+        self._step_shape = None
         result = self._execute(plan)
         end = time.perf_counter()
         clean = self._step_mode is not None and not (
             plan.new_rows or plan.prefill or plan.join or plan.release or plan.spill
             or plan.snapshot or plan.prompt_snapshot)
-        if clean and self._last_end is not None and self._step_mode == self._last_mode:
+        # the first step of a forward shape may compile kernels (MLX-CUDA): not measured
+        first_of_shape = self._step_shape is not None and self._step_shape not in self._shapes
+        if self._step_shape is not None:
+            self._shapes.add(self._step_shape)
+        if (clean and not first_of_shape and self._last_end is not None
+                and self._step_mode == self._last_mode):
             result = attrs.evolve(result, decode_seconds=end - self._last_end,
                                   speculative=self._step_mode == "speculative")
         self._last_mode = self._step_mode if clean else None
         self._last_end = end
         return result
+
+    @property
+    def step_shape(self) -> tuple[str, int, int] | None:
+        """The last step's decode forward: (plain | speculative, rows, positions per row),
+        or None if it ran none."""
+        return self._step_shape
 
     def step_gaps(self) -> list[float]:
         """The most recent step gaps in seconds (at most STEP_GAPS_KEPT), oldest first."""
@@ -179,7 +205,11 @@ class Runner:
             if self.speculator is not None:
                 self.speculator.open_row(new.request_id, new.speculative)
             if new.reuse is not None:
-                cache = row_from_snapshot(self._snapshots[new.reuse], new.cached)
+                snap = self._snapshots[new.reuse]
+                cache = row_from_snapshot(snap, new.cached)
+                if self.speculator is not None:  # its proposer's part of the snapshot
+                    self.speculator.restore_state(new.request_id, snap.paired,
+                                                  new.prompt[:new.cached])
             else:
                 cache = self._make_cache(self._model)
                 if new.group and PrefillGroups.can_batch(cache) and not (
@@ -225,11 +255,13 @@ class Runner:
         if any(ks):
             # a forward still in flight from the plain path is read first, not followed
             self._step_mode = "switch" if ready is not None else "speculative"
+            self._step_shape = ("speculative", len(self._batch), 1 + max(ks))
             outputs = self._finalize(ready) if ready is not None else self._speculate(ks)
             return StepResult(outputs=outputs, kv_bytes=self.kv_bytes(),
                               snapshots=snapshots, spills=spills, writes=writes)
         if self._batch:
             self._step_mode = "plain" if ready is not None else "switch"
+            self._step_shape = ("plain", len(self._batch), 1)
         if ready is None and self._batch:  # nothing in flight: this step's forward now
             self._launch(None)
             ready = self._sample_pending()
@@ -321,13 +353,21 @@ class Runner:
         return tuple(m for m in made if m is not None)
 
     def _hold(self, key: str, rid: str, snap: Snapshot | None) -> SnapshotMade | None:
-        """Keep a non-empty snapshot under `key`; what the step reports of it."""
+        """Keep a non-empty snapshot under `key`, paired with the row's proposer state
+        (none: no snapshot); what the step reports of it."""
         if snap is None or snap.offset == 0:
             return None
+        state = self.speculator.state_identity(rid) if self.speculator is not None else ""
+        if state and self.speculator is not None:
+            row = self._rows[rid]
+            paired = self.speculator.state_at(rid, (*row.prompt, *row.generated)[:snap.offset])
+            if paired is None:
+                return None
+            snap = attrs.evolve(snap, paired=paired)
         self._snapshots[key] = snap
         return SnapshotMade(key=key, request_id=rid, offset=snap.offset,
-                            minimum_reusable_offset=snap.minimum_reusable_offset,
-                            num_bytes=snap.nbytes)
+                            minimum_reusable_offset=snap.reusable_from,
+                            num_bytes=snap.nbytes, state=state)
 
     def _spill(self, key: str) -> SpillPayload:
         return self._payload(key, self._snapshots.pop(key))
@@ -336,18 +376,29 @@ class Runner:
     def _payload(key: str, snap: Snapshot) -> SpillPayload:
         header = {**describe(snap), "offset": snap.offset,
                   "minimum_reusable_offset": snap.minimum_reusable_offset,
-                  "extra": {"layer_kinds": layer_kinds_text(snap)}}
+                  "extra": header_extra(snap)}
         return SpillPayload(key=key, header=header, planes=tuple(to_planes(snap)))
 
     def restore(self, key: str, kinds: str, offset: int, boundary: int,
-                planes: dict[str, tuple[bytes, tuple[int, ...], str]]) -> int:
-        """Hold a snapshot read from the SSD tier under `key`; returns its bytes.
+                planes: dict[str, tuple[bytes, tuple[int, ...], str]], state: str = "") -> int:
+        """Hold a snapshot read from the SSD tier under `key`, with its proposer state
+        `state` (an identity; "" for none); returns its bytes.
 
-        ValueError if it does not fit this engine's caches."""
+        ValueError if it does not fit this engine's caches or proposer."""
+        paired, own = None, {}
+        if state:  # both parts are checked before either is decoded
+            if self.speculator is None:
+                raise ValueError(f"no proposer here holds state {state!r:.80}")
+            paired, own, planes = self.speculator.paired_planes(state, offset, planes)
         snap = from_planes(self._make_cache(self._model), kinds, offset, boundary, planes,
                            self.plane_layout())
+        snap = attrs.evolve(snap, paired=paired.restore(offset, own) if paired else None)
         self._snapshots[key] = snap
         return snap.nbytes
+
+    def state_layouts(self) -> dict[str, StateLayout]:
+        """Per speculation method whose rows publish paired snapshots: its state's planes."""
+        return self.speculator.state_layouts() if self.speculator is not None else {}
 
     def plane_layout(self) -> PlaneLayout | None:
         """What a restorable snapshot of this model holds (probed once; None if the caches
@@ -447,6 +498,8 @@ class Runner:
             for i in hidden_rows:
                 self.speculator.record_hidden(self._batch[i], hidden[i:i + 1])
             logits = logits[:, -1, :]
+        elif self._decode is not None:
+            logits = self._decode(inputs[:, None], self._batch_cache)[:, -1, :]
         else:
             logits = self._model(inputs[:, None], cache=self._batch_cache)[:, -1, :]
         mx.async_eval(logits)

@@ -145,13 +145,16 @@ class RowOutput:
 
 @attrs.frozen(kw_only=True)
 class SnapshotMade:
-    """A released row's snapshot now held by the runner under `key`."""
+    """A released row's snapshot now held by the runner under `key`; `state`: the identity
+    of the proposer state paired with it ("" for none), `minimum_reusable_offset` the
+    shortest reuse of both parts."""
 
     key: str
     request_id: str
     offset: int
     minimum_reusable_offset: int
     num_bytes: int
+    state: str = ""
 
 
 @attrs.frozen(kw_only=True)
@@ -391,6 +394,10 @@ class SchedulerCore:
     def prompt(self, request_id: str) -> tuple[int, ...]:
         """The prompt of a request not yet finished (KeyError otherwise)."""
         return self._rows[request_id].prompt
+
+    def speculative(self, request_id: str) -> object:
+        """The speculation choice of a request not yet finished (KeyError otherwise)."""
+        return self._rows[request_id].speculative
 
     def is_held(self, request_id: str) -> bool:
         row = self._rows.get(request_id)

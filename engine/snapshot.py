@@ -25,6 +25,12 @@ T, ...) and dtype, plus the header fields (cache kind, bits, head dim, rotation)
 bit width (code plane width), dtype, an extra or missing plane, T != offset, an offset
 that is not the token count — before a byte of a plane is decoded. It cannot tell two
 layers of equal shape apart: a swapped file is the writer's doing (README).
+
+Paired snapshots (engine.speculative.state): a snapshot of a row that speculates with a
+stateful proposer (draft model, MTP head) also holds that proposer's state for the same
+tokens (`paired`); its planes travel after the target's, under the proposer's prefix
+("draft.0.keys", "mtp.hidden"), and `reusable_from` is the lowest length both parts can
+be cut to. `header_extra` adds the pairing's header fields.
 """
 
 from __future__ import annotations
@@ -62,10 +68,19 @@ class Snapshot:
     kinds: tuple[str, ...]
     offset: int
     minimum_reusable_offset: int
+    # the row's proposer state for the same tokens (engine.speculative.state.ProposerState)
+    paired: Any = None
 
     @property
     def nbytes(self) -> int:
-        return sum(_planes_nbytes(_planes(c)) for c in self.layers)
+        paired = self.paired.nbytes if self.paired is not None else 0
+        return sum(_planes_nbytes(_planes(c)) for c in self.layers) + paired
+
+    @property
+    def reusable_from(self) -> int:
+        """The shortest reuse both the target's KV and the paired state can be cut to."""
+        paired = self.paired.minimum if self.paired is not None else 0
+        return max(self.minimum_reusable_offset, paired)
 
 
 def _planes_nbytes(planes: Mapping[str, mx.array]) -> int:
@@ -173,20 +188,51 @@ def row_from_snapshot(snapshot: Snapshot, length: int) -> list[Any]:
     return out
 
 
+def dtype_name(array: mx.array) -> str:
+    """An array's dtype as the SSD format names it ("float32", "bfloat16", ...)."""
+    return _DTYPES[array.dtype]
+
+
+def array_plane(name: str, array: mx.array) -> tuple[str, bytes, tuple[int, ...], str]:
+    """One array as an SSD plane: (name, raw bytes, shape, dtype)."""
+    dtype = _DTYPES[array.dtype]
+    raw = array.view(mx.uint16) if array.dtype == mx.bfloat16 else array
+    return name, np.array(raw).tobytes(), tuple(array.shape), dtype
+
+
+def plane_array(name: str, data: bytes, shape: Sequence[int], dtype: str) -> mx.array:
+    """The array of one SSD plane; ValueError if its dtype or byte count does not fit."""
+    if dtype not in _MX_DTYPES:
+        raise ValueError(f"unsupported plane dtype {dtype}")
+    stored = "uint16" if dtype == "bfloat16" else dtype
+    if len(data) != math.prod(shape) * np.dtype(stored).itemsize:
+        raise ValueError(f"plane {name} holds {len(data)} bytes for {tuple(shape)} {dtype}")
+    array = mx.array(np.frombuffer(data, dtype=stored).reshape(tuple(shape)))
+    return array.view(mx.bfloat16) if dtype == "bfloat16" else array
+
+
 def to_planes(snapshot: Snapshot) -> list[tuple[str, bytes, tuple[int, ...], str]]:
-    """Every array as (name, raw bytes, shape, dtype) for the SSD tier."""
-    out = []
-    for i, cache in enumerate(snapshot.layers):
-        for name, array in _planes(cache).items():
-            dtype = _DTYPES[array.dtype]
-            raw = array.view(mx.uint16) if array.dtype == mx.bfloat16 else array
-            out.append((f"{i}.{name}", np.array(raw).tobytes(), tuple(array.shape), dtype))
+    """Every array as (name, raw bytes, shape, dtype) for the SSD tier, the paired
+    proposer state's last."""
+    out = [array_plane(f"{i}.{name}", array) for i, cache in enumerate(snapshot.layers)
+           for name, array in _planes(cache).items()]
+    if snapshot.paired is not None:
+        out += snapshot.paired.planes()
     return out
 
 
 def layer_kinds_text(snapshot: Snapshot) -> str:
     """The kinds as one header string, e.g. "kv,kv" or "dtq,dtq"."""
     return ",".join(snapshot.kinds)
+
+
+def header_extra(snapshot: Snapshot) -> dict[str, int | str]:
+    """The header's `extra` fields of a snapshot: its layer kinds, and what its paired
+    proposer state is (engine.speculative.state)."""
+    extra: dict[str, int | str] = {"layer_kinds": layer_kinds_text(snapshot)}
+    if snapshot.paired is not None:
+        extra.update(snapshot.paired.header_fields())
+    return extra
 
 
 def from_planes(template: Sequence[Any], kinds_text: str, offset: int, boundary: int,
@@ -218,11 +264,7 @@ def from_planes(template: Sequence[Any], kinds_text: str, offset: int, boundary:
             if f"{i}.{name}" not in planes:
                 raise ValueError(f"plane {i}.{name} is missing")
             data, shape, dtype = planes[f"{i}.{name}"]
-            if dtype not in _MX_DTYPES:
-                raise ValueError(f"unsupported plane dtype {dtype}")
-            stored = "uint16" if dtype == "bfloat16" else dtype
-            array = mx.array(np.frombuffer(data, dtype=stored).reshape(tuple(shape)))
-            arrays[name] = array.view(mx.bfloat16) if dtype == "bfloat16" else array
+            arrays[name] = plane_array(f"{i}.{name}", data, shape, dtype)
             if len(shape) != 4 or shape[0] != 1 or shape[2] != offset:
                 raise ValueError(f"plane {i}.{name} of shape {tuple(shape)} for offset {offset}")
         layers.append(_layer_from(fresh, kind, arrays, boundary))
@@ -291,12 +333,16 @@ class PlaneLayout:
         if unknown:
             raise ValueError(f"unexpected planes {unknown[:3]}")
 
-    def check_header(self, header: Any) -> None:
-        """`check` on a storage SnapshotHeader (duck-typed: engine never imports storage)."""
+    def check_header(self, header: Any,
+                     planes: Mapping[str, tuple[Sequence[int], str]] | None = None) -> None:
+        """`check` on a storage SnapshotHeader (duck-typed: engine never imports storage);
+        `planes`: the target's planes when the header holds others too (a paired file)."""
+        if planes is None:
+            planes = {spec.name: (spec.shape, spec.dtype) for spec in header.planes}
         self.check(layer_kinds=str(header.extra.get("layer_kinds", "")), offset=header.offset,
                    num_tokens=len(header.token_ids),
                    fields={name: getattr(header, name) for name in _KIND_FIELDS},
-                   planes={spec.name: (spec.shape, spec.dtype) for spec in header.planes})
+                   planes=planes)
 
 
 def _probe(fresh: Any, kind: str, keys: mx.array, values: mx.array) -> Any:

@@ -29,12 +29,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any, Sequence
 
 from tqserve.tools.bench import (Settings, Trace, compare, decode_rate, machine, make_prompts, mlx_batch,
                          mlx_stream, tq_batch)
+
+
+# MLX-CUDA's CUDA-graph sizes (read once by MLX): recorded with each report
+MLX_GRAPH_VARIABLES = ("MLX_MAX_OPS_PER_BUFFER", "MLX_MAX_MB_PER_BUFFER")
 
 
 def all_first(traces: Sequence[Trace]) -> float:
@@ -63,29 +68,35 @@ def _loaded(shape: str, model: str | None, dtype: str) -> Any:
 
 
 def _config(loaded: Any, top: int, prompt_tokens: int, n: int,
-            max_step_tokens: int | None) -> Any:
+            max_step_tokens: int | None, fast_decode: str = "auto") -> Any:
     from tqserve.engine.config import Config
 
     extra = {} if max_step_tokens is None else {"max_step_tokens": max(max_step_tokens, top,
                                                                        32)}
     return Config(model=str(loaded.path), dtype=loaded.dtype, max_batch=max(32, top),
+                  fast_decode=fast_decode,
                   max_queued_requests=max(64, top), max_queued_tokens=max(65536, top *
                   prompt_tokens), max_tokens_cap=max(4096, n), prefix_cache=False, **extra)
 
 
 async def _equality(path: str, dtype: str, count: int, prompt_tokens: int, n: int,
-                    max_step_tokens: int | None) -> dict[str, Any]:
-    """Greedy tokens of a real model: tqserve burst vs BatchGenerator and stream_generate."""
+                    max_step_tokens: int | None, fast_decode: str = "auto") -> dict[str, Any]:
+    """Greedy tokens of a real model: tqserve burst vs BatchGenerator and stream_generate
+    (mlx-lm on the model as loaded; the engine on a fused copy with the fast decode path)."""
     import attrs
 
     from tqserve.actors.engine import open_engine
+    from tqserve.engine import fastpath
     from tqserve.engine.model import DEFAULT_MODEL, load_model
 
     loaded = load_model(str(DEFAULT_MODEL) if path == "bundled" else path, dtype)
     loaded = attrs.evolve(loaded, eos_token_ids=frozenset())
     prompts = make_prompts(loaded.tokenizer, count, prompt_tokens)
-    async with open_engine(_config(loaded, count, prompt_tokens, n, max_step_tokens),
-                           loaded=loaded) as engine:
+    ours = loaded
+    if fastpath.wanted(fast_decode):
+        ours = attrs.evolve(loaded, model=fastpath.fuse_projections(loaded.model, copy=True)[0])
+    async with open_engine(_config(loaded, count, prompt_tokens, n, max_step_tokens,
+                                   fast_decode), loaded=ours) as engine:
         ours = [t.tokens for t in await tq_batch(engine, prompts, n)]
     batch = [t.tokens for t in mlx_batch(loaded, prompts, n)]
     single = mlx_stream(loaded, prompts[0], n)[0].tokens
@@ -95,17 +106,24 @@ async def _equality(path: str, dtype: str, count: int, prompt_tokens: int, n: in
 
 
 async def _measure(loaded: Any, levels: list[int], prompt_tokens: int, n: int,
-                   repeats: int, max_step_tokens: int | None = None
+                   repeats: int, max_step_tokens: int | None = None, fast_decode: str = "auto"
                    ) -> tuple[dict[str, Any], float]:
-    """Figures per concurrency level, and the seconds open_engine took (its warm-up)."""
+    """Figures per concurrency level, and the seconds open_engine took (its warm-up).
+
+    With the fast decode path the engine gets a fused copy of the model (engine.fastpath,
+    sharing every other weight), so mlx-lm keeps running the model as loaded."""
     import attrs
 
     from tqserve.actors.engine import open_engine
+    from tqserve.engine import fastpath
 
     top = max(levels)
     prompts = make_prompts(loaded.tokenizer, top, prompt_tokens)
-    config = _config(loaded, top, prompt_tokens, n, max_step_tokens)
-    no_eos = attrs.evolve(loaded, eos_token_ids=frozenset())
+    config = _config(loaded, top, prompt_tokens, n, max_step_tokens, fast_decode)
+    ours = loaded
+    if fastpath.wanted(fast_decode):
+        ours = attrs.evolve(loaded, model=fastpath.fuse_projections(loaded.model, copy=True)[0])
+    no_eos = attrs.evolve(ours, eos_token_ids=frozenset())
     out: dict[str, Any] = {}
     start = time.perf_counter()
     async with open_engine(config, loaded=no_eos) as engine:
@@ -130,16 +148,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     loaded = _loaded(args.shape, args.model, args.dtype)
     levels = sorted({int(x) for x in args.concurrency.split(",")})
     figures, engine_start = trio.run(_measure, loaded, levels, args.prompt_tokens, args.new_tokens,
-                       args.repeats, args.max_step_tokens)
+                       args.repeats, args.max_step_tokens, args.fast_decode)
     equality = None
     if args.equality_model != "none":
         equality = trio.run(_equality, args.equality_model, args.dtype, args.equality_count,
-                            args.prompt_tokens, args.new_tokens, args.max_step_tokens)
+                            args.prompt_tokens, args.new_tokens, args.max_step_tokens,
+                            args.fast_decode)
     return {"equality": equality,"machine": machine(Settings(model=str(loaded.path), dtype=loaded.dtype)),
             "model": {"shape": args.shape, "path": str(loaded.path), "dtype": loaded.dtype},
             "settings": {"concurrency": levels, "prompt_tokens": args.prompt_tokens,
                          "new_tokens": args.new_tokens, "repeats": args.repeats,
                          "max_step_tokens": args.max_step_tokens,
+                         "fast_decode": args.fast_decode,
+                         "mlx_env": {k: os.environ.get(k) for k in MLX_GRAPH_VARIABLES},
                          "greedy": True, "ignore_eos": True},
             "engine_start_s": engine_start, "figures": figures}
 
@@ -184,6 +205,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--prompt-tokens", type=int, default=256, help="tokens of each prompt")
     p.add_argument("--new-tokens", type=int, default=128, help="tokens generated per request")
     p.add_argument("--repeats", type=int, default=3, help="runs per figure (median)")
+    p.add_argument("--fast-decode", choices=("auto", "on", "off"), default="auto",
+                   help="the engine's --fast-decode (auto: on a GPU)")
     p.add_argument("--max-step-tokens", type=int, default=None,
                    help="the engine's per-step token budget (default: Config's)")
     p.add_argument("--equality-model", default="../shared/models/pycoder-29m",

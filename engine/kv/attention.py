@@ -15,7 +15,9 @@ pair mlx-lm models pass on. `install_attention()` wraps mlx-lm's
 a Gemma-style KV-shared layer calls attention with its donor's (keys, values) and
 cache=None, and because the transform travels with the fetched object it still gets the
 rotated port. On MLX's CUDA backend affine-quantized caches go to `affine_sdpa` (mlx-lm's
-quantized attention has no kernel there); everything else goes to the original.
+quantized attention has no kernel there), and short query blocks (speculative verify
+steps) to `short_block_attention` (`sdpa`: cuDNN builds a graph per shape); everything
+else goes to the original.
 A delayed batch with plain and converted rows returns a `MixedRowsKV`: each group of rows
 is attended separately and the outputs are put back in batch order.
 
@@ -161,8 +163,50 @@ _FUSED_GRANULE = 64  # positions: the fused decode's key length is rounded up to
 def _plain_attention(queries: mx.array, kv: RotatedKV, scale: float, mask: Any) -> mx.array:
     keys, values = kv.decode_rotated()
     rotated = kv.key_codec.rotate(queries.astype(mx.float32))
-    out = mx.fast.scaled_dot_product_attention(rotated, keys, values, scale=scale, mask=mask)
+    out = sdpa(rotated, keys, values, scale=scale, mask=mask)
     return kv.value_codec.unrotate(out).astype(queries.dtype)
+
+
+# Query blocks of at most this many positions (speculative verify blocks: 1 + k <= 17;
+# the tails of chunked prefills) attend with plain ops on MLX's CUDA backend.
+SHORT_BLOCK = 32
+
+
+def sdpa(queries: mx.array, keys: mx.array, values: mx.array, *, scale: float,
+         mask: Any = None, sinks: Any = None) -> mx.array:
+    """`mx.fast.scaled_dot_product_attention`, except for short query blocks on MLX's CUDA
+    backend (2..SHORT_BLOCK positions, no sinks): there the fast op takes cuDNN's SDPA,
+    whose graphs are built per (query, key, value) shape, and a verify block's keys grow
+    every step, so every verify step paid a graph build (the H200 measured verify steps at
+    12-66 tok/s against 400-660 tok/s plain). `short_block_attention` has no per-shape
+    build; single positions keep MLX's vector kernel, long blocks cuDNN."""
+    if sinks is None and 1 < queries.shape[2] <= SHORT_BLOCK and on_cuda():
+        return short_block_attention(queries, keys, values, scale, mask)
+    return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask,
+                                                sinks=sinks)
+
+
+def short_block_attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
+                          mask: Any) -> mx.array:
+    """Attention of L query positions (the LAST L of the key span, as in a cache) with
+    plain ops: GQA by reshaping the queries per KV head, `mask` None, "causal", boolean
+    (True = attend) or additive, softmax in float32."""
+    batch, num_heads, length, head_dim = queries.shape
+    num_kv_heads, span = keys.shape[1], keys.shape[2]
+    groups = num_heads // num_kv_heads
+    q = (queries * scale).reshape(batch, num_kv_heads, groups, length, head_dim)
+    scores = (q @ keys[:, :, None].swapaxes(-1, -2)).astype(mx.float32)  # (B, Hkv, G, L, T)
+    if isinstance(mask, str):
+        if mask != "causal":
+            raise ValueError(f"unknown attention mask {mask!r}")
+        allowed = (mx.arange(span)[None] <= (span - length + mx.arange(length))[:, None])
+        scores = mx.where(allowed, scores, -mx.inf)
+    elif mask is not None:
+        m = mask.reshape(mask.shape[0], -1, 1, *mask.shape[-2:]) if mask.ndim == 4 else mask
+        scores = mx.where(m, scores, -mx.inf) if m.dtype == mx.bool_ else scores + m
+    probs = mx.softmax(scores, axis=-1).astype(values.dtype)
+    out = probs @ values[:, :, None]                                        # (B, Hkv, G, L, D)
+    return out.reshape(batch, num_heads, length, values.shape[-1])
 
 
 def _fused_attention(queries: mx.array, kv: RotatedKV, scale: float) -> mx.array:
@@ -249,9 +293,8 @@ def affine_sdpa(queries: mx.array, keys: tuple[mx.array, ...], values: tuple[mx.
     ("No implementation for problem shape"). Same math as mlx-lm's path."""
     k = mx.dequantize(*keys, group_size=group_size, bits=bits)
     v = mx.dequantize(*values, group_size=group_size, bits=bits)
-    return mx.fast.scaled_dot_product_attention(queries, k.astype(queries.dtype),
-                                                v.astype(queries.dtype), scale=scale,
-                                                mask=mask)
+    return sdpa(queries, k.astype(queries.dtype), v.astype(queries.dtype), scale=scale,
+                mask=mask)
 
 
 def _dispatching(original: Callable[..., mx.array]) -> Callable[..., mx.array]:
@@ -264,6 +307,8 @@ def _dispatching(original: Callable[..., mx.array]) -> Callable[..., mx.array]:
         if sinks is None and hasattr(cache, "bits") and isinstance(keys, tuple) and on_cuda():
             return affine_sdpa(queries, keys, values, scale, mask, cache.group_size,
                                cache.bits)
+        if not hasattr(cache, "bits") and 1 < queries.shape[2] <= SHORT_BLOCK and on_cuda():
+            return sdpa(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
         return original(queries, keys, values, cache=cache, scale=scale, mask=mask,
                         sinks=sinks)
 

@@ -33,7 +33,7 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache
 from tqserve.engine.codec.turboquant import MAX_BITS, MIN_BITS, SUPPORTED_HEAD_DIMS
 from tqserve.engine.kv import cuda_decode
 from tqserve.engine.kv.affine import AffineKVCache, check_affine_settings
-from tqserve.engine.kv.attention import install_attention
+from tqserve.engine.kv.attention import install_attention, on_cuda
 from tqserve.engine.kv.delayed import DelayedTurboQuantKVCache
 from tqserve.engine.kv.turboquant import TurboQuantConfig, TurboQuantKVCache
 
@@ -117,6 +117,8 @@ def cache_factory_for(model: Any, turboquant: str | None, quantized_kv_start: in
     """
     if turboquant is None:
         if kv_quant is None:
+            if on_cuda():
+                install_attention()  # short query blocks avoid cuDNN's per-shape graphs
             return None
         if quantized_kv_start > 0:
             raise ValueError("--quantized-kv-start applies to TurboQuant only; --kv-quant "

@@ -12,8 +12,9 @@ from tqserve.engine.speculative.speculator import Speculator
 
 def build_speculator(config: Any, loaded: Any, draft: Any = None) -> Speculator | None:
     """The proposers this server offers: lookup always, draft with `draft` (a LoadedModel of
-    `--draft-model`, same vocabulary), mtp where the target has an MTP head. None when
-    neither --speculative nor --draft-model is set. ValueError naming the flag otherwise."""
+    `--draft-model`, same vocabulary), mtp where the target has an MTP head; draft and mtp
+    with their state identity (engine.speculative.state). None when neither --speculative
+    nor --draft-model is set. ValueError naming the flag otherwise."""
     if config.speculative is None and config.draft_model is None:
         return None
     proposers: dict[str, Proposer] = {
@@ -22,10 +23,12 @@ def build_speculator(config: Any, loaded: Any, draft: Any = None) -> Speculator 
         if draft.vocab_size != loaded.vocab_size:
             raise ValueError(f"--draft-model has a vocabulary of {draft.vocab_size} tokens, the "
                              f"model {loaded.vocab_size}: they must share the tokenizer")
-        proposers["draft"] = DraftProposer(draft.model)
+        proposers["draft"] = DraftProposer(draft.model, identity=f"draft:{draft.fingerprint}")
     if config.speculative == "mtp":
-        from tqserve.engine.speculative.mtp import MtpProposer, load_mtp_head
-        proposers["mtp"] = MtpProposer(loaded.model, load_mtp_head(loaded.path, loaded.model))
+        from tqserve.engine.speculative.mtp import MtpProposer, head_fingerprint, load_mtp_head
+        proposers["mtp"] = MtpProposer(
+            loaded.model, load_mtp_head(loaded.path, loaded.model),
+            identity=f"mtp:{head_fingerprint(loaded.path, loaded.dtype)}")
     default = None
     if config.speculative is not None:
         default = SpecChoice(method=config.speculative,

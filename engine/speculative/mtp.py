@@ -16,13 +16,15 @@ Per row the proposer keeps the head's KV cache over the true pairs (h_j, x_{j+1}
 far, plus the hidden states the target produced since (`record_hidden`: every prefill
 chunk and the kept positions of every verify step). `propose` first drops the speculative
 (depth > 1) entries of the last proposal, feeds the pending true pairs in one block, then
-runs the recursion. A row started from a prefix-cache snapshot has no hidden states for
-the reused positions: its head cache starts at the first position it computed (proposals
-are then weaker, never wrong: verification is exact).
+runs the recursion. A row started from a paired prefix-cache snapshot gets the head's KV
+and the pending hidden states of the reused positions back (`state_at` / `restore`,
+engine.speculative.state), so it proposes exactly as the row that published it would; its
+identity is "mtp:<head fingerprint>" (the head file and the dtype).
 """
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -32,6 +34,8 @@ import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
 from mlx_lm.models.qwen3 import ModelArgs, TransformerBlock
+
+from tqserve.engine.speculative.state import ProposerState, StateLayout
 
 MTP_FILE = "mtp.safetensors"
 MAX_PENDING = 512   # hidden-state records a row holds before it folds them (record_hidden)
@@ -93,11 +97,19 @@ def load_mtp_head(path: Path | str, model: Any) -> MtpHead:
     return head
 
 
+def head_fingerprint(path: Path | str, dtype: str) -> str:
+    """What an MTP row's state depends on besides the target: the head file and dtype."""
+    digest = hashlib.sha256((Path(path) / MTP_FILE).read_bytes())
+    digest.update(dtype.encode())
+    return digest.hexdigest()[:32]
+
+
 @attrs.define
 class _MtpRow:
     cache: KVCache
     num_speculative: int = 0                 # depth > 1 entries of the last proposal
     pending: list[mx.array] = attrs.Factory(list)  # (1, P, D) hidden states not yet fed
+    restarted: bool = False  # folded (record_hidden): the cache no longer starts at 0
 
     @property
     def num_pending(self) -> int:
@@ -109,10 +121,12 @@ class MtpProposer:
 
     wants_hidden = True
 
-    def __init__(self, model: Any, head: MtpHead) -> None:
+    def __init__(self, model: Any, head: MtpHead, identity: str = "") -> None:
         self.model = model
         self.head = head
+        self.identity = identity
         self._rows: dict[str, _MtpRow] = {}
+        self._layout: StateLayout | None = None
 
     def open_row(self, request_id: str) -> None:
         self._rows[request_id] = _MtpRow(cache=KVCache())
@@ -135,7 +149,7 @@ class MtpProposer:
             kept = mx.concatenate(row.pending, axis=1)[:, -KEEP_PENDING:]
             mx.eval(kept)
             row.pending = [kept]
-            row.cache, row.num_speculative = KVCache(), 0
+            row.cache, row.num_speculative, row.restarted = KVCache(), 0, True
 
     def _embed(self, tokens: mx.array) -> mx.array:
         return self.model.model.embed_tokens(tokens)
@@ -168,3 +182,47 @@ class MtpProposer:
         if flat:
             mx.eval(flat)
         return [tuple(int(t.item()) for t in d) for d in drafts]
+
+    def state_layout(self) -> StateLayout | None:
+        """The planes of this head's state (probed once: one position through the head)."""
+        if self._layout is None and self.identity:
+            dtype = self.model.model.embed_tokens.weight.dtype
+            probe = mx.zeros((1, 1, self.model.args.hidden_size), dtype=dtype)
+            cache = KVCache()
+            self.head(probe, probe, cache)
+            self._layout = StateLayout.probe(self.identity, "mtp",
+                                             [(cache.keys[..., :1, :], cache.values[..., :1, :])],
+                                             probe)
+        return self._layout
+
+    def state_at(self, request_id: str, tokens: Sequence[int]) -> ProposerState | None:
+        """The row's head KV over its true pairs and its pending hidden states, when they
+        describe exactly `tokens` (the target's KV positions); None otherwise (a restarted
+        head, or a pair whose token lies past the boundary)."""
+        row = self._rows.get(request_id)
+        layout = self.state_layout()
+        if row is None or row.restarted or layout is None:
+            return None
+        fed = row.cache.offset - row.num_speculative
+        if not row.num_pending or fed + row.num_pending != len(tokens):
+            return None
+        hidden = mx.concatenate(row.pending, axis=1) if len(row.pending) > 1 else row.pending[0]
+        row.pending = [hidden]
+        if fed:
+            keys, values = row.cache.keys[..., :fed, :], row.cache.values[..., :fed, :]
+        else:
+            (pattern, dtype), = layout.layers
+            keys = values = mx.zeros((*pattern[:2], 0, *pattern[2:]), dtype=getattr(mx, dtype))
+        mx.eval(keys, values, hidden)
+        return ProposerState(identity=self.identity, prefix="mtp", layers=((keys, values),),
+                             hidden=hidden, offset=len(tokens))
+
+    def restore(self, request_id: str, state: ProposerState, tokens: Sequence[int]) -> None:
+        """Start an open row's head from `state` (cut to `tokens`' length already)."""
+        row = self._rows[request_id]
+        cache = KVCache()
+        ((keys, values),) = state.layers
+        if keys.shape[2]:
+            cache.keys, cache.values, cache.offset = keys, values, int(keys.shape[2])
+        row.cache, row.num_speculative, row.restarted = cache, 0, False
+        row.pending = [state.hidden] if state.hidden is not None else []

@@ -12,6 +12,9 @@ the same as without speculation for the same seed.
 A proposer holds per-row state (`open_row` / `close_row`), proposes on the runner thread
 (`propose`), and learns what the target kept (`verified`) so it can roll back its own
 caches. All of them see `context`, whose last token is the one the target is fed next.
+A stateful proposer (draft, MTP) also has an `identity` (what its state depends on: the
+prefix cache's namespace for its rows) and gives or takes its state at a snapshot's
+boundary (`state_at`, `restore`, `state_layout`: engine.speculative.state).
 """
 
 from __future__ import annotations
@@ -20,7 +23,9 @@ from typing import Any, Protocol, Sequence
 
 import attrs
 import mlx.core as mx
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+from tqserve.engine.speculative.state import ProposerState, StateLayout
 
 class Proposer(Protocol):
     """What the verifier needs of a proposal method."""
@@ -96,11 +101,18 @@ class DraftProposer:
     Before proposing, the row's draft cache is rolled back to the longest prefix it shares
     with the context (rejected proposals go) and fed the rest of the context in one forward
     (the whole prompt on a row's first proposal); then k-1 more greedy steps. The k
-    forwards are built lazily and evaluated once per call."""
+    forwards are built lazily and evaluated once per call.
 
-    def __init__(self, model: Any) -> None:
+    Paired snapshots: `state_at` catches the row's cache up to a snapshot's tokens and
+    hands out slices of it; `restore` starts a row from such a state. `identity` is ""
+    (no paired state) when the draft model's caches are not plain KV caches."""
+
+    def __init__(self, model: Any, identity: str = "") -> None:
         self.model = model
         self._rows: dict[str, _DraftRow] = {}
+        plain = all(type(c) is KVCache for c in make_prompt_cache(model))
+        self.identity = identity if plain else ""
+        self._layout: StateLayout | None = None
 
     def open_row(self, request_id: str) -> None:
         self._rows[request_id] = _DraftRow(cache=make_prompt_cache(self.model))
@@ -142,3 +154,43 @@ class DraftProposer:
                 self._rows[rid].tokens.extend(tokens[:-1])
             out.append(tokens)
         return out
+
+    def state_layout(self) -> StateLayout | None:
+        """The planes of this draft model's state (probed once: a one-token forward)."""
+        if self._layout is None and self.identity:
+            cache = make_prompt_cache(self.model)
+            self.model(mx.array([[0]]), cache=cache)
+            self._layout = StateLayout.probe(self.identity, "draft",
+                                             [(c.keys[..., :1, :], c.values[..., :1, :])
+                                              for c in cache], None)
+        return self._layout
+
+    def state_at(self, request_id: str, tokens: Sequence[int]) -> ProposerState | None:
+        """The row's draft KV for exactly `tokens` (a prefix of its context): entries that
+        disagree with them go, missing ones are computed (one forward), then sliced."""
+        row = self._rows.get(request_id)
+        if row is None or not tokens or not self.identity:
+            return None
+        keep = _common_prefix(row.tokens, tokens)
+        if keep < len(tokens):
+            if len(row.tokens) > keep:
+                for c in row.cache:
+                    c.trim(len(row.tokens) - keep)
+                del row.tokens[keep:]
+            self.model(mx.array(list(tokens[keep:]))[None], cache=row.cache)
+            row.tokens.extend(tokens[keep:])
+        n = len(tokens)
+        layers = tuple((c.keys[..., :n, :], c.values[..., :n, :]) for c in row.cache)
+        mx.eval([a for pair in layers for a in pair])
+        return ProposerState(identity=self.identity, prefix="draft", layers=layers,
+                             hidden=None, offset=n)
+
+    def restore(self, request_id: str, state: ProposerState, tokens: Sequence[int]) -> None:
+        """Start an open row's draft cache from `state`, which holds `tokens`."""
+        row = self._rows[request_id]
+        row.cache = []
+        for keys, values in state.layers:
+            cache = KVCache()
+            cache.keys, cache.values, cache.offset = keys, values, int(keys.shape[2])
+            row.cache.append(cache)
+        row.tokens = list(tokens)

@@ -7,6 +7,11 @@ a step where some row proposes runs as one verify step (rows that do not propose
 their one token), without the plain path's pipelining (a proposal depends on the tokens
 just accepted). A row's choice: its request's `SpecChoice`, `False` (never), or `None`
 (the server's default).
+
+Paired snapshots (engine.speculative.state): a row whose proposer keeps state (draft, MTP)
+has that proposer's `identity` as its state identity ("" for lookup and plain rows); the
+runner asks for the row's state at a snapshot's boundary (`state_at`) and gives a row
+built from a snapshot the snapshot's state (`restore_state`), refusing any mismatch.
 """
 
 from __future__ import annotations
@@ -21,9 +26,11 @@ from tqserve.engine.sampling import RowSampler
 from tqserve.engine.speculative.mtp import forward_with_hidden
 from tqserve.engine.speculative.policy import SpecChoice, resolve_choice
 from tqserve.engine.speculative.proposers import Proposer
+from tqserve.engine.speculative.state import ProposerState, StateLayout
 from tqserve.engine.speculative.verify import Verified, VerifyRow, verify_step
 
 RequestChoice = SpecChoice | bool | None
+Plane = tuple[bytes, Sequence[int], str]  # an SSD plane's bytes, shape, dtype
 
 
 @attrs.frozen(kw_only=True)
@@ -76,6 +83,57 @@ class Speculator:
         choice = self.choice(request_id)
         return choice is not None and getattr(self.proposers[choice.method], "wants_hidden",
                                               False)
+
+    def state_identity(self, request_id: str) -> str:
+        """What the row's proposer state depends on ("" when it keeps none to pair)."""
+        choice = self.choice(request_id)
+        return "" if choice is None else getattr(self.proposers[choice.method], "identity", "")
+
+    def state_layouts(self) -> dict[str, StateLayout]:
+        """Per method whose rows publish paired snapshots: its planes (probed once)."""
+        layouts = {}
+        for method, proposer in self.proposers.items():
+            layout = proposer.state_layout() if getattr(proposer, "identity", "") else None
+            if layout is not None:
+                layouts[method] = layout
+        return layouts
+
+    def state_at(self, request_id: str, tokens: Sequence[int]) -> ProposerState | None:
+        """The row's proposer state for exactly `tokens`, or None if it has none that is."""
+        choice = self.choice(request_id)
+        if choice is None or not self.state_identity(request_id):
+            return None
+        return self.proposers[choice.method].state_at(request_id, tokens)  # type: ignore
+
+    def restore_state(self, request_id: str, state: ProposerState | None,
+                      tokens: Sequence[int]) -> None:
+        """A row built from a snapshot reusing `tokens`: its proposer starts from the
+        snapshot's state (None: a state-free snapshot, for a row that keeps none).
+        RuntimeError if the snapshot's state is not the row's proposer's (a namespace bug:
+        a row is never half-restored)."""
+        identity = self.state_identity(request_id)
+        if (state.identity if state is not None else "") != identity:
+            raise RuntimeError(f"{request_id}: a snapshot with state "
+                               f"{state.identity if state else 'none'!r} for a row of "
+                               f"{identity or 'none'!r}")
+        choice = self.choice(request_id)
+        if state is not None and choice is not None:
+            self.proposers[choice.method].restore(  # type: ignore
+                request_id, state.cut(len(tokens)), tokens)
+
+    def paired_planes(self, identity: str, offset: int, planes: Mapping[str, Plane]
+                      ) -> tuple[StateLayout, dict[str, Plane], dict[str, Plane]]:
+        """A paired file's planes split: the layout of its proposer state, the state's
+        planes (checked against that layout, nothing decoded) and the rest (the target's).
+        ValueError if no proposer here has state `identity` or the planes do not fit it."""
+        layout = next((lay for lay in self.state_layouts().values()
+                       if lay.identity == identity), None)
+        if layout is None:
+            raise ValueError(f"no proposer here holds state {identity!r:.80}")
+        own, rest = layout.split(list(planes))
+        layout.check(offset=offset, planes={name: planes[name][1:] for name in own})
+        return (layout, {name: planes[name] for name in own},
+                {name: planes[name] for name in rest})
 
     def prefill(self, model: Any, request_id: str, tokens: mx.array, cache: list[Any]) -> None:
         """A prefill chunk of the row's own cache; hands the hidden states to its MTP head."""

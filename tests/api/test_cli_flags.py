@@ -91,3 +91,15 @@ def test_warmup_flag_maps_and_a_bad_value_is_a_one_line_error(capsys):
     assert exc.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--warmup: invalid choice: 'sometimes'" in err[0]
+
+
+def test_fast_decode_flag_maps_and_refuses_on_with_distributed(capsys):
+    assert serve_config([]).fast_decode == "auto"
+    assert serve_config(["--fast-decode", "off"]).fast_decode == "off"
+    assert main(["serve", "--fast-decode", "on", "--distributed"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--fast-decode on is not supported with --distributed" in err[0]
+    with pytest.raises(SystemExit) as exc:
+        main(["serve", "--fast-decode", "always"])
+    assert exc.value.code == 2
+    assert "--fast-decode: invalid choice: 'always'" in capsys.readouterr().err

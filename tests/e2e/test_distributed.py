@@ -44,8 +44,12 @@ REPO = Path(__file__).resolve().parents[2]
 LAUNCH = shutil.which("mlx.launch", path=str(Path(sys.executable).parent)) or shutil.which(
     "mlx.launch")
 START_TIMEOUT = 240  # seconds: two ranks import and load pycoder-29m on a loaded 2-core box
-EXIT_TIMEOUT = 60    # seconds for the group to end after a signal: a hang guard
-TIMEOUT = 10         # --distributed-timeout of the group whose rank dies: well under EXIT_TIMEOUT
+EXIT_TIMEOUT = 120   # seconds for the group to end after a signal: a hang guard
+# --distributed-timeout of the group whose rank dies, well under EXIT_TIMEOUT. Not lower: a
+# step where one rank compiles (mx.compile calls g++ on the CPU backend) keeps its peer in a
+# collective that long, and a loaded 2-core machine once made that exceed 10 s (the watchdog
+# ended a healthy group mid-batch).
+TIMEOUT = 30
 MAX_TOKENS = 12
 GREEDY = dict(temperature=0.0, max_tokens=MAX_TOKENS)
 IDLE = dict(rows_active=0, rows_queued=0, kv_bytes=0, streams_open=0)
@@ -106,9 +110,12 @@ class Group:
         return await trio.to_thread.run_sync(lambda: self.proc.wait(EXIT_TIMEOUT))
 
     def kill(self) -> None:
+        """End the group; its stderr tail goes to the test's captured output (shown by
+        pytest only when the test failed: the launcher's and the ranks' own words)."""
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
+        print("group stderr tail:", self.stderr()[-3000:])
 
 
 def alive(pid: int) -> bool:

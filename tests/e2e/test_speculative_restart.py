@@ -1,8 +1,8 @@
 """Restart with speculation: a server writes its prefix snapshots (write-through, sync) while
 speculating; a new engine on the same --cache-dir serves the same requests from the SSD
-tier, still speculating, token-identically. The snapshots hold the target's KV only (no
-paired draft/MTP state yet, README "Speculative decoding"): the draft catches up over the
-reused context in one forward, and verification keeps the output exact."""
+tier, still speculating, token-identically. Lookup rows' snapshots hold the target's KV
+only; draft rows' are paired with the draft's KV (tests/e2e/test_speculative_paired.py
+checks the proposals too)."""
 
 from __future__ import annotations
 
@@ -19,19 +19,23 @@ PROMPTS = ["def add(a, b):\n    return a + b\n\n\ndef add_three(a, b, c):\n",
            "import os\nimport sys\n\n\ndef main(argv):\n    for arg in argv:\n"]
 
 
-async def _serve(config, loaded, seeds):
+async def serve_prompts(config, loaded, seeds, *, repeats=1, max_tokens=16):
+    """PROMPTS[i] with seeds[i] (None: greedy, else temperature 1 with that seed), one
+    after the other, `repeats` times, in one engine: [(token ids, Done)] in that order."""
     out = []
     async with open_engine(config, loaded=loaded) as engine:
-        for prompt, seed in zip(PROMPTS, seeds):
-            tokens, done = [], None
-            req = GenerateRequest(prompt=prompt, params=SamplingParams(
-                max_tokens=16, temperature=0.0 if seed is None else 1.0, seed=seed))
-            async for event in engine.generate(req):
-                if isinstance(event, Token):
-                    tokens.append(event.token_id)
-                elif isinstance(event, Done):
-                    done = event
-            out.append((tokens, done))
+        for _ in range(repeats):
+            for prompt, seed in zip(PROMPTS, seeds):
+                tokens, done = [], None
+                req = GenerateRequest(prompt=prompt, params=SamplingParams(
+                    max_tokens=max_tokens, temperature=0.0 if seed is None else 1.0,
+                    seed=seed))
+                async for event in engine.generate(req):
+                    if isinstance(event, Token):
+                        tokens.append(event.token_id)
+                    elif isinstance(event, Done):
+                        done = event
+                out.append((tokens, done))
     return out
 
 
@@ -41,8 +45,8 @@ async def test_restart_from_ssd_continues_token_identically(draft_model, tmp_pat
     config = Config(cache_dir=str(tmp_path), ssd_flush="sync", speculative=method,
                     num_speculative_tokens=3, speculative_time_policy=False, **extra)
     seeds = [None, 7]
-    first = await _serve(config, draft_model, seeds)
-    second = await _serve(config, draft_model, seeds)
+    first = await serve_prompts(config, draft_model, seeds)
+    second = await serve_prompts(config, draft_model, seeds)
     for (want, _), (got, done) in zip(first, second):
         assert got == want
         assert done.cached_tier == "ssd" and done.cached_tokens > 0

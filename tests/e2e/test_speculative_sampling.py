@@ -44,11 +44,11 @@ async def _sample(engine, seed: int, speculative, out: dict) -> None:
 @pytest.mark.parametrize("method", ["lookup", "draft", "mtp"])
 async def test_speculative_sampling_follows_the_target(big_model, method):
     extra = {"draft_model": str(DEFAULT_MODEL)} if method == "draft" else {}
-    # An MTP row reusing a prefix has no hidden states for it (no paired snapshots yet), so
-    # it could not propose at its first step: MTP runs without the prefix cache.
+    # every row reuses the first one's prompt snapshot (an MTP row's is paired with its
+    # head's state, so it proposes from its first step)
     config = Config(max_batch=8, speculative=method, num_speculative_tokens=1,
-                    prefix_cache=method != "mtp", speculative_time_policy=False, **extra)
-    num_seeds = NUM_SEEDS if method != "mtp" else NUM_SEEDS // 3  # each one prefills
+                    speculative_time_policy=False, **extra)
+    num_seeds = NUM_SEEDS
     out: dict = {}
     async with open_engine(config, loaded=big_model) as engine:
         await _sample(engine, NUM_SEEDS, None, {})  # publishes the prompt: the rest reuse it

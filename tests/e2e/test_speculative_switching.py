@@ -87,14 +87,16 @@ def test_rows_alternating_plain_and_verify_steps_match_mlx_lm(big_model, method)
 def test_mtp_rows_held_plain_for_long_fold_their_hidden_states(big_model):
     """A row kept plain for many steps records one hidden state per step; past
     MAX_PENDING records it keeps only the latest KEEP_PENDING positions and its head starts
-    over from them: it then proposes exactly what a head fed only those positions does."""
+    over from them: it then proposes exactly what a head fed only those positions does, and
+    publishes no paired state (its head no longer describes the row's tokens)."""
     head = load_mtp_head(big_model.path, big_model.model)
     ids = big_model.tokenizer.encode(PROMPTS[2] * 40)[:MAX_PENDING + 88]
     n = len(ids) - 1  # the last token is the one fed next: no hidden state for it yet
     cache = make_prompt_cache(big_model.model)
     _, hidden = forward_with_hidden(big_model.model, mx.array(ids[:n])[None], cache)
     mx.eval(hidden)
-    stepped, fresh = MtpProposer(big_model.model, head), MtpProposer(big_model.model, head)
+    stepped = MtpProposer(big_model.model, head, identity="mtp:test")
+    fresh = MtpProposer(big_model.model, head)
     stepped.open_row("r")
     fresh.open_row("r")
     for t in range(n):  # one record per plain step
@@ -102,6 +104,7 @@ def test_mtp_rows_held_plain_for_long_fold_their_hidden_states(big_model):
     row = stepped._rows["r"]
     kept = KEEP_PENDING + n - (MAX_PENDING + 1)
     assert len(row.pending) == n - MAX_PENDING and row.num_pending == kept
+    assert stepped.state_at("r", ids[:n]) is None  # its head started over: nothing to pair
     fresh.record_hidden("r", hidden[:, n - kept:])
     got = stepped.propose([("r", ids, 4)])
     assert got == fresh.propose([("r", ids, 4)]) and len(got[0]) == 4

@@ -6,13 +6,17 @@ from tqserve.tools import bench_gpu
 
 
 def test_bench_gpu_bundled_tiny(tmp_path, capsys):
+    """With --fast-decode on (the GPU default) the engine runs a fused copy of the model and
+    mlx-lm the model as loaded: the tokens still match (float32 on the CPU: bit-equal)."""
     out = tmp_path / "gpu.json"
     assert bench_gpu.main(["--shape", "bundled", "--dtype", "float32", "--concurrency", "2,1",
                            "--new-tokens", "4", "--prompt-tokens", "8", "--repeats", "1",
                            "--max-step-tokens", "16", "--equality-model", "bundled",
-                           "--equality-count", "3", "--out", str(out)]) == 0
+                           "--equality-count", "3", "--fast-decode", "on",
+                           "--out", str(out)]) == 0
     report = json.loads(out.read_text())
     assert report["settings"]["concurrency"] == [1, 2]
+    assert report["settings"]["fast_decode"] == "on"
     assert report["settings"]["max_step_tokens"] == 16
     assert report["equality"]["batch_match"] is True and report["equality"]["stream_match"] is True
     figures = report["figures"]

@@ -292,3 +292,29 @@ def test_unsupported_head_dim_is_refused_naming_layer_and_dim() -> None:
         make_turboquant_cache_factory(4, 4)(model)
     assert check_head_dims(_gemma()) == {1: 128, 3: 128}
     assert isinstance(make_prompt_cache(model)[0], KVCache)
+
+
+@pytest.mark.parametrize("mask_kind", ["none", "causal", "bool", "additive"])
+@pytest.mark.parametrize("length", [2, 5])
+def test_short_block_attention_equals_the_fused_op(mask_kind, length):
+    """The plain-ops attention that MLX-CUDA's short query blocks use (no per-shape cuDNN
+    graph) computes what mx.fast.scaled_dot_product_attention does: GQA, the query block
+    at the end of the key span, every mask kind mlx-lm passes."""
+    from tqserve.engine.kv.attention import short_block_attention
+
+    mx.random.seed(3)
+    batch, heads, kv_heads, span, dim = 2, 8, 2, 37, 64
+    q = mx.random.normal((batch, heads, length, dim))
+    k = mx.random.normal((batch, kv_heads, span, dim))
+    v = mx.random.normal((batch, kv_heads, span, dim))
+    mask = {"none": None, "causal": "causal"}.get(mask_kind)
+    if mask_kind in ("bool", "additive"):
+        seen = (mx.arange(span)[None, None, None, :]
+                <= (span - length + mx.arange(length))[None, None, :, None])
+        seen = seen & (mx.arange(span)[None, None, None, :] >= mx.array([0, 5])[:, None, None,
+                                                                               None])
+        mask = seen if mask_kind == "bool" else mx.where(seen, 0.0, -mx.inf)
+    want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask=mask)
+    got = short_block_attention(q, k, v, 0.125, mask)
+    assert got.shape == want.shape
+    assert mx.allclose(got, want, atol=1e-5).item()
