@@ -84,6 +84,16 @@ def burst_rate(traces: Sequence[Trace]) -> float:
     return tokens / (max(t.times[-1] for t in traces) - min(t.times[0] for t in traces))
 
 
+def all_decoding_rate(traces: Sequence[Trace]) -> float:
+    """Tokens that arrived after every request had its first one, over the time from then
+    to the last arrival: aggregate decode throughput without the prefill of the others
+    (a verify step delivers several tokens at once; counted here as they arrive)."""
+    start = max(t.times[0] for t in traces)
+    tokens = sum(sum(1 for x in t.times if x > start) for t in traces)
+    end = max(t.times[-1] for t in traces)
+    return tokens / (end - start) if end > start else 0.0
+
+
 def first_token_latency(traces: Sequence[Trace]) -> float:
     """Seconds from submit to the first token of the first request."""
     return traces[0].times[0] - traces[0].submit

@@ -52,3 +52,14 @@ def test_blas_flag_takes_auto_none_or_a_library_and_refuses_the_rest(tmp_path, c
                           str(not_a_library)], capture_output=True, text=True, timeout=120)
     err = run.stderr.strip().splitlines()
     assert run.returncode == 2 and len(err) == 1 and "--blas: cannot load" in err[0], run.stderr
+
+
+def test_all_decoding_rate_leaves_out_what_came_before_every_request_decoded():
+    from tqserve.tools.bench import Trace, all_decoding_rate, burst_rate
+
+    early = Trace(times=[0.0, 1.0, 2.0, 3.0, 4.0], tokens=[1] * 5)  # decoding from t=0
+    late = Trace(times=[3.0, 4.0, 4.0, 4.0], tokens=[2] * 4)       # prefilled until t=3
+    # after t=3: early's token at 4.0, late's three at 4.0 (one verify step): 4 in 1 s
+    assert all_decoding_rate([early, late]) == 4.0
+    assert burst_rate([early, late]) == 7 / 4  # the window from the first token: 7 in 4 s
+    assert all_decoding_rate([Trace(times=[1.0], tokens=[1])]) == 0.0
