@@ -39,8 +39,9 @@ def test_switches_off_where_speculation_is_slower_and_stays_above_097() -> None:
     # speculation 25x slower per token (the H200 figure: 0.04x of plain)
     modes, seconds, tokens = drive(policy, 8, 2000, spec_tokens=2.0, spec_seconds=0.5,
                                    plain_seconds=0.01)
-    assert modes[:2] == [True, True] and modes[2:4] == [False, False]  # learns both
-    assert sum(modes[4:]) <= 2 * 2  # then explores at most ~1% of the time: a few tries
+    n = ThroughputSettings().min_samples
+    assert modes[:n] == [True] * n and modes[n:2 * n] == [False] * n  # learns both
+    assert sum(modes[2 * n:]) <= 2 * ThroughputSettings().explore_steps  # ~1%: a few tries
     plain_rate = 8 / 0.01
     # over a long run the exploration costs little; past the learning, >= 0.97x
     tail_modes, tail_seconds, tail_tokens = drive(policy, 8, 4000, 2.0, 0.5, 0.01)
