@@ -260,9 +260,10 @@ async def test_rank_0_books_the_other_ranks_disk_work(draft_model: Any, tmp_path
             small = SsdTier(ShardId(2, 0).directory(tmp_path), 5 * tier.entries()[0].num_bytes
                             // 2, expected_fingerprints=[fingerprint], shard=ShardId(2, 0),
                             validate_header=header_validator(NS, layout))
+            small_group = ShardGroup(leader, thread, small, 2)
             prefix = PrefixCache(namespace=NS, fingerprint=fingerprint, ram_budget=1 << 30,
                                  tier=small, flush="sync", runner_call=thread.call,
-                                 group=ShardGroup(leader, thread, small, 2))
+                                 group=small_group)
             await prefix.recover()
             for name in "GHI":
                 plan = prefix.decorate(StepPlan(join=(name,)), lambda rid: (*tokens[rid], 1))
@@ -273,6 +274,15 @@ async def test_rank_0_books_the_other_ranks_disk_work(draft_model: Any, tmp_path
                                  minimum_reusable_offset=0, num_bytes=1),))
                 shards.stage(result)  # (what rank 1's execute of this plan staged)
                 await prefix.absorb(plan, result)
+            # rank 1 removes an evicted key's file after its queued work, unacknowledged;
+            # a read of H queued after that removal is the barrier (its disk works in order)
+            mine = await trio.to_thread.run_sync(small.get, keys["H"])
+            await small_group.fetch(keys["H"])
+            assert await small_group.fetched(keys["H"], mine) is mine
+            header, planes = mine
+            await small_group.restore(keys["H"], "sH", str(header.extra["layer_kinds"]),
+                                      header.offset, header.minimum_reusable_offset,
+                                      {n: (p.data, p.shape, p.dtype) for n, p in planes.items()})
             assert files(tmp_path, 0) == files(tmp_path, 1) == {keys["H"], keys["I"]}
             assert prefix.statistics().ssd_entries == 2
         finally:
