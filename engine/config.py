@@ -103,17 +103,12 @@ def _num_speculative(inst: object, attr: attrs.Attribute, value: int) -> None:
         raise ValueError(f"{_flag(attr)} must be an integer in [1, 16], got {value!r}")
 
 
-def _warmup(inst: object, attr: attrs.Attribute, value: str) -> None:
-    if value not in WARMUP_CHOICES:
-        raise ValueError(f"--warmup must be one of {', '.join(WARMUP_CHOICES)}, got {value!r}")
+AUTO_CHOICES = ("auto", "on", "off")  # --warmup, --fast-decode (engine.model.auto_on_gpu)
 
 
-WARMUP_CHOICES = ("auto", "on", "off")
-
-
-def _fast_decode(inst: object, attr: attrs.Attribute, value: str) -> None:
-    if value not in WARMUP_CHOICES:
-        raise ValueError(f"--fast-decode must be one of {', '.join(WARMUP_CHOICES)}, "
+def _auto_on_off(inst: object, attr: attrs.Attribute, value: str) -> None:
+    if value not in AUTO_CHOICES:
+        raise ValueError(f"{_flag(attr)} must be one of {', '.join(AUTO_CHOICES)}, "
                          f"got {value!r}")
 
 
@@ -153,10 +148,10 @@ class Config:
     kv_group_size: int = attrs.field(default=64, validator=_kv_group_size)
     # Run every decode batch bucket once at start (engine.warmup): auto = on a GPU only,
     # where first shapes compile kernels; on the CPU there is nothing to compile.
-    warmup: str = attrs.field(default="auto", validator=_warmup)
+    warmup: str = attrs.field(default="auto", validator=_auto_on_off)
     # Decode fast path (engine.fastpath: fused q/k/v and gate/up weights, compiled decode
     # layers): auto = on a GPU only, where a step is host-bound; off with --distributed.
-    fast_decode: str = attrs.field(default="auto", validator=_fast_decode)
+    fast_decode: str = attrs.field(default="auto", validator=_auto_on_off)
     # Prefix cache (DESIGN.md 3.3): RAM tier budget; the SSD tier only with cache_dir.
     prefix_cache: bool = True
     ram_cache_bytes: int = attrs.field(default=1 << 30, validator=_non_negative)

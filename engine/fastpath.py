@@ -33,13 +33,13 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask
 
+from tqserve.engine.model import auto_on_gpu
+
 
 def wanted(setting: str, distributed: bool = False) -> bool:
     """Whether --fast-decode `setting` (auto | on | off) applies: auto on a GPU only, and
     never on a tensor-parallel rank (its projections are shards)."""
-    if distributed:
-        return False
-    return setting == "on" or (setting == "auto" and mx.default_device() != mx.cpu)
+    return not distributed and auto_on_gpu(setting)
 
 
 class _FusedLinear(nn.Module):

@@ -54,6 +54,12 @@ def resolve_dtype(requested: str) -> str:
     return "float32" if mx.default_device() == mx.cpu else "model"
 
 
+def auto_on_gpu(setting: str) -> bool:
+    """An `auto | on | off` setting (--warmup, --fast-decode) as a decision: `auto` means on
+    a GPU only, where first shapes compile kernels and a decode step is host-bound."""
+    return setting == "on" or (setting == "auto" and mx.default_device() != mx.cpu)
+
+
 def _file_digest(path: Path) -> str:
     h = hashlib.sha256()
     with path.open("rb") as f:

@@ -24,8 +24,8 @@ import time
 from typing import Callable
 
 import attrs
-import mlx.core as mx
 
+from tqserve.engine.model import auto_on_gpu
 from tqserve.engine.runner import Runner
 from tqserve.engine.sampling import SamplingParams
 from tqserve.engine.scheduler import SchedulerCore
@@ -47,7 +47,7 @@ class WarmupReport:
 
 def wanted(setting: str) -> bool:
     """Whether --warmup `setting` (auto | on | off) warms up here: auto on a GPU only."""
-    return setting == "on" or (setting == "auto" and mx.default_device() != mx.cpu)
+    return auto_on_gpu(setting)
 
 
 def batch_buckets(max_batch: int) -> tuple[int, ...]:

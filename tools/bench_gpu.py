@@ -79,24 +79,33 @@ def _config(loaded: Any, top: int, prompt_tokens: int, n: int,
                   prompt_tokens), max_tokens_cap=max(4096, n), prefix_cache=False, **extra)
 
 
+def _engine_model(loaded: Any, fast_decode: str) -> Any:
+    """The model the engine runs: with the fast decode path a fused copy (sharing every
+    other weight), so that mlx-lm keeps running the model as loaded."""
+    import attrs
+
+    from tqserve.engine import fastpath
+
+    if not fastpath.wanted(fast_decode):
+        return loaded
+    return attrs.evolve(loaded, model=fastpath.fuse_projections(loaded.model, copy=True)[0])
+
+
 async def _equality(path: str, dtype: str, count: int, prompt_tokens: int, n: int,
                     max_step_tokens: int | None, fast_decode: str = "auto") -> dict[str, Any]:
     """Greedy tokens of a real model: tqserve burst vs BatchGenerator and stream_generate
-    (mlx-lm on the model as loaded; the engine on a fused copy with the fast decode path)."""
+    (mlx-lm on the model as loaded, the engine on `_engine_model`)."""
     import attrs
 
     from tqserve.actors.engine import open_engine
-    from tqserve.engine import fastpath
     from tqserve.engine.model import DEFAULT_MODEL, load_model
 
     loaded = load_model(str(DEFAULT_MODEL) if path == "bundled" else path, dtype)
     loaded = attrs.evolve(loaded, eos_token_ids=frozenset())
     prompts = make_prompts(loaded.tokenizer, count, prompt_tokens)
-    ours = loaded
-    if fastpath.wanted(fast_decode):
-        ours = attrs.evolve(loaded, model=fastpath.fuse_projections(loaded.model, copy=True)[0])
     async with open_engine(_config(loaded, count, prompt_tokens, n, max_step_tokens,
-                                   fast_decode), loaded=ours) as engine:
+                                   fast_decode),
+                           loaded=_engine_model(loaded, fast_decode)) as engine:
         ours = [t.tokens for t in await tq_batch(engine, prompts, n)]
     batch = [t.tokens for t in mlx_batch(loaded, prompts, n)]
     single = mlx_stream(loaded, prompts[0], n)[0].tokens
@@ -108,22 +117,16 @@ async def _equality(path: str, dtype: str, count: int, prompt_tokens: int, n: in
 async def _measure(loaded: Any, levels: list[int], prompt_tokens: int, n: int,
                    repeats: int, max_step_tokens: int | None = None, fast_decode: str = "auto"
                    ) -> tuple[dict[str, Any], float]:
-    """Figures per concurrency level, and the seconds open_engine took (its warm-up).
-
-    With the fast decode path the engine gets a fused copy of the model (engine.fastpath,
-    sharing every other weight), so mlx-lm keeps running the model as loaded."""
+    """Figures per concurrency level, and the seconds open_engine took (its warm-up);
+    the engine runs `_engine_model`, mlx-lm the model as loaded."""
     import attrs
 
     from tqserve.actors.engine import open_engine
-    from tqserve.engine import fastpath
 
     top = max(levels)
     prompts = make_prompts(loaded.tokenizer, top, prompt_tokens)
     config = _config(loaded, top, prompt_tokens, n, max_step_tokens, fast_decode)
-    ours = loaded
-    if fastpath.wanted(fast_decode):
-        ours = attrs.evolve(loaded, model=fastpath.fuse_projections(loaded.model, copy=True)[0])
-    no_eos = attrs.evolve(ours, eos_token_ids=frozenset())
+    no_eos = attrs.evolve(_engine_model(loaded, fast_decode), eos_token_ids=frozenset())
     out: dict[str, Any] = {}
     start = time.perf_counter()
     async with open_engine(config, loaded=no_eos) as engine:

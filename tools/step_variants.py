@@ -164,12 +164,12 @@ def run_variants(shape: str | None, path: str | None, dtype: str, batches: Seque
     plain = lambda y, cache: model(y, cache=cache)  # noqa: E731
     results: dict[str, Any] = {}
     reference = _decode_logits(model, plain, prompt_array)
-    fused_done = False
-    for variant in variants:  # variants needing fused weights run after the plain ones
-        if variant in ("fused", "compiled", "runner_fast") and not fused_done:
+    compiled = None  # the compiled forward, once the weights are fused
+    for variant in sorted(variants, key=VARIANTS.index):  # the fused ones after the plain
+        if variant in ("fused", "compiled", "runner_fast") and compiled is None:
             model, _ = fastpath.fuse_projections(model)
-            fused_done = True
-            for name, fwd in (("fused", plain), ("compiled", fastpath.DecodeForward(model))):
+            compiled = fastpath.DecodeForward(model)  # one per model: traces are kept
+            for name, fwd in (("fused", plain), ("compiled", compiled)):
                 got = _decode_logits(model, fwd, prompt_array)
                 results[f"check_{name}"] = {
                     "max_abs_logit_diff": mx.abs(got - reference).max().item(),
@@ -187,7 +187,7 @@ def run_variants(shape: str | None, path: str | None, dtype: str, batches: Seque
                         continue
                     forward = plain
                     if variant == "compiled":
-                        forward = fastpath.DecodeForward(model)
+                        forward = compiled
                     elif variant == "mlx_upload":
                         forward = _uploading(model)
                     ms, build = _mlx_loop(model, forward, prompt_array, batch, warm, steps)

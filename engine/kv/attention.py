@@ -15,9 +15,10 @@ pair mlx-lm models pass on. `install_attention()` wraps mlx-lm's
 a Gemma-style KV-shared layer calls attention with its donor's (keys, values) and
 cache=None, and because the transform travels with the fetched object it still gets the
 rotated port. On MLX's CUDA backend affine-quantized caches go to `affine_sdpa` (mlx-lm's
-quantized attention has no kernel there), and short query blocks (speculative verify
-steps) to `short_block_attention` (`sdpa`: cuDNN builds a graph per shape); everything
-else goes to the original.
+quantized attention has no kernel there); other affine caches go to mlx-lm's own
+quantized attention, and plain K/V to `sdpa` (the fused op, as mlx-lm's own path, but
+short query blocks on MLX-CUDA, such as speculative verify steps, take
+`short_block_attention`: cuDNN builds a graph per shape).
 A delayed batch with plain and converted rows returns a `MixedRowsKV`: each group of rows
 is attended separately and the outputs are put back in batch order.
 
@@ -307,7 +308,7 @@ def _dispatching(original: Callable[..., mx.array]) -> Callable[..., mx.array]:
         if sinks is None and hasattr(cache, "bits") and isinstance(keys, tuple) and on_cuda():
             return affine_sdpa(queries, keys, values, scale, mask, cache.group_size,
                                cache.bits)
-        if not hasattr(cache, "bits") and 1 < queries.shape[2] <= SHORT_BLOCK and on_cuda():
+        if not hasattr(cache, "bits"):  # mlx-lm's own path for these: the fused op
             return sdpa(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
         return original(queries, keys, values, cache=cache, scale=scale, mask=mask,
                         sinks=sinks)
