@@ -6,12 +6,21 @@ model, so that the fingerprint and the dtype policy are the same everywhere.
 dtype `auto` resolves to float32 on MLX's CPU backend (its bf16/fp16 and quantized
 matmuls are several times slower than float32 there) and to the model's own
 dtype on a GPU (Metal or CUDA).
+
+float32 on MLX's CUDA backend: MLX runs float32 matmuls as TF32 unless the environment
+variable MLX_ENABLE_TF32 is 0, which it reads once, at its first float32 matmul. TF32
+keeps 10 mantissa bits, so a row's projections differ with its batch's size by ~1e-3,
+enough to move a TurboQuant or affine KV code and then a token. A float32 model is
+loaded with MLX_ENABLE_TF32=0 unless the user set it (`keep_float32_exact`); where MLX
+had read it already, one warning says so.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +32,8 @@ from mlx_lm.utils import load as mlx_lm_load
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "models" / "pycoder-draft-4m"
 _CHUNK = 1 << 20
+TF32_ENV = "MLX_ENABLE_TF32"
+logger = logging.getLogger(__name__)
 
 
 class ModelLoadError(ValueError):
@@ -107,6 +118,24 @@ def _head_dims(model: Any) -> tuple[int, ...]:
     return tuple(dims)
 
 
+def keep_float32_exact() -> bool:
+    """Ask MLX-CUDA for full-precision float32 matmuls (MLX_ENABLE_TF32=0 unless set) and
+    check it with one 16x16 matmul whose exact sum TF32 cannot hold; False, with a
+    warning, where float32 matmuls still run as TF32. True off CUDA (no TF32 there)."""
+    cuda = getattr(mx, "cuda", None)
+    if cuda is None or not cuda.is_available() or mx.default_device() != mx.gpu:
+        return True
+    os.environ.setdefault(TF32_ENV, "0")
+    ones = mx.ones((16, 16), dtype=mx.float32)
+    exact = ((ones * (1 + 2.0 ** -20)) @ ones)[0, 0].item() == 16 + 2.0 ** -16
+    if not exact:
+        logger.warning("float32 matmuls run as TF32 on this GPU (%s=%s, read by MLX before "
+                       "the model loaded): batched rows may differ from single rows; start "
+                       "the process with %s=0 for exact float32", TF32_ENV,
+                       os.environ.get(TF32_ENV), TF32_ENV)
+    return exact
+
+
 def load_model(model: str | Path = DEFAULT_MODEL, dtype: str = "auto") -> LoadedModel:
     """Load a model directory or hub id and apply the dtype policy."""
     path = _resolve_path(model)
@@ -120,6 +149,8 @@ def load_model(model: str | Path = DEFAULT_MODEL, dtype: str = "auto") -> Loaded
         resolved = str(first_weight.dtype).split(".")[-1]
     else:
         net.set_dtype(getattr(mx, resolved))
+    if resolved == "float32":
+        keep_float32_exact()
     mx.eval(net.parameters())
     config = json.loads((path / "config.json").read_text())
     eos = set(tokenizer.eos_token_ids or [])

@@ -53,6 +53,7 @@ from tqserve.engine.kv import cuda_decode
 FUSED_DECODE_ENV = "TQSERVE_TURBOQUANT_FUSED_DECODE"
 _ORIGINAL = "_tqserve_original"
 _NAME = "scaled_dot_product_attention"
+_MASKED = mx.finfo(mx.float32).min  # a masked score, as the fused op's (short_block_attention)
 
 
 def fused_decode_from_env() -> bool:
@@ -152,7 +153,7 @@ def _fused_decode(k_bits: int, v_bits: int) -> Callable[..., mx.array]:
         scores = q @ keys.swapaxes(-1, -2)
         positions = mx.arange(key_codes.shape[2])
         valid = (positions >= start[:, None]) & (positions < end[:, None])
-        scores = mx.where(valid[:, None, None, :], scores, mx.finfo(mx.float32).min)
+        scores = mx.where(valid[:, None, None, :], scores, _MASKED)
         return mx.softmax(scores, axis=-1, precise=True) @ values
 
     return mx.compile(attend)
@@ -191,7 +192,13 @@ def short_block_attention(queries: mx.array, keys: mx.array, values: mx.array, s
                           mask: Any) -> mx.array:
     """Attention of L query positions (the LAST L of the key span, as in a cache) with
     plain ops: GQA by reshaping the queries per KV head, `mask` None, "causal", boolean
-    (True = attend) or additive, softmax in float32."""
+    (True = attend) or additive, softmax in float32.
+
+    A masked-out score is the float32 minimum, not -inf, as in the fused op: a query
+    position with every key masked (a left-padding position of a batched prefill) then
+    attends uniformly and stays finite. With -inf its softmax is NaN, the next layer
+    stores NaN K/V at the padding positions, and 0 * NaN poisons every real position of
+    that row (the MLX-CUDA batched-prefill defect: first tokens of unequal prompts wrong)."""
     batch, num_heads, length, head_dim = queries.shape
     num_kv_heads, span = keys.shape[1], keys.shape[2]
     groups = num_heads // num_kv_heads
@@ -201,10 +208,10 @@ def short_block_attention(queries: mx.array, keys: mx.array, values: mx.array, s
         if mask != "causal":
             raise ValueError(f"unknown attention mask {mask!r}")
         allowed = (mx.arange(span)[None] <= (span - length + mx.arange(length))[:, None])
-        scores = mx.where(allowed, scores, -mx.inf)
+        scores = mx.where(allowed, scores, _MASKED)
     elif mask is not None:
         m = mask.reshape(mask.shape[0], -1, 1, *mask.shape[-2:]) if mask.ndim == 4 else mask
-        scores = mx.where(m, scores, -mx.inf) if m.dtype == mx.bool_ else scores + m
+        scores = mx.where(m, scores, _MASKED) if m.dtype == mx.bool_ else scores + m
     probs = mx.softmax(scores, axis=-1).astype(values.dtype)
     out = probs @ values[:, :, None]                                        # (B, Hkv, G, L, D)
     return out.reshape(batch, num_heads, length, values.shape[-1])

@@ -52,3 +52,40 @@ async def test_burst_of_16_unequal_prompts(draft_model):
     # it can only be late: an upper bound is what is asserted.)
     bound = -(-BURST * (max(lengths) - 1) // (BUDGET - 2 * BURST)) + 3
     assert max(first_step) <= bound, (first_step, lengths, bound)
+
+
+
+def test_unequal_group_through_the_cuda_attention_routing(draft_model, monkeypatch):
+    """MLX-CUDA sends prefill blocks of 2..32 positions to short_block_attention (forced
+    here on the CPU). Its left-padding rows once went NaN, and through 0 * NaN every padded
+    row of the group with them: the first tokens of unequal prompts sent together were
+    wrong (issue 19: 3 of 8 right on the H200). One prefill group of the engine's own
+    PrefillGroups, then each row's next-token logits against the row alone."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from tqserve.engine.kv import attention
+    from tqserve.engine.prefill import PrefillGroups
+    from tqserve.engine.scheduler import PrefillChunk
+
+    monkeypatch.setattr(attention, "on_cuda", lambda: True)
+    attention.install_attention()
+    model = draft_model.model
+    prompts = [tuple(draft_model.tokenizer.encode(p)) for p in PROMPTS[:6]]
+    width = max(map(len, prompts)) - 1
+    assert width <= attention.SHORT_BLOCK and len({len(p) for p in prompts}) >= 5
+    groups = PrefillGroups(model)
+    for k, p in enumerate(prompts):
+        groups.add(f"r{k}", 1, width - (len(p) - 1), make_prompt_cache(model))
+    groups.run([PrefillChunk(request_id=f"r{k}", start=0, end=len(p) - 1, group=1,
+                             columns=width) for k, p in enumerate(prompts)],
+               {f"r{k}": p for k, p in enumerate(prompts)})
+    rows, cache = groups.take("r0")
+    order = [int(r[1:]) for r in rows]
+    # the group's cache, padding kept, decodes every row's first token (as the engine's
+    # decode batch does after the group joins)
+    batch = model(mx.array([[prompts[k][-1]] for k in order]), cache=cache)[:, -1]
+    for i, k in enumerate(order):
+        want = model(mx.array(prompts[k])[None], cache=make_prompt_cache(model))[0, -1]
+        assert not mx.isnan(batch[i]).any().item(), k
+        assert mx.allclose(batch[i], want, atol=1e-4).item(), k

@@ -318,3 +318,27 @@ def test_short_block_attention_equals_the_fused_op(mask_kind, length):
     got = short_block_attention(q, k, v, 0.125, mask)
     assert got.shape == want.shape
     assert mx.allclose(got, want, atol=1e-5).item()
+
+
+@pytest.mark.parametrize("length", [3, 12])
+def test_short_block_attention_stays_finite_on_left_padding(length):
+    """A left-padded prefill block: the padding rows' query positions see no key at all.
+    The fused op (boolean mask) attends uniformly there; so must the short-block path,
+    else NaN reaches the next layer's padding K/V and, through 0 * NaN, the real rows
+    (issue 19: the MLX-CUDA batched prefill of unequal prompts)."""
+    from mlx_lm.models.cache import BatchKVCache
+
+    from tqserve.engine.kv.attention import short_block_attention
+
+    mx.random.seed(4)
+    pads = [0, length - 1, 2]
+    cache = BatchKVCache(pads)
+    k = mx.random.normal((3, 2, length, 32))
+    v = mx.random.normal((3, 2, length, 32))
+    q = mx.random.normal((3, 4, length, 32))
+    mask = cache.make_mask(length)
+    keys, values = cache.update_and_fetch(k, v)
+    want = mx.fast.scaled_dot_product_attention(q, keys, values, scale=0.2, mask=mask)
+    got = short_block_attention(q, keys, values, 0.2, mask)
+    assert not mx.isnan(got).any().item()
+    assert mx.allclose(got, want, atol=1e-5).item()
