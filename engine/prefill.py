@@ -48,6 +48,29 @@ def _batch_of(fresh: Sequence[list[Any]], pads: list[int]) -> list[Any]:
     return out
 
 
+def _keep_rows(cache: Any, keep: list[int]) -> None:
+    """Keep rows `keep` of a group's batch cache. mlx-lm's BatchKVCache.filter shifts away
+    the padding its rows share even past what is written: when every row left is still
+    inside its padding (the longest row cancelled early) it dropped positions that do not
+    exist and the next chunk's attention failed to broadcast. Here the shift stops at the
+    write index, as engine.kv's own caches do (KvTensorRows.shared_padding); the layout
+    the scheduler plans the group's columns from is unchanged either way."""
+    if type(cache) is not BatchKVCache:
+        cache.filter(keep)
+        return
+    index = mx.array(keep, dtype=mx.int32)
+    if cache.keys is not None:
+        cache.keys, cache.values = cache.keys[index], cache.values[index]
+    cache.offset = cache.offset[index]
+    cache.left_padding = cache.left_padding[index]
+    shared = min(min(cache.left_padding.tolist()), cache._idx)
+    if shared > 0:
+        cache.keys = cache.keys[..., shared:, :]
+        cache.values = cache.values[..., shared:, :]
+        cache._idx -= shared
+        cache.left_padding -= shared
+
+
 def _arrays(tree: Any) -> list[mx.array]:
     """Every array inside nested tuples/lists (cache states mix arrays and scalars)."""
     if isinstance(tree, mx.array):
@@ -100,7 +123,7 @@ class PrefillGroups:
                 del self._groups[group_id]
             elif group.cache is not None:
                 for c in group.cache:
-                    c.filter(keep)
+                    _keep_rows(c, keep)
 
     def run(self, chunks: Sequence[PrefillChunk], prompts: dict[str, tuple[int, ...]]) -> int:
         """One forward per group for this step's chunks of batched groups; returns the

@@ -279,6 +279,7 @@ class BatchedDelayedTurboQuantKVCache(_BaseCache):
         self.minimum_reusable_offsets = [self.minimum_reusable_offsets[i] for i in keep]
         shared = min(self._per_row(self.plain.left_padding, self.quantized.rows.left_padding),
                      default=0)
+        shared = min(shared, self.plain.idx, self.quantized.rows.idx)  # written positions only
         self.plain.unpad(shared)
         self.quantized.rows.unpad(shared)
 

@@ -189,11 +189,17 @@ class KvTensorRows:
     def filter(self, keep: Sequence[int]) -> None:
         """Keep rows `keep` in that order, then shift away the padding they all share."""
         self.take(keep)
-        self.unpad(min(self._left_padding, default=0))
+        self.unpad(self.shared_padding())
+
+    def shared_padding(self) -> int:
+        """Leading positions that are written and padding in every row: what `unpad` may
+        drop. A prefill group's rows may all still be inside their padding (their first
+        prompt token not yet written), so it is capped at the write index."""
+        return min(min(self._left_padding, default=0), self._idx)
 
     def unpad(self, shared: int) -> None:
         """Drop the first `shared` positions, padding in every row (0 <= shared <= padding)."""
-        if shared < 0 or shared > min(self._left_padding, default=self._idx):
+        if shared < 0 or shared > min(min(self._left_padding, default=self._idx), self._idx):
             raise ValueError(f"cannot drop {shared} positions of padding {self._left_padding}")
         if shared == 0:
             return
