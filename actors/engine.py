@@ -66,6 +66,7 @@ import functools
 import itertools
 import logging
 import uuid
+import weakref
 from collections import Counter
 from contextlib import asynccontextmanager
 from typing import AsyncIterator, Callable, Mapping
@@ -102,7 +103,8 @@ from tqserve.engine.request import GenerateRequest
 from tqserve.engine.runner import Runner
 from tqserve.engine.scheduler import SchedulerCore
 from tqserve.engine.snapshot import PlaneLayout
-from tqserve.engine.structured import GrammarMasks
+from tqserve.engine.structured import (BigStackExecutor, GrammarMasks, ResponseFormat,
+                                       compile_format)
 from tqserve.engine.warmup import wanted, warm_up
 from tqserve.storage import SsdTier
 from tqserve.storage.shard import ShardId
@@ -119,6 +121,11 @@ CACHE_OWNER_MAILBOX = 64  # leases/releases of one step; the owner only does boo
 # ones on a worker thread, so that one large prompt never stalls every other stream.
 TOKENIZE_INLINE_CHARS = 4096
 SHUTDOWN_GRACE = 5.0  # seconds ended requests' consumers get to read their final Done
+# Untrusted response_formats compile on these threads (engine.structured.worker): two, so
+# that one slow grammar does not hold up every other structured request; a compile
+# longer than this is refused (the formats' size limits keep real ones under ~0.2 s).
+COMPILE_THREADS = 2
+GRAMMAR_COMPILE_SECONDS = 10.0
 
 
 @attrs.frozen(kw_only=True)
@@ -168,6 +175,8 @@ class Engine:
         self.group_failed = GroupFailed()  # --distributed: set when the group failed
         self._rejections: Counter[str] = Counter()  # refused before reaching admission
         self._speculation = speculation  # the speculation actor's books (same trio thread)
+        self._compiler = BigStackExecutor(COMPILE_THREADS, "tqserve-grammar-compile")
+        weakref.finalize(self, self._compiler.shutdown, wait=False)
 
     def note_rejection(self, code: str) -> None:
         """Count a request refused outside the engine (e.g. a bad frame at the API)."""
@@ -205,6 +214,31 @@ class Engine:
             raise ValueError(f"max_tokens must be <= {self.config.max_tokens_cap} (the "
                              f"server's --max-tokens-cap), got {request.params.max_tokens}")
         return tokens
+
+    async def compile_constraint(self, request: GenerateRequest) -> ResponseFormat | None:
+        """llguidance's compile of the request's checked response_format, on a large-stack
+        worker thread, never on the event loop (a native stack overflow there killed the
+        server: issue 20); ValueError naming the field, or the time limit."""
+        if request.constraint is None:
+            return None
+        future = self._compiler.submit(compile_format, request.constraint)
+        token = trio.lowlevel.current_trio_token()
+        done = trio.Event()
+
+        def wake(_: object) -> None:
+            try:
+                token.run_sync_soon(done.set)
+            except trio.RunFinishedError:
+                pass
+
+        future.add_done_callback(wake)
+        with trio.move_on_after(GRAMMAR_COMPILE_SECONDS):
+            await done.wait()
+        if not future.done():
+            future.cancel()
+            raise ValueError(f"response_format took more than {GRAMMAR_COMPILE_SECONDS:g} s "
+                             "to compile (the server's limit)")
+        return future.result()
 
     def generate(self, request: GenerateRequest, request_id: str | None = None) -> Generation:
         """The request's events as an async iterable: Queued, Token..., then Done or Error.

@@ -92,6 +92,7 @@ class EventStream:
             if not rid.isprintable() or len(rid.encode("utf-8", "strict")) > 512:
                 raise ValueError("request id must be printable text of at most 512 bytes")
             tokens = await engine.validate(self._request)
+            constraint = await engine.compile_constraint(self._request)
         except (ValueError, UnicodeError) as exc:
             self._ended = True
             engine.note_rejection("invalid_request")
@@ -106,7 +107,7 @@ class EventStream:
         try:
             engine.submit_nowait(Submit(request_id=self._internal, prompt_tokens=tokens,
                                         params=self._request.params,
-                                        response_format=self._request.constraint,
+                                        response_format=constraint,
                                         speculative=self._request.speculative))
         except trio.WouldBlock:
             self._end(cancel=False)

@@ -7,8 +7,10 @@ followed by "assistant: ", which is written down here so that clients know.
 
 `response_format` (optional) constrains the output: OpenAI's `json_schema` and
 `json_object` shapes, or our `regex` and `grammar` (Lark) forms; see
-`engine.structured.formats`. It is validated at construction (a `ResponseFormatError`,
-a ValueError, naming the field path) and its checked grammar is `request.constraint`.
+`engine.structured.formats`. Its shape and size are checked at construction (a
+`ResponseFormatError`, a ValueError, naming the field path), giving `request.constraint`
+(a FormatSource); the engine compiles it with llguidance off the event loop, on a
+large-stack worker thread, when the request is submitted.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import attrs
 
 from tqserve.engine.sampling import MAX_TOKEN_ID, SamplingParams
 from tqserve.engine.speculative.policy import SpecChoice, parse_speculative
-from tqserve.engine.structured import ResponseFormat, validate_response_format
+from tqserve.engine.structured import FormatSource, check_response_format
 
 ROLES = ("system", "user", "assistant", "tool")
 
@@ -66,7 +68,7 @@ class GenerateRequest:
     # speculation: {"method", "num_tokens"}, false, or null (the server's default)
     speculative: SpecChoice | bool | None = attrs.field(default=None,
                                                         converter=parse_speculative)
-    constraint: ResponseFormat | None = attrs.field(init=False, eq=False, repr=False)
+    constraint: FormatSource | None = attrs.field(init=False, eq=False, repr=False)
 
     def __attrs_post_init__(self) -> None:
         given = [n for n in ("prompt", "prompt_tokens", "messages") if getattr(self, n) is not None]
@@ -74,7 +76,7 @@ class GenerateRequest:
             raise ValueError("give exactly one of prompt, prompt_tokens or messages")
         if self.prompt == "":
             raise ValueError("prompt must not be empty")
-        object.__setattr__(self, "constraint", validate_response_format(self.response_format))
+        object.__setattr__(self, "constraint", check_response_format(self.response_format))
 
     @property
     def num_chars(self) -> int:

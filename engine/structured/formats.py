@@ -9,10 +9,15 @@ Accepted shapes (OpenAI's, plus two of ours):
     {"type": "grammar", "lark": str}           a Lark grammar (llguidance's dialect)
     {"type": "text"}  or  null                 no constraint
 
-The library is llguidance: the grammar it compiles here is checked with
-`LLMatcher.validate_grammar_with_warnings`, so a schema, regex or grammar it rejects is
-a `ResponseFormatError` (a ValueError) naming the field path and the library's reason,
-before any row exists. JSON is generated compactly (`", "` and `": "` separators, no other
+Two stages. `check_response_format` checks the shape and the size in Python, cheaply and
+without recursion (at most MAX_GRAMMAR_RULES Lark rules, MAX_SCHEMA_DEFS schema
+definitions, MAX_NESTING levels of nesting: past them llguidance's native compilers
+overflow a thread's stack, issue 20), giving a `FormatSource`. `compile_format` runs
+llguidance on it: the grammar is checked with `LLMatcher.validate_grammar_with_warnings`,
+so a schema, regex or grammar it rejects is a `ResponseFormatError` (a ValueError) naming
+the field path and the library's reason, before any row exists. Untrusted input is
+compiled on a `worker.BigStackExecutor` thread, never on the event loop (actors.engine);
+`validate_response_format` does both stages where it is called. JSON is generated compactly (`", "` and `": "` separators, no other
 whitespace) so that outputs end; a schema's own `"x-guidance"` options override that.
 `strict: true` refuses schema keywords the library does not implement; otherwise such
 keywords are ignored, as OpenAI's non-strict mode does (and not enforced).
@@ -21,6 +26,8 @@ keywords are ignored, as OpenAI's non-strict mode does (and not enforced).
 from __future__ import annotations
 
 from typing import Any
+
+import re
 
 import attrs
 import llguidance
@@ -32,6 +39,14 @@ _FIELDS = {"json_schema": frozenset(("type", "json_schema")), "json_object": fro
            "regex": frozenset(("type", "pattern")), "grammar": frozenset(("type", "lark")),
            "text": frozenset(("type",))}
 MAX_NAME_LENGTH = 64
+# Bounds on what one response_format may hold (issue 20: a 3,000-rule Lark chain and a
+# 1,000-$defs chain overflowed an 8 MiB native stack; on the 64 MiB stacks of
+# worker.BigStackExecutor 3,000 of either compile, in 0.05 and 0.2 s).
+MAX_GRAMMAR_RULES = 1000
+MAX_SCHEMA_DEFS = 1000
+MAX_NESTING = 100  # JSON levels of a schema; brackets of a Lark grammar
+MAX_REGEX_CHARS = 16384  # the regex crate bounds its own nesting (250) and program size
+_RULE = re.compile(r"\s*[?!]?[A-Za-z_][A-Za-z_0-9]*(\.-?\d+)?\s*:")
 
 
 class ResponseFormatError(ValueError):
@@ -66,7 +81,17 @@ def _checked(grammar: str, path: str) -> str:
     return grammar
 
 
-def _json_schema(spec: Any) -> str:
+@attrs.frozen(kw_only=True)
+class FormatSource:
+    """A response_format checked for shape and size, not yet compiled: its kind and what
+    llguidance compiles (a JSON schema with its strictness, a regex or a Lark grammar)."""
+
+    kind: str = attrs.field(validator=attrs.validators.in_(KINDS[:-1]))
+    source: Any = None
+    strict: bool = False
+
+
+def _schema_spec(spec: Any) -> tuple[dict[str, Any], bool]:
     path = "response_format.json_schema"
     if not isinstance(spec, dict):
         raise _fail(path, "must be an object with a 'schema'")
@@ -84,19 +109,64 @@ def _json_schema(spec: Any) -> str:
     schema = spec.get("schema")
     if not isinstance(schema, dict):
         raise _fail(f"{path}.schema", "must be a JSON schema object")
-    defaults = {**_JSON_DEFAULTS, "lenient": not strict}
-    try:
-        grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=defaults)
-    except (ValueError, TypeError) as exc:
-        raise _fail(f"{path}.schema", f"is not valid JSON: {exc}") from None
-    return _checked(grammar, f"{path}.schema")
+    _check_schema_size(schema, f"{path}.schema")
+    return schema, bool(strict)
 
 
-def validate_response_format(obj: Any) -> ResponseFormat | None:
-    """Validate a `response_format` value; None means unconstrained (null or type text).
+def _check_schema_size(schema: dict[str, Any], path: str) -> None:
+    """At most MAX_NESTING levels and MAX_SCHEMA_DEFS definitions ($defs, definitions),
+    walked iteratively (a deep document must not recurse here either)."""
+    stack: list[tuple[Any, int]] = [(schema, 1)]
+    num_defs = 0
+    while stack:
+        node, depth = stack.pop()
+        if depth > MAX_NESTING:
+            raise _fail(path, f"nests deeper than {MAX_NESTING} levels (the server's limit)")
+        if isinstance(node, dict):
+            for key in ("$defs", "definitions"):
+                if isinstance(node.get(key), dict):
+                    num_defs += len(node[key])
+            if num_defs > MAX_SCHEMA_DEFS:
+                raise _fail(path, f"holds more than {MAX_SCHEMA_DEFS} definitions ($defs) "
+                                  "(the server's limit)")
+            stack.extend((v, depth + 1) for v in node.values())
+        elif isinstance(node, list):
+            stack.extend((v, depth + 1) for v in node)
 
-    Raises ResponseFormatError naming the field path for anything invalid, including a
-    schema, regex or grammar that llguidance rejects."""
+
+def _check_lark_size(lark: str, path: str) -> None:
+    """At most MAX_GRAMMAR_RULES rule definitions and MAX_NESTING open brackets outside
+    string and regex literals."""
+    rules = sum(1 for line in lark.splitlines() if _RULE.match(line))
+    if rules > MAX_GRAMMAR_RULES:
+        raise _fail(path, f"defines {rules} rules, more than {MAX_GRAMMAR_RULES} (the server's "
+                          "limit)")
+    depth = deepest = 0
+    quote = None
+    escaped = False
+    for ch in lark:
+        if quote is not None:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == quote or ch == "\n":
+                quote = None
+        elif ch in "\"/":
+            quote = ch
+        elif ch in "([{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif ch in ")]}":
+            depth -= 1
+    if deepest > MAX_NESTING:
+        raise _fail(path, f"nests brackets deeper than {MAX_NESTING} levels (the server's "
+                          "limit)")
+
+
+def check_response_format(obj: Any) -> FormatSource | None:
+    """Check a `response_format` value's shape and size; None means unconstrained (null
+    or type text). Raises ResponseFormatError naming the field path. No llguidance here."""
     if obj is None:
         return None
     if not isinstance(obj, dict):
@@ -111,15 +181,47 @@ def validate_response_format(obj: Any) -> ResponseFormat | None:
     if kind == "text":
         return None
     if kind == "json_schema":
-        grammar = _json_schema(obj.get("json_schema"))
-    elif kind == "json_object":
+        schema, strict = _schema_spec(obj.get("json_schema"))
+        return FormatSource(kind=kind, source=schema, strict=strict)
+    if kind == "json_object":
+        return FormatSource(kind=kind)
+    if kind == "regex":
+        pattern = _string(obj, "pattern", "response_format")
+        if len(pattern) > MAX_REGEX_CHARS:
+            raise _fail("response_format.pattern",
+                        f"is longer than {MAX_REGEX_CHARS} characters (the server's limit)")
+        return FormatSource(kind=kind, source=pattern)
+    lark = _string(obj, "lark", "response_format")
+    _check_lark_size(lark, "response_format.lark")
+    return FormatSource(kind=kind, source=lark)
+
+
+def compile_format(src: FormatSource) -> ResponseFormat:
+    """The llguidance grammar of a checked response_format; ResponseFormatError naming the
+    field if the library rejects it. Call it on a BigStackExecutor thread for untrusted
+    input (the module doc)."""
+    if src.kind == "json_schema":
+        path = "response_format.json_schema.schema"
+        defaults = {**_JSON_DEFAULTS, "lenient": not src.strict}
+        try:
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(src.source, defaults=defaults)
+        except (ValueError, TypeError) as exc:
+            raise _fail(path, f"is not valid JSON: {exc}") from None
+        grammar = _checked(grammar, path)
+    elif src.kind == "json_object":
         grammar = llguidance.LLMatcher.grammar_from_json_schema(
             {"type": "object"}, defaults=_JSON_DEFAULTS)
-    elif kind == "regex":
-        pattern = _string(obj, "pattern", "response_format")
-        grammar = _checked(llguidance.LLMatcher.grammar_from_regex(pattern),
+    elif src.kind == "regex":
+        grammar = _checked(llguidance.LLMatcher.grammar_from_regex(src.source),
                            "response_format.pattern")
     else:
-        lark = _string(obj, "lark", "response_format")
-        grammar = _checked(llguidance.LLMatcher.grammar_from_lark(lark), "response_format.lark")
-    return ResponseFormat(kind=kind, grammar=grammar)
+        grammar = _checked(llguidance.LLMatcher.grammar_from_lark(src.source),
+                           "response_format.lark")
+    return ResponseFormat(kind=src.kind, grammar=grammar)
+
+
+def validate_response_format(obj: Any) -> ResponseFormat | None:
+    """Check and compile a `response_format` on the calling thread (trusted input, tests,
+    tools); None means unconstrained. Raises ResponseFormatError naming the field path."""
+    src = check_response_format(obj)
+    return compile_format(src) if src is not None else None

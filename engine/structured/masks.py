@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 import time
 import weakref
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any, Callable, Iterable, Sequence
 
 import attrs
@@ -35,6 +35,7 @@ import llguidance
 import numpy as np
 
 from tqserve.engine.structured.formats import ResponseFormat
+from tqserve.engine.structured.worker import BigStackExecutor
 
 log = logging.getLogger("tqserve.grammar")
 
@@ -74,7 +75,8 @@ class GrammarMasks:
         self.num_words = (vocab_size + 31) // 32
         self._eos = sorted(eos_token_ids)
         self._tokenizer: llguidance.LLTokenizer | None = None
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tqserve-grammar")
+        # llguidance compiles each row's grammar here again: a large stack (worker.py)
+        self._pool = BigStackExecutor(1, "tqserve-grammar")
         weakref.finalize(self, self._pool.shutdown, wait=False)
         self.counters = _Counters()
 

@@ -9,7 +9,8 @@ import pytest
 from tqserve.api.protocol import ProtocolError, parse_command
 from tqserve.engine.request import GenerateRequest
 from tqserve.engine.sampling import RowSampler, SamplingParams, apply_token_masks, sample_rows
-from tqserve.engine.structured import ResponseFormat, ResponseFormatError, validate_response_format
+from tqserve.engine.structured import (ResponseFormat, ResponseFormatError, compile_format,
+                                       validate_response_format)
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
 
@@ -81,12 +82,18 @@ def test_non_strict_schema_ignores_unknown_formats():
     assert validate_response_format(obj).kind == "json_schema"
 
 
-def test_generate_request_validates_at_construction():
+def test_generate_request_checks_at_construction_and_compiles_later():
+    """Shape and size are checked when the request is built; llguidance's compile (which
+    the engine runs on a large-stack worker thread at submit) names the field too."""
     req = GenerateRequest(prompt="x", response_format={"type": "regex", "pattern": "a+"})
     assert req.constraint is not None and req.constraint.kind == "regex"
+    assert compile_format(req.constraint).kind == "regex"
     assert GenerateRequest(prompt="x").constraint is None
     with pytest.raises(ResponseFormatError, match="response_format.pattern"):
-        GenerateRequest(prompt="x", response_format={"type": "regex", "pattern": "("})
+        GenerateRequest(prompt="x", response_format={"type": "regex", "pattern": 5})
+    late = GenerateRequest(prompt="x", response_format={"type": "regex", "pattern": "("})
+    with pytest.raises(ResponseFormatError, match="response_format.pattern"):
+        compile_format(late.constraint)
 
 
 def test_websocket_command_carries_or_refuses_response_format():
@@ -94,7 +101,7 @@ def test_websocket_command_carries_or_refuses_response_format():
              "response_format": {"type": "json_object"}}
     cmd = parse_command(frame, 16)
     assert cmd.request.constraint.kind == "json_object"
-    frame["response_format"] = {"type": "regex", "pattern": "(a"}
+    frame["response_format"] = {"type": "regex", "pattern": ["(a"]}
     with pytest.raises(ProtocolError) as info:
         parse_command(frame, 16)
     assert info.value.code == "invalid_request" and info.value.request_id == "r"
@@ -120,3 +127,42 @@ def test_all_ones_masks_leave_logits_bit_equal_and_masks_force_tokens():
     # logprobs come from the raw distribution, not the masked one
     assert sampled.logprobs[1] == pytest.approx(raw[1, 69].item(), abs=1e-6)
     assert sampled.top_logprobs[1][0][0] == int(mx.argmax(logits[1]).item())
+
+
+def test_size_limits_are_checked_without_llguidance():
+    from tqserve.engine.structured import check_response_format
+    from tqserve.engine.structured.formats import (MAX_GRAMMAR_RULES, MAX_NESTING,
+                                                   MAX_REGEX_CHARS, MAX_SCHEMA_DEFS)
+
+    rules = "\n".join(["start: r0"] + [f'r{i}: "a" r{i + 1}?' for i in range(MAX_GRAMMAR_RULES)])
+    with pytest.raises(ResponseFormatError, match=r"response_format.lark defines 1002 rules"):
+        check_response_format({"type": "grammar", "lark": rules + '\nr1000: "b"'})
+    deep: dict = {"type": "string"}
+    for _ in range(MAX_NESTING):
+        deep = {"anyOf": [deep]}
+    with pytest.raises(ResponseFormatError, match="json_schema.schema nests deeper than 100"):
+        check_response_format({"type": "json_schema", "json_schema": {"schema": deep}})
+    defs = {f"d{i}": {"type": "string"} for i in range(MAX_SCHEMA_DEFS + 1)}
+    with pytest.raises(ResponseFormatError, match=r"more than 1000 definitions \(\$defs\)"):
+        check_response_format({"type": "json_schema", "json_schema": {
+            "schema": {"type": "object", "definitions": defs}}})
+    with pytest.raises(ResponseFormatError, match="pattern is longer than"):
+        check_response_format({"type": "regex", "pattern": "a" * (MAX_REGEX_CHARS + 1)})
+    # brackets inside string and regex literals are not nesting
+    text = 'start: "(((" /[(]+/ ' + "(" * 50 + '"x"' + ")" * 50
+    assert check_response_format({"type": "grammar", "lark": text}).kind == "grammar"
+
+
+def test_a_large_stack_worker_compiles_what_an_8_mib_stack_cannot():
+    """3,000 chained rules crash llguidance's compiler on a default thread (SIGSEGV); the
+    limits refuse them from requests, and the workers' stacks hold them anyway."""
+    from tqserve.engine.structured import BigStackExecutor, FormatSource
+
+    lark = "\n".join(["start: r0"] + [f'r{i}: "t{i}" r{i + 1}?' for i in range(3000)]
+                     + ['r3000: "e"'])
+    pool = BigStackExecutor(1, "test-grammar")
+    try:
+        fmt = pool.submit(compile_format, FormatSource(kind="grammar", source=lark)).result()
+    finally:
+        pool.shutdown()
+    assert fmt.kind == "grammar" and "r2999" in fmt.grammar  # validated, not refused
