@@ -103,6 +103,7 @@ from tqserve.engine.request import GenerateRequest
 from tqserve.engine.runner import Runner
 from tqserve.engine.scheduler import SchedulerCore
 from tqserve.engine.snapshot import PlaneLayout
+from tqserve.engine.memory import kv_budget, kv_bytes_per_position
 from tqserve.engine.structured import (BigStackExecutor, GrammarMasks, ResponseFormat,
                                        compile_format)
 from tqserve.engine.warmup import wanted, warm_up
@@ -148,6 +149,8 @@ class EngineStatistics:
     dtype: str
     prefix_cache: PrefixCacheStatistics | None
     speculative: SpeculationStatistics | None = None  # with --speculative / --draft-model
+    kv_budget_bytes: int = 0    # engine.kv_budget: what admitted rows may hold together
+    kv_charged_bytes: int = 0   # what the running rows are charged for their whole lives
 
 
 class Engine:
@@ -206,6 +209,7 @@ class Engine:
         bad = next((t for t in tokens if t >= vocab), None)
         if bad is not None:
             raise ValueError(f"prompt_tokens holds id {bad}, outside the vocabulary (size {vocab})")
+        self._core.check_kv_alone(len(tokens), request.params.max_tokens)
         if len(tokens) + request.params.max_tokens > limit:
             raise ValueError(
                 f"prompt ({len(tokens)} tokens) plus max_tokens ({request.params.max_tokens}) "
@@ -370,7 +374,8 @@ class Engine:
             steps=self._core.statistics().num_steps,
             model=self.model.path.name, dtype=self.model.dtype,
             prefix_cache=self.prefix.statistics() if self.prefix is not None else None,
-            speculative=self._speculative_statistics())
+            speculative=self._speculative_statistics(),
+            kv_budget_bytes=self._core.kv_budget_bytes, kv_charged_bytes=self._core.kv_charge())
 
     def _speculative_statistics(self) -> SpeculationStatistics | None:
         """The speculation actor's books."""
@@ -388,6 +393,11 @@ async def open_engine(config: Config, *, loaded: LoadedModel | None = None,
             loaded = await thread.call(load_model, config.model, config.dtype)
         channel = None
         group_failed = GroupFailed()
+        # a row's KV size per position, probed with one forward: under --distributed before
+        # the model is sharded (a forward of rank 0 alone would hang the group), with plain
+        # caches and all heads (an over-estimate by the group's size)
+        per_position = (await thread.call(kv_bytes_per_position, loaded.model, None)
+                        if config.distributed else None)
         if config.distributed:  # rank 0 of `serve --distributed` (engine.distributed)
             channel = PlanChannel(init_group())
             await thread.call(shard_model, loaded.model, channel.group)
@@ -399,11 +409,17 @@ async def open_engine(config: Config, *, loaded: LoadedModel | None = None,
         if config.draft_model is not None:
             draft = await thread.call(load_model, config.draft_model, config.dtype)
         speculator = await thread.call(build_speculator, config, loaded, draft)
+        budget = await thread.call(functools.partial(
+            kv_budget, loaded, make_cache, draft, per_position=per_position,
+            budget_bytes=config.kv_budget_bytes,
+            mtp=config.speculative == "mtp",
+            margin=config.num_speculative_tokens + 1 if speculator is not None else 0))
         core = SchedulerCore(
             max_batch=config.max_batch, prefill_chunk=config.prefill_chunk,
             max_step_tokens=config.max_step_tokens,
             eos_token_ids=loaded.eos_token_ids,
-            speculative_methods=speculator.proposers if speculator is not None else ())
+            speculative_methods=speculator.proposers if speculator is not None else (),
+            kv_budget=budget)
         masks = GrammarMasks(tokenizer, loaded.vocab_size, loaded.eos_token_ids)
         fast = fastpath.wanted(config.fast_decode, config.distributed)
         if fast:  # in place: one copy of the weights (engine.fastpath)

@@ -44,6 +44,8 @@ _INT_FLAGS = {  # Config field -> help; every one maps 1:1 onto engine.config.Co
     "max_streams_per_connection": "concurrent requests on one WebSocket",
     "max_connections": "open WebSockets the server holds at once (an upgrade beyond it is "
                        "refused with HTTP 503, code too_many_connections)",
+    "kv_budget_bytes": "KV bytes the admitted rows may hold together; rows beyond it wait "
+                       "in the queue (0: half the free RAM at start, 80%% of free GPU memory)",
     "ram_cache_bytes": "byte budget of the prefix cache's RAM tier",
     "ssd_cache_bytes": "byte budget of the prefix cache's SSD tier (--cache-dir)",
     "max_prompt_chars": "characters of prompt text one request may carry (README Reliability)",

@@ -142,6 +142,9 @@ class Config:
     # Seconds in-flight requests get to finish after SIGTERM/SIGINT before they are ended
     # with finish_reason "shutdown".
     shutdown_timeout: float = attrs.field(default=10.0, validator=_seconds)
+    # KV bytes every admitted row may come to hold together (engine.kv_budget); 0: from
+    # the machine at start (engine.memory: half the free RAM, 80% of free GPU memory).
+    kv_budget_bytes: int = attrs.field(default=0, validator=_non_negative)
     turboquant: str | None = attrs.field(default=None, validator=_turboquant)
     quantized_kv_start: int = attrs.field(default=0, validator=_non_negative)
     kv_quant: int | None = attrs.field(default=None, validator=_kv_quant)

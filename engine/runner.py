@@ -121,6 +121,17 @@ def _cache_nbytes(cache: list[Any] | None) -> int:
     return sum(c.nbytes for c in cache) if cache else 0
 
 
+def _slot_capacity(cache: list[Any] | None) -> tuple[int, int]:
+    """(row slots, positions) allocated by the decode batch's slot store (the first
+    layer's; a delayed batch's plain and converted parts together), (0, 0) for none."""
+    layer = cache[0] if cache else None
+    parts = [getattr(layer, "slots", None),
+             getattr(getattr(layer, "quantized", None), "slots", None)]
+    stats = [p.statistics() for p in parts if p is not None]
+    return (sum(s.row_capacity for s in stats), max((s.position_capacity for s in stats),
+                                                    default=0))
+
+
 class Runner:
     """Owns the model, the per-row caches and the batch cache."""
 
@@ -258,6 +269,7 @@ class Runner:
             self._step_shape = ("speculative", len(self._batch), 1 + max(ks))
             outputs = self._finalize(ready) if ready is not None else self._speculate(ks)
             return StepResult(outputs=outputs, kv_bytes=self.kv_bytes(),
+                              kv_capacity=_slot_capacity(self._batch_cache),
                               snapshots=snapshots, spills=spills, writes=writes)
         if self._batch:
             self._step_mode = "plain" if ready is not None else "switch"
@@ -268,7 +280,8 @@ class Runner:
         if self._batch:
             self._launch(ready)
         outputs = self._finalize(ready) if ready is not None else ()
-        return StepResult(outputs=outputs, kv_bytes=self.kv_bytes(), snapshots=snapshots,
+        return StepResult(outputs=outputs, kv_bytes=self.kv_bytes(),
+                          kv_capacity=_slot_capacity(self._batch_cache), snapshots=snapshots,
                           spills=spills, writes=writes)
 
     def _proposal_sizes(self, propose: tuple[tuple[str, int], ...]) -> list[int]:

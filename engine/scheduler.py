@@ -40,6 +40,7 @@ from typing import Iterable
 
 import attrs
 
+from tqserve.engine.kv_budget import KvBudget
 from tqserve.engine.sampling import SamplingParams
 from tqserve.engine.structured import ResponseFormat
 
@@ -170,6 +171,7 @@ class SpillPayload:
 class StepResult:
     outputs: tuple[RowOutput, ...]
     kv_bytes: int
+    kv_capacity: tuple[int, int] = (0, 0)  # the decode batch's (row slots, positions)
     snapshots: tuple[SnapshotMade, ...] = ()
     spills: tuple[SpillPayload, ...] = ()
     writes: tuple[SpillPayload, ...] = ()  # the persisted snapshots' bytes (still held)
@@ -295,8 +297,10 @@ class SchedulerCore:
         eos_token_ids: Iterable[int],
         speculative_methods: Iterable[str] = (),
         max_step_tokens: int | None = None,
+        kv_budget: KvBudget | None = None,
     ) -> None:
-        """`max_step_tokens` None: `max(prefill_chunk, max_batch)` (the module doc)."""
+        """`max_step_tokens` None: `max(prefill_chunk, max_batch)` (the module doc);
+        `kv_budget`: rows start only while their KV fits it (engine.kv_budget)."""
         if max_batch < 1 or prefill_chunk < 1:
             raise ValueError("max_batch and prefill_chunk must be >= 1")
         if max_step_tokens is None:
@@ -320,6 +324,8 @@ class SchedulerCore:
         self._release_tokens: dict[str, tuple[int, ...]] = {}
         self._free_row_ids = list(range(max_batch - 1, -1, -1))
         self._num_steps = 0
+        self._kv_budget = kv_budget
+        self._kv_capacity = (0, 0)  # the decode batch's allocation, as the runner reported
 
     def add(self, request_id: str, prompt: tuple[int, ...], params: SamplingParams, *,
             reuse: str | None = None, cached: int = 0, cached_tier: str | None = None,
@@ -354,14 +360,18 @@ class SchedulerCore:
         looked up: (request id, prompt). The prefix cache answers each with `set_reuse`
         (a donor or none) or `hold` (its donor's KV is loading)."""
         free = self._max_batch - len(self._prefilling) - len(self._decoding)
-        out = []
+        out: list[tuple[str, tuple[int, ...]]] = []
+        taking: list[_Row] = []
         for rid in self._queue:
             if free <= 0:
                 break
             row = self._rows[rid]
             if row.held:
                 continue
+            if not self._kv_fits([*taking, row]):
+                break
             free -= 1
+            taking.append(row)
             if not row.looked_up:
                 out.append((rid, row.prompt))
         return out
@@ -446,6 +456,8 @@ class SchedulerCore:
             row = self._rows[rid]
             if row.held:
                 continue
+            if not self._kv_fits([*started, row]):
+                break  # it waits (first come, first served) for rows to finish
             self._queue.remove(rid)
             row.move(RowState.PREFILLING)
             row.row_id = self._free_row_ids.pop()
@@ -471,6 +483,39 @@ class SchedulerCore:
         self._to_release.clear()
         self._num_steps += 1
         return plan, events
+
+    def _kv_fits(self, starting: list[_Row]) -> bool:
+        """Whether the running rows plus `starting` (queued rows about to start, forming
+        one prefill group) stay within the KV budget for their whole lives."""
+        return self.kv_charge(starting) <= (self._kv_budget.budget_bytes
+                                            if self._kv_budget is not None else 0)
+
+    def kv_charge(self, starting: list[_Row] | None = None) -> int:
+        """KV bytes charged for the rows running now (and `starting`); 0 without a
+        budget (engine.kv_budget)."""
+        budget = self._kv_budget
+        if budget is None:
+            return 0
+        starting = starting or []
+        ids = {r.request_id for r in starting}
+        rows = [self._rows[r] for r in (*self._prefilling, *self._decoding)
+                if r not in ids] + starting
+        lengths = [budget.row_positions(len(r.prompt), r.params.max_tokens) for r in rows]
+        widths = [g.width for g in self._groups.values() for _ in g.rows]
+        if starting:
+            width = max(len(r.prompt) - 1 - r.cached for r in starting)
+            widths += [width] * len(starting)
+        return budget.charge(lengths, widths, capacity=self._kv_capacity)
+
+    @property
+    def kv_budget_bytes(self) -> int:
+        """The KV budget (0 without one)."""
+        return self._kv_budget.budget_bytes if self._kv_budget is not None else 0
+
+    def check_kv_alone(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        """ValueError naming the sizes if a request this large could never start."""
+        if self._kv_budget is not None:
+            self._kv_budget.check_alone(num_prompt_tokens, max_tokens)
 
     def _form_groups(self, started: list[_Row]) -> None:
         """One group for the rows starting from scratch, one per reusing row; rows with
@@ -519,6 +564,7 @@ class SchedulerCore:
         """Turn sampled tokens into events; finish rows that hit a stop token, their
         grammar's end or max_tokens (a row's tokens past that point are dropped)."""
         events: list[Event] = []
+        self._kv_capacity = result.kv_capacity
         for out in result.outputs:
             row = self._rows.get(out.request_id)
             if row is None or row.state is not RowState.DECODING:

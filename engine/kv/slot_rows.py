@@ -31,7 +31,9 @@ import functools
 import attrs
 import mlx.core as mx
 
-STEP = 256  # positions added when a row outgrows the planes (as mlx-lm's KVCache.step)
+from tqserve.engine.kv_budget import SLOT_STEP, grown_rows
+
+STEP = SLOT_STEP  # positions added when a row outgrows the planes (as mlx-lm's KVCache.step)
 STEP_ARRAYS_KEPT = 8  # recent lengths' index arrays kept: every layer of a step shares one
 Planes = dict[str, mx.array]
 
@@ -165,7 +167,7 @@ class SlotRows:
         cap_rows, _, cap_pos, _ = next(iter(self._planes.values())).shape
         self._num_growths += (rows > cap_rows) + (positions > cap_pos)
         if rows > cap_rows:
-            more = max(rows, 2 * cap_rows) - cap_rows
+            more = grown_rows(cap_rows, rows) - cap_rows
             self._planes = {n: mx.concatenate([a, mx.zeros((more, *a.shape[1:]), a.dtype)])
                             for n, a in self._planes.items()}
         if positions > cap_pos:

@@ -60,8 +60,11 @@ async def test_metrics_agree_with_stats_after_a_known_workload(nursery, draft_mo
             busy = await scrape(raw, server.url)
             assert busy["vllm:num_requests_running"][()] == 1
             assert busy["vllm:num_requests_waiting"][()] == 1
-            assert busy["vllm:kv_cache_usage_perc"][()] == 1.0  # 1 of --max-batch 1 rows
-            assert busy["tqserve:kv_cache_bytes"][()] > 0
+            # the running row's whole life, charged against the KV budget (engine.kv_budget)
+            charged = busy["tqserve:kv_charged_bytes"][()]
+            assert busy["vllm:kv_cache_usage_perc"][()] == charged / busy[
+                "tqserve:kv_budget_bytes"][()] and 0 < charged
+            assert 0 < busy["tqserve:kv_cache_bytes"][()] <= charged
             # r2 first, and only once it has ended r1: cancelling r1 first frees its row,
             # and r2 could start (and make a token) before its own cancel arrives
             await session.send({"type": "cancel", "id": "r2"})

@@ -1,0 +1,104 @@
+"""The KV byte budget (engine.kv_budget; issue 20 #4: long rows grew a process without
+bound). The core starts a row only while every admitted row's whole life fits; the
+runner's real allocation stays under the charge at every step; rows that wait give the
+tokens they give without a budget; one too large for the budget alone is refused."""
+
+from __future__ import annotations
+
+import pytest
+
+from tqserve.engine.kv.slot_rows import SlotRows
+from tqserve.engine.kv_budget import KvBudget, ceil_step, grown_rows, rows_bound
+from tqserve.engine.memory import kv_bytes_per_position
+from tqserve.engine.runner import Runner
+from tqserve.engine.sampling import SamplingParams
+from tqserve.engine.scheduler import Finished, SchedulerCore, TokenOut
+from tests.e2e.reference import PROMPTS
+
+NEW_TOKENS = 20
+
+
+def test_rows_bound_covers_every_join_order_of_the_slot_store():
+    import mlx.core as mx
+
+    for start in (0, 1, 3, 8):
+        for joins in ([1] * 9, [4, 1, 7], [2, 9], [17]):
+            slots = SlotRows()
+            if start:
+                slots.add_rows([{"k": mx.zeros((1, 1, 3, 2))}] * start)
+            cap0 = slots.statistics().row_capacity
+            for n in joins:
+                slots.add_rows([{"k": mx.zeros((1, 1, 3, 2))}] * n)
+            got = slots.statistics().row_capacity
+            assert got <= rows_bound(cap0, start + sum(joins)), (start, joins, got)
+    assert grown_rows(0, 5) == 5 and grown_rows(4, 5) == 8 and grown_rows(4, 20) == 20
+    assert rows_bound(0, 1) == 1 and rows_bound(8, 8) == 8 and rows_bound(8, 13) == 24
+
+
+def test_charge_and_the_refusal_name_the_sizes():
+    budget = KvBudget(budget_bytes=8 << 20, bytes_per_position=1024, context=4096)
+    assert budget.row_positions(100, 5000) == 4196
+    assert budget.charge([300, 20], [40, 40]) == (2 * 512 + 2 * 256) * 1024
+    assert budget.charge([300], capacity=(4, 1024)) == 4 * 1024 * 1024
+    budget.check_alone(100, 1000)
+    with pytest.raises(ValueError, match=r"prompt \(3000 tokens\) plus max_tokens \(4000\) "
+                                         r"needs .* MiB of KV cache, more than .* budget"):
+        budget.check_alone(3000, 4000)
+
+
+def _drive(loaded, budget: KvBudget | None, prompts: list[tuple[int, ...]]):
+    runner = Runner(loaded.model)
+    core = SchedulerCore(max_batch=8, prefill_chunk=32, eos_token_ids=(), kv_budget=budget)
+    for k, p in enumerate(prompts):
+        core.add(f"r{k}", p, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0))
+    out = {f"r{k}": [] for k in range(len(prompts))}
+    most, peak = 0, 0
+    for _ in range(400):
+        if not core.has_work():
+            return out, most, peak
+        plan, _ = core.schedule()
+        charge = core.kv_charge()
+        result = runner.execute(plan)
+        most = max(most, len(plan.decode))
+        peak = max(peak, result.kv_bytes)
+        if budget is not None:
+            assert result.kv_bytes <= charge <= budget.budget_bytes
+        for event in core.postprocess(result):
+            if isinstance(event, TokenOut):
+                out[event.request_id] += event.token_ids
+            elif isinstance(event, Finished):
+                assert event.finish_reason == "length"
+    raise AssertionError("still working after 400 steps")
+
+
+def test_rows_wait_for_the_budget_and_give_the_same_tokens(draft_model):
+    tok = draft_model.tokenizer
+    prompts = [tuple(tok.encode(PROMPTS[k])) for k in range(6)]
+    per_position = kv_bytes_per_position(draft_model.model, Runner(draft_model.model)._make_cache)
+    budget = KvBudget(budget_bytes=2 * 2 * ceil_step(64) * per_position
+                      + 2 * ceil_step(32) * per_position, bytes_per_position=per_position)
+    free, most_free, _ = _drive(draft_model, None, prompts)
+    held, most_held, peak = _drive(draft_model, budget, prompts)
+    assert held == free
+    # the first two start together (a prefill group of two); later rows start as the
+    # batch's allocation allows, never past the budget (checked at every step)
+    assert most_free == 6 and most_held == 4
+    assert 0 < peak <= budget.budget_bytes
+
+
+async def test_the_server_refuses_a_request_the_budget_cannot_hold(nursery, draft_model):
+    import httpx
+
+    from tests.conftest import start_server
+
+    server = await start_server(nursery, draft_model, kv_budget_bytes=8 << 20)
+    async with httpx.AsyncClient(timeout=60) as client:
+        big = await client.post(server.url + "/v1/completions",
+                                json={"prompt": "import os\n", "max_tokens": 4000})
+        assert big.status_code == 400, big.text
+        assert "more than the server's KV budget of 8.0 MiB" in big.json()["error"]["message"]
+        ok = await client.post(server.url + "/v1/completions",
+                               json={"prompt": "import os\n", "max_tokens": 4})
+        assert ok.status_code == 200
+        stats = (await client.get(server.url + "/v1/stats")).json()
+        assert stats["kv_budget_bytes"] == 8 << 20 and stats["kv_charged_bytes"] == 0
