@@ -371,9 +371,10 @@ async def test_gemma3_sliding_layers_stay_plain(tmp_path, caplog, monkeypatch):
         assert len(tokens) == GEMMA_TOKENS or tokens[-1] in loaded.eos_token_ids
     # the rows' own caches (what they prefilled into): sliding layers plain float32 K/V
     # (a window of 8), full layers TurboQuant codes
-    # made[0] is open_engine's start-up probe (can the prefix cache snapshot these caches?)
-    assert len(made) == len(prompts) + 1
-    for caches, prompt in zip(made[1:], prompts):
+    # made[0] and made[1] are open_engine's start-up probes (a row's KV bytes per position
+    # for the KV budget; can the prefix cache snapshot these caches?)
+    assert len(made) == len(prompts) + 2
+    for caches, prompt in zip(made[2:], prompts):
         assert [type(c).__name__ for c in caches] == ["RotatingKVCache",
                                                       "TurboQuantKVCache"] * 2
         for sliding in caches[0::2]:
