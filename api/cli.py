@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, NoReturn, Sequence
 
 import trio
 
-from tqserve.engine import blas
+from tqserve import blas
 
 if TYPE_CHECKING:
     from tqserve.engine.config import Config
@@ -240,8 +240,7 @@ def _sampling(config: Config, args: argparse.Namespace) -> SamplingParams:
 
 def _report(line: str | None) -> None:
     """The BLAS line, printed once the model has loaded (errors before stay one line)."""
-    if line is not None:
-        print(line, file=sys.stderr, flush=True)
+    blas.say_once(line)
 
 
 async def _generate(config: Config, params: SamplingParams, args: argparse.Namespace,
@@ -324,21 +323,19 @@ _TOOLS = {"replay": "tqserve.tools.replay.cli", "bench": "tqserve.tools.bench", 
 
 
 def _blas_line(choice: str) -> str | None:
-    """Before anything imports MLX (build_parser does): load the optimized BLAS. Returns
-    the line to report (the library loaded, or a hint); serve and generate print it once
-    the model has loaded, so that a bad flag or model stays a one-line error. In a process
-    that already runs MLX (main() called from Python) `auto` does nothing."""
+    """Before anything imports tqserve.engine (build_parser does): check --blas and hand it
+    to tqserve.blas (TQSERVE_BLAS), which loads it now, before MLX. Returns the line to
+    report (the library loaded, or a hint); serve and generate print it once the model has
+    loaded, so that a bad flag or model stays a one-line error. In a process that already
+    runs MLX (main() called from Python) `auto` does nothing."""
     if "mlx.core" in sys.modules:
         if choice not in ("auto", "none"):
             raise ValueError("--blas PATH needs a process that has not imported MLX yet")
         return None
-    path = blas.resolve(choice)
-    if path is not None:
-        blas.load(path)
-        return f"tqserve: BLAS {path}"
-    if choice == "auto" and sys.platform.startswith("linux"):
-        return blas.HINT
-    return None
+    blas.resolve(choice)  # a bad path: ValueError naming --blas, before anything loads
+    os.environ[blas.ENV] = choice
+    blas.preload()
+    return blas.report()
 
 
 def _load_blas(choice: str) -> None:

@@ -29,6 +29,8 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 from mlx_lm.utils import load as mlx_lm_load
 
+from tqserve import blas
+
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "models" / "pycoder-draft-4m"
 _CHUNK = 1 << 20
@@ -151,6 +153,8 @@ def load_model(model: str | Path = DEFAULT_MODEL, dtype: str = "auto") -> Loaded
         net.set_dtype(getattr(mx, resolved))
     if resolved == "float32":
         keep_float32_exact()
+    if mx.default_device() == mx.cpu:
+        blas.warn_if_slow()  # once per process: the embedded API says it too (tqserve.blas)
     mx.eval(net.parameters())
     config = json.loads((path / "config.json").read_text())
     eos = set(tokenizer.eos_token_ids or [])

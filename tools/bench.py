@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Sequence
 
-from tqserve.engine import blas
+from tqserve import blas
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_MODEL = "../shared/models/pycoder-29m"
@@ -110,15 +110,17 @@ def _blas_arg(text: str) -> str:
 def add_blas_flag(p: argparse.ArgumentParser) -> None:
     """The --blas flag every CPU bench shares (see `load_blas`)."""
     p.add_argument("--blas", default=None, type=_blas_arg,
-                   help="optimized BLAS loaded before mlx: auto (the system's OpenBLAS if "
-                        "found), none, or a path, e.g. "
+                   help="optimized BLAS loaded before mlx: auto (the system's OpenBLAS, "
+                        "or tqserve's shim over scipy-openblas32), none, or a path, e.g. "
                         "/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 (default: "
                         "MLX's bundled reference BLAS)")
 
 
 def load_blas(path: str | None) -> str:
-    """Load an optimized BLAS with RTLD_GLOBAL before mlx; return what the JSON records.
-    A file that is not a loadable library is a one-line error, exit 2."""
+    """Load an optimized BLAS before mlx (tqserve.blas: TQSERVE_BLAS, read when the engine
+    is first imported); return what the JSON records. A bench measures MLX's reference
+    BLAS unless --blas names one. A file that is not a loadable library: exit 2."""
+    os.environ[blas.ENV] = path or "none"
     if path is None or path == "none":
         preload = os.environ.get("LD_PRELOAD")
         return f"LD_PRELOAD={preload}" if preload else "reference"

@@ -31,13 +31,14 @@ import argparse
 import ast
 import importlib
 import json
+import os
 import re
 import statistics
 import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-from tqserve.engine import blas
+from tqserve import blas
 from tqserve.tools.bench import (REPO_ROOT, all_decoding_rate, burst_rate, machine, make_prompts,
                                  tq_batch)
 
@@ -165,7 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft-model", default=None, help="draft model (default: the bundled one)")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
                    help="bfloat16 on a GPU")
-    p.add_argument("--blas", default="auto", help="auto | none | PATH (engine/blas.py)")
+    p.add_argument("--blas", default="auto", help="auto | none | PATH (tqserve/blas.py)")
     p.add_argument("--batches", default="1,4,8", help="comma-separated batch sizes")
     p.add_argument("--methods", default="lookup,draft,mtp", help="comma-separated methods")
     p.add_argument("--new-tokens", type=int, default=96, help="tokens per request")
@@ -189,6 +190,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.batches, args.new_tokens, args.repeats, args.prompt_tokens = "2", 12, 1, 32
         args.warmup_tokens = 4
     path = blas.resolve(args.blas) if args.blas != "none" else None
+    os.environ[blas.ENV] = path or "none"  # read when the engine is first imported
     if path is not None and "mlx.core" not in sys.modules:  # the CLI may have loaded it
         blas.load(path)
     args.blas_loaded = path or "reference"
