@@ -3,7 +3,8 @@
 Streaming sends Anthropic's events in Anthropic's order: message_start,
 content_block_start, ping, content_block_delta..., content_block_stop, message_delta
 (stop_reason, stop_sequence, usage), message_stop; a failure after the stream began is an
-`error` event. `max_tokens` is required, `system` is a string or text blocks,
+`error` event, and so is an output cut short (a shutdown, a cancel: api.ending), which
+has no stop_reason. `max_tokens` is required, `system` is a string or text blocks,
 `stop_sequences` end the text before them.
 
 Usage follows Anthropic's split: `input_tokens` counts the prompt tokens that were
@@ -25,6 +26,8 @@ from quart import Response, g, jsonify, request
 from quart_trio import QuartTrio
 
 from tqserve.actors.engine import Engine
+from tqserve.actors.messages import Done
+from tqserve.api.ending import complete
 from tqserve.api.httpcommon import (SSE_HEADERS, ApiError, Body, Run, build_request, new_id,
                             param_of, sse, start_run, text_of_content)
 from tqserve.api.metrics import Metrics
@@ -70,10 +73,10 @@ def register(app: QuartTrio, engine: Engine, metrics: Metrics) -> None:
     model_name = engine.model.path.name
     end_ids = set(engine.model.eos_token_ids)
 
-    def stop_reason(run: Run, stops: tuple[str, ...],
+    def stop_reason(run: Run, done: Done, stops: tuple[str, ...],
                     stop_ids: tuple[int, ...]) -> tuple[str, str | None]:
-        done = run.outcome.done
-        if done is None or done.finish_reason == "length":
+        """stop_reason and stop_sequence of a complete run (api.ending)."""
+        if done.finish_reason == "length":
             return "max_tokens", None
         ids = run.outcome.token_ids
         if not stops or (ids and (ids[-1] in end_ids or ids[-1] in stop_ids)):
@@ -120,9 +123,8 @@ def register(app: QuartTrio, engine: Engine, metrics: Metrics) -> None:
         if not stream:
             async for _ in run.tokens():
                 pass
-            if run.outcome.error is not None:
-                raise ApiError.from_event(run.outcome.error)
-            reason, sequence = stop_reason(run, stops, gen.params.stop_token_ids)
+            done = complete(run.outcome)  # a cut output is an error status
+            reason, sequence = stop_reason(run, done, stops, gen.params.stop_token_ids)
             return jsonify({**message, "content": [{"type": "text", "text": run.outcome.text}],
                             "stop_reason": reason, "stop_sequence": sequence,
                             "usage": usage(run, prompt_tokens)})
@@ -142,15 +144,15 @@ def register(app: QuartTrio, engine: Engine, metrics: Metrics) -> None:
                         yield sse({"type": "content_block_delta", "index": 0,
                                    "delta": {"type": "text_delta", "text": tok.text}},
                                   "content_block_delta")
-                error = run.outcome.error
-                if error is not None:
-                    err = ApiError.from_event(error)
+                try:
+                    done = complete(run.outcome)
+                except ApiError as cut:  # no stop_reason: the client raises
                     yield sse({"type": "error", "error": {
-                        "type": _ERROR_TYPES.get(err.status, "api_error"),
-                        "message": err.message}}, "error")
+                        "type": _ERROR_TYPES.get(cut.status, "api_error"),
+                        "message": cut.message}}, "error")
                     return
                 yield sse({"type": "content_block_stop", "index": 0}, "content_block_stop")
-                reason, sequence = stop_reason(run, stops, gen.params.stop_token_ids)
+                reason, sequence = stop_reason(run, done, stops, gen.params.stop_token_ids)
                 yield sse({"type": "message_delta",
                            "delta": {"stop_reason": reason, "stop_sequence": sequence},
                            "usage": usage(run, prompt_tokens)}, "message_delta")

@@ -6,7 +6,9 @@ bench-prefix and eval-kv hand their arguments to tools.bench, tools.bench_kv,
 tools.bench_prefix and tools.eval_kv.
 
 Bad arguments print one line and exit with code 2; a model that cannot be loaded
-too. Nothing here prints a traceback for the user's mistakes.
+too. Nothing here prints a traceback for the user's mistakes. SIGINT and SIGTERM, from
+the start (api.signals): serve shuts down cleanly and exits 0 (api.server), generate
+stops with one line and exits 130 / 143 (api.generate).
 """
 
 from __future__ import annotations
@@ -15,13 +17,11 @@ import argparse
 import importlib
 import logging
 import os
-import signal
 import sys
 from typing import TYPE_CHECKING, Any, NoReturn, Sequence
 
-import trio
-
 from tqserve import blas
+from tqserve.api.signals import SIGNALS, SignalLatch
 
 if TYPE_CHECKING:
     from tqserve.engine.config import Config
@@ -243,32 +243,15 @@ def _report(line: str | None) -> None:
     blas.say_once(line)
 
 
-async def _generate(config: Config, params: SamplingParams, args: argparse.Namespace,
-                    blas_line: str | None = None) -> int:
-    from tqserve.actors.engine import open_engine
-    from tqserve.actors.messages import Error, Token
-    from tqserve.engine.request import GenerateRequest
-
-    request = GenerateRequest(prompt=args.prompt, params=params)
-    async with open_engine(config) as engine:
-        _report(blas_line)
-        sys.stdout.write(args.prompt)
-        async for event in engine.generate(request):
-            if isinstance(event, Token):
-                sys.stdout.write(event.text)
-                sys.stdout.flush()
-            elif isinstance(event, Error):
-                print(f"\ntqserve: error: {event.code}: {event.message}", file=sys.stderr)
-                return 2
-    sys.stdout.write("\n")
-    return 0
-
-
-async def _serve(config: Config, blas_line: str | None = None, record: str | None = None) -> int:
+async def _serve(config: Config, latch: SignalLatch, blas_line: str | None = None,
+                 record: str | None = None) -> int:
     """Serve until SIGTERM or SIGINT, then shut down cleanly (api.server) and exit 0.
 
     Both signals go to a trio signal receiver for the whole run, so Ctrl-C never lands
-    as a KeyboardInterrupt inside a request handler; a repeated signal changes nothing."""
+    as a KeyboardInterrupt inside a request handler; a repeated signal changes nothing.
+    A signal that came before (api.signals) ends the run here, before the model loads."""
+    import trio
+
     from tqserve.api.server import listen, serve
 
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
@@ -277,14 +260,16 @@ async def _serve(config: Config, blas_line: str | None = None, record: str | Non
     logging.getLogger("tqserve.warmup").setLevel(logging.INFO)
     listening = listen(config)  # a taken port fails here, before the model loads
     trigger = trio.Event()
-    received: list[int] = []
-    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+    with trio.open_signal_receiver(*SIGNALS) as signals:
+        if latch.signum is not None:
+            print(f"tqserve: shut down on {latch.name} before serving", file=sys.stderr,
+                  flush=True)
+            return 0
 
         async def watch() -> None:
             async for signum in signals:
-                if not received:
-                    received.append(signum)
-                    trigger.set()
+                latch.note(signum)
+                trigger.set()
 
         async def run(task_status: trio.TaskStatus[str]) -> None:
             reports.append(await serve(config, listening=listening, shutdown_trigger=trigger,
@@ -302,7 +287,7 @@ async def _serve(config: Config, blas_line: str | None = None, record: str | Non
                 print(f"tqserve: warning: listening on {config.host} without --api-key: anyone "
                       "who can reach this port can generate", file=sys.stderr, flush=True)
     report = reports[0]
-    print(f"tqserve: shut down on {signal.Signals(received[0]).name}: "
+    print(f"tqserve: shut down on {latch.name}: "
           f"{report.num_in_flight} requests in flight, {report.num_ended} ended at the "
           f"--shutdown-timeout ({config.shutdown_timeout:g} s)", file=sys.stderr, flush=True)
     return 0
@@ -363,6 +348,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in _TOOLS:  # the tools parse their own flags
         return int(importlib.import_module(_TOOLS[argv[0]]).main(argv[1:]))
+    with SignalLatch() as latch:  # before MLX's import, the first SIGINT/SIGTERM counts
+        return _command(argv, latch)
+
+
+def _command(argv: list[str], latch: SignalLatch) -> int:
+    """serve or generate; `latch` holds a signal that came before trio ran (trio, like
+    MLX, is imported only now: the shorter the time before the latch, the better)."""
+    import trio
+
+    from tqserve.api.generate import run_generate
+
     blas_line = None
     if argv and argv[0] in ("serve", "generate"):
         try:
@@ -377,14 +373,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         if config.cache_dir is not None and config.prefix_cache:
             _check_cache_dir(config.cache_dir)
         if args.command == "generate":
-            return trio.run(_generate, config, _sampling(config, args), args, blas_line)
+            return trio.run(run_generate, config, _sampling(config, args), args.prompt,
+                            latch, blas_line)
         if config.distributed:
             from tqserve.engine.distributed import init_group
 
             group = init_group()
             if group.rank() != 0:
+                latch.hand_over()  # a follower ends on signals as any process does
                 return _follow(config, group)
-        return trio.run(_serve, config, blas_line, args.record)
+        return trio.run(_serve, config, latch, blas_line, args.record)
     except ValueError as exc:  # ModelLoadError is a ValueError
         print(f"tqserve: error: {exc}", file=sys.stderr)
         return 2

@@ -7,6 +7,10 @@ streamed chunks too: completions take `logprobs: N` (0..20 alternatives) and ans
 `{tokens, token_logprobs, top_logprobs, text_offset}`; chat takes `logprobs: true` plus
 `top_logprobs: N` and answers `{content: [{token, logprob, bytes, top_logprobs}]}`.
 Every generated token is reported, the end-of-text token too (its text is empty).
+finish_reason is "stop" or "length" only when true: an output cut short (the server's
+shutdown, a cancel, an error: api.ending) is an error status when not streamed, and a
+stream's last event before `[DONE]` is then `data: {"error": {...}}` (the official
+client raises APIError on it) instead of a chunk with a finish_reason.
 
 Errors are OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`: 400 names
 the field, 401 a missing or wrong key, 429 (with Retry-After) a full admission queue.
@@ -27,6 +31,7 @@ from tqserve.actors.messages import Token
 from tqserve.api.httpcommon import (SSE_HEADERS, ApiError, Body, Run, build_request,
                             new_id, sse, start_run, text_of_content,
                             token_text)
+from tqserve.api.ending import complete
 from tqserve.api.metrics import Metrics
 from tqserve.engine.sampling import MAX_TOP_LOGPROBS
 
@@ -45,11 +50,16 @@ CHAT_ROLES = {"system": "system", "developer": "system", "user": "user",
               "assistant": "assistant", "tool": "tool"}
 
 
+def error_body(status: int, message: str, param: str | None = None,
+               code: str | None = None) -> dict[str, Any]:
+    """OpenAI's error object: an error response's body, and a stream's error event."""
+    return {"error": {"message": message, "type": _ERROR_TYPES.get(status, "server_error"),
+                      "param": param, "code": code}}
+
+
 def error_response(status: int, message: str, param: str | None = None,
                    code: str | None = None) -> Response:
-    body = {"error": {"message": message, "type": _ERROR_TYPES.get(status, "server_error"),
-                      "param": param, "code": code}}
-    response = jsonify(body)
+    response = jsonify(error_body(status, message, param, code))
     response.status_code = status
     if status == 429:
         response.headers["Retry-After"] = ApiError(429, "").headers()["Retry-After"]
@@ -104,13 +114,6 @@ def _usage(run: Run) -> dict[str, Any]:
             "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": cached},
             **(done.speculative_usage() if done is not None else {})}
-
-
-def _finish(run: Run) -> str:
-    done = run.outcome.done
-    if done is None:
-        return "error"
-    return done.finish_reason if done.finish_reason in ("stop", "length") else "stop"
 
 
 class _Logprobs:
@@ -175,11 +178,10 @@ def register(app: QuartTrio, engine: Engine, metrics: Metrics) -> None:
                 if want_logprobs:
                     entries.append(lp.entry(tok))
                     lp.offset += len(tok.text)
-            if run.outcome.error is not None:
-                raise ApiError.from_event(run.outcome.error)
+            done = complete(run.outcome)  # a cut output is an error status
             logprobs = lp.block(entries) if want_logprobs else None
             choice: dict[str, Any] = {"index": 0, "logprobs": logprobs,
-                                      "finish_reason": _finish(run)}
+                                      "finish_reason": done.finish_reason}
             if chat:
                 choice["message"] = {"role": "assistant", "content": run.outcome.text}
             else:
@@ -207,13 +209,12 @@ def register(app: QuartTrio, engine: Engine, metrics: Metrics) -> None:
                         logprobs = lp.block([lp.entry(tok)])
                         lp.offset += len(tok.text)
                     yield chunk({"content": tok.text} if chat else tok.text, logprobs)
-                error = run.outcome.error
-                if error is not None:
-                    err = ApiError.from_event(error)
-                    yield sse({"error": {"message": err.message, "type": "server_error",
-                                         "param": None, "code": error.code}})
+                try:
+                    done = complete(run.outcome)
+                except ApiError as cut:  # no finish_reason: the client raises APIError
+                    yield sse(error_body(cut.status, cut.message, cut.param, cut.code))
                 else:
-                    yield chunk({} if chat else "", None, _finish(run))
+                    yield chunk({} if chat else "", None, done.finish_reason)
                     if include_usage:
                         yield sse({**chunk_base, "choices": [], "usage": _usage(run)})
                 yield sse("[DONE]")

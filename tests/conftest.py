@@ -39,13 +39,15 @@ class Server:
         self.config = config
 
 
-async def start_server(nursery: trio.Nursery, loaded: LoadedModel, **config: Any) -> Server:
-    """Start a real hypercorn server with the given Config fields on port 0."""
+async def start_server(nursery: trio.Nursery, loaded: LoadedModel,
+                       shutdown_trigger: trio.Event | None = None, **config: Any) -> Server:
+    """Start a real hypercorn server with the given Config fields on port 0; setting
+    `shutdown_trigger` starts its clean shutdown (as SIGTERM does for `tqserve serve`)."""
     from tqserve.api.server import serve
 
     cfg = Config(port=0, **config)
-    url = await nursery.start(lambda task_status: serve(cfg, loaded=loaded,
-                                                          task_status=task_status))
+    url = await nursery.start(lambda task_status: serve(
+        cfg, loaded=loaded, shutdown_trigger=shutdown_trigger, task_status=task_status))
     return Server(url, cfg)
 
 
