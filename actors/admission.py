@@ -37,6 +37,7 @@ class AdmissionControl:
     max_queued_requests: int
     max_queued_tokens: int
     queued: dict[str, int] = attrs.Factory(dict)
+    num_queued_tokens: int = 0  # sum of `queued`, kept as it changes: each check is O(1)
     requests_total: int = 0
     requests_rejected: int = 0
     # called with the request id when a request leaves the queue (metrics: queue time)
@@ -51,7 +52,7 @@ class AdmissionControl:
         """Admit and return None, or return the reason for rejecting."""
         self.requests_total += 1
         reason = None
-        tokens = sum(self.queued.values())
+        tokens = self.num_queued_tokens
         if not self.admitting:
             reason = SHUTTING_DOWN
         elif len(self.queued) >= self.max_queued_requests:
@@ -63,16 +64,29 @@ class AdmissionControl:
             self.requests_rejected += 1
             return reason
         self.queued[request_id] = num_tokens
+        self.num_queued_tokens += num_tokens
+        return None
+
+    def full(self) -> str | None:
+        """The reason a request would be refused now whatever its size (O(1)): checked
+        before a request is tokenized, so that overload is answered at once."""
+        if not self.admitting:
+            return SHUTTING_DOWN
+        if len(self.queued) >= self.max_queued_requests:
+            return (f"queue full: {len(self.queued)} requests queued (max "
+                    f"{self.max_queued_requests})")
         return None
 
     def dequeued(self, request_id: str) -> None:
-        if self.queued.pop(request_id, None) is not None:
+        num_tokens = self.queued.pop(request_id, None)
+        if num_tokens is not None:
+            self.num_queued_tokens -= num_tokens
             for listener in self.dequeue_listeners:
                 listener(request_id)
 
     def statistics(self) -> AdmissionStatistics:
         return AdmissionStatistics(
-            num_queued=len(self.queued), num_queued_tokens=sum(self.queued.values()),
+            num_queued=len(self.queued), num_queued_tokens=self.num_queued_tokens,
             requests_total=self.requests_total, requests_rejected=self.requests_rejected)
 
 

@@ -252,6 +252,16 @@ class Engine:
         or cancelling the caller's scope, cancels the request at once."""
         return Generation(self, request, request_id or uuid.uuid4().hex)
 
+    def overloaded(self, request_id: str) -> Error | None:
+        """The Error refusing a request before it is even tokenized: the admission queue is
+        full (or the server is shutting down). An O(1) read of admission's books; the
+        admission actor still decides every request that gets past it."""
+        reason = self._control.full()
+        if reason is None:
+            return None
+        code = "shutting_down" if reason == SHUTTING_DOWN else "overloaded"
+        return Error(request_id=request_id, code=code, message=reason)
+
     def refusal(self, request_id: str) -> Error | None:
         """The Error refusing a new request now (id in use, shutting down), or None."""
         if request_id in self._live:

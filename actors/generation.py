@@ -91,6 +91,11 @@ class EventStream:
         try:
             if not rid.isprintable() or len(rid.encode("utf-8", "strict")) > 512:
                 raise ValueError("request id must be printable text of at most 512 bytes")
+            early = engine.overloaded(rid)
+            if early is not None:  # answered before any tokenizing or compiling
+                self._ended = True
+                engine.note_rejection(early.code)
+                return early
             tokens = await engine.validate(self._request)
             constraint = await engine.compile_constraint(self._request)
         except (ValueError, UnicodeError) as exc:

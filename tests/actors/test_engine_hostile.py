@@ -71,3 +71,54 @@ async def test_every_refusal_is_counted(draft_model):
         assert stats.requests_rejected == codes["overloaded"] + 1
         assert stats.rejections == {"invalid_request": 1, "overloaded": codes["overloaded"]}
         await engine.wait_idle()
+
+
+async def test_a_full_queue_refuses_before_tokenizing(draft_model, monkeypatch):
+    """Overload is answered from admission's books, O(1), before the prompt is tokenized
+    (issue 20 #8: a burst was refused in 1.4 s at the median, each refusal paying for its
+    tokenizing first). Requests beyond the bound never reach the tokenizer."""
+    import trio
+
+    from tqserve.actors.engine import open_engine
+    from tqserve.actors.messages import Error, Token
+    from tqserve.engine.config import Config
+    from tqserve.engine.request import GenerateRequest
+    from tqserve.engine.sampling import SamplingParams
+
+    config = Config(max_batch=1, max_queued_requests=2, prefix_cache=False)
+    async with open_engine(config, loaded=draft_model) as engine:
+        started = trio.Event()
+        codes: list[str] = []
+
+        async def run(prompt: str, k: int) -> None:
+            req = GenerateRequest(prompt=prompt, params=SamplingParams(max_tokens=2000,
+                                                                       temperature=0))
+            async for event in engine.generate(req, f"r{k}"):
+                if isinstance(event, Token):
+                    started.set()
+                if isinstance(event, Error):
+                    codes.append(event.code)
+                    return
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(run, "import os\n", 0)
+            await started.wait()
+            for k in (1, 2):
+                nursery.start_soon(run, "import sys\n", k)
+            await wait_queued(engine, 2)
+            calls = []
+            monkeypatch.setattr(GenerateRequest, "token_ids",
+                                lambda self, tok: calls.append(1) or (1, 2, 3))
+            for k in range(3, 23):
+                await run("x = 1\n", k)
+            assert codes == ["overloaded"] * 20 and calls == []
+            stats = engine.statistics()
+            assert stats.rejections["overloaded"] == 20 and stats.rows_queued == 2
+            nursery.cancel_scope.cancel()
+
+
+async def wait_queued(engine, n: int) -> None:
+    import trio
+
+    while engine.statistics().rows_queued < n:
+        await trio.sleep(0.01)
