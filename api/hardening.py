@@ -163,6 +163,12 @@ def install() -> None:
     hypercorn.protocol.h11.WSStream = LimitedWSStream  # type: ignore[misc]
 
 
+# Connections the kernel queues before accept (capped by net.core.somaxconn): with
+# hypercorn's default of 100, the connects of a burst past 100 that the loop has not yet
+# accepted are dropped and wait for the client's SYN retransmits (1 s, then 3 s).
+LISTEN_BACKLOG = 4096
+
+
 def listen_hardened(host: str, port: int, *, hard_message_bytes: int, request_timeout: float,
                     ws_message_timeout: float, app_queue: int | None = None
                     ) -> tuple[LimitedConfig, Sockets]:
@@ -182,6 +188,7 @@ def listen_hardened(host: str, port: int, *, hard_message_bytes: int, request_ti
     hc.accesslog = None
     hc.loglevel = "WARNING"  # hypercorn's "Running on" lines: the CLIs print their own
     hc.graceful_timeout = 1.0
+    hc.backlog = LISTEN_BACKLOG
     try:
         sockets = hc.create_sockets()
         for sock in sockets.insecure_sockets:

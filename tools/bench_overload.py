@@ -26,6 +26,7 @@ from tqserve.tools.attack_phases import Server
 LONG = b'{"prompt": "import os\\n", "max_tokens": 4000, "stream": true}'
 SHORT = b'{"prompt": "import os\\n", "max_tokens": 2}'
 STREAMED = b'{"prompt": "import os\\n", "max_tokens": 8, "stream": true}'
+SERVER_FLAGS = ["--max-batch", "4", "--max-queued-requests", "8", "--max-step-tokens", "64"]
 
 
 def _post(body: bytes) -> bytes:
@@ -101,14 +102,19 @@ async def measure(port: int, burst: int, held: int) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--burst", type=int, default=1000, help="connections opened at once")
+    p.add_argument("--port", type=int, default=0,
+                   help="attack a server already listening on this loopback port (it needs "
+                        "--max-batch 4 --max-queued-requests 8); 0: start one")
     p.add_argument("--out", type=Path, default=Path("bench-out/overload.json"))
     args = p.parse_args(argv)
-    server = Server(["--max-batch", "4", "--max-queued-requests", "8",
-                     "--max-step-tokens", "64"])
-    try:
-        report = trio.run(measure, server.port, args.burst, 12)
-    finally:
-        server.stop()
+    if args.port:
+        report = trio.run(measure, args.port, args.burst, 12)
+    else:
+        server = Server(SERVER_FLAGS)
+        try:
+            report = trio.run(measure, server.port, args.burst, 12)
+        finally:
+            server.stop()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps(report, indent=2))
