@@ -8,6 +8,8 @@ Anyone who can write into the cache directory can plant files the server will re
   open) and refuses anything that is not a regular file: a symbolic link, a FIFO, a
   directory, a device. The caller reads from the returned descriptor, so the file checked
   is the file read.
+* `remove_leftover` deletes a `.tmp-*` leftover at start without following it (a link goes,
+  its target stays).
 * `quarantine_entry` moves a bad entry (whatever its type: a link moves as a link, its
   target untouched) into `quarantine/` with directory-relative renames. When `quarantine/`
   is not a real directory of the cache dir (e.g. a symbolic link planted to carry files
@@ -100,6 +102,19 @@ def entry_is_regular(path: Path) -> bool:
         return stat.S_ISREG(os.lstat(path).st_mode)
     except FileNotFoundError:
         return False
+
+
+def remove_leftover(path: Path) -> int:
+    """Delete a temporary leftover of an unfinished write, whatever it is (a link itself,
+    never what it points to), except a directory (left alone, logged); 1 if removed."""
+    try:
+        if stat.S_ISDIR(os.lstat(path).st_mode):
+            logger.warning("ignored %s: a leftover name that is a directory", path.name)
+            return 0
+        os.unlink(path)
+    except FileNotFoundError:
+        return 0
+    return 1
 
 
 def quarantine_entry(directory: Path, name: str, reason: str) -> bool:

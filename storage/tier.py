@@ -16,7 +16,8 @@ when a file is loaded for a hit, and a failure there quarantines the file too. L
 non-regular entries are never opened through. `reconcile` drops entries whose files have
 vanished (a deleted cache dir). Eviction is oldest-written first, by a sequence number
 stored in each header's `extra` so the order survives restarts; indexed files never total
-more than `max_bytes`.
+more than `max_bytes`. A temporary leftover of an unfinished write is removed at start
+whatever it is (a link itself, never its target), except a directory.
 """
 
 import contextlib
@@ -31,8 +32,8 @@ from typing import Any
 import attrs
 import trio
 
-from tqserve.storage.cachedir import (QUARANTINE_DIR, entry_is_regular, open_regular, prepare_directory,
-                              quarantine_entry)
+from tqserve.storage.cachedir import (QUARANTINE_DIR, entry_is_regular, open_regular,
+                                     prepare_directory, quarantine_entry, remove_leftover)
 from tqserve.storage.shard import ShardId, check_shard
 from tqserve.storage.snapshot import (Plane, SnapshotError, SnapshotHeader, check_sizes, decode_header,
                               decode_snapshot, encode_snapshot, read_header)
@@ -139,12 +140,7 @@ class SsdTier:
             for name in sorted(os.listdir(self.directory)):
                 path = self.directory / name
                 if is_temporary_name(name):
-                    if entry_is_regular(path):
-                        path.unlink(missing_ok=True)
-                        num_temporaries += 1
-                    else:
-                        logger.warning("ignored %s: a leftover name that is not a regular file",
-                                       name)
+                    num_temporaries += remove_leftover(path)
                 elif name.endswith(SNAPSHOT_SUFFIX):
                     try:
                         entry = self._verified_entry(name[: -len(SNAPSHOT_SUFFIX)], path)

@@ -182,6 +182,32 @@ def test_links_and_non_regular_entries_are_never_loaded(tmp_path, monkeypatch):
     assert not os.path.lexists(directory / f"{again}.tqsnap")
 
 
+def test_leftover_temporaries_are_removed_whatever_they_are_never_followed(tmp_path):
+    """Issue 20 #11: `.tmp-*` leftovers are removed at start: a symbolic link (to a file,
+    to a directory, dangling) as a link, its target untouched; a FIFO; a regular file. A
+    directory of that name is left alone."""
+    directory = tmp_path / "ssd"
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    kept = store(new_tier(directory), (4, 0))
+    target = outside / "precious"
+    target.write_bytes(b"not ours")
+    os.symlink(target, directory / ".tmp-link-to-a-file")
+    os.symlink(outside, directory / ".tmp-link-to-a-dir")
+    os.symlink(tmp_path / "nowhere", directory / ".tmp-dangling")
+    os.mkfifo(directory / ".tmp-fifo")
+    (directory / f".tmp-{kept}-0badf00d").write_bytes(b"half a snapshot")
+    os.mkdir(directory / ".tmp-dir")
+
+    restarted = SsdTier(directory, max_bytes=1 << 30)
+    report = restarted.recover()
+
+    assert report.num_temporaries_removed == 5
+    assert sorted(p.name for p in directory.iterdir()) == [".tmp-dir", f"{kept}.tqsnap"]
+    assert target.read_bytes() == b"not ours" and list(outside.iterdir()) == [target]
+    assert [entry.key for entry in restarted.entries()] == [kept]
+
+
 def test_a_quarantine_symlink_never_moves_files_out_of_the_directory(tmp_path):
     directory = tmp_path / "ssd"
     elsewhere = tmp_path / "elsewhere"
