@@ -91,6 +91,8 @@ class PrefixCacheStatistics:
     spills_dropped: int
     quarantined: int
     ssd_write_errors: int
+    ssd_errors: int  # errors of the cache dir's file system (storage.health)
+    ssd_state: str   # "ok", "read_only", "cold" (storage.health), or "off" (no cache dir)
     writes_pending: int
     loads_pending: int
 
@@ -282,14 +284,21 @@ class PrefixCache:
         return temporary, int(num_bytes)
 
     async def _reconcile(self) -> None:
-        """A file was missing: drop every index entry whose file vanished (deleted dir)."""
+        """A file was missing or unreadable: drop every index entry whose file vanished
+        (every one, if the tier went cold: storage.health)."""
+        if self.tier is not None:
+            await trio.to_thread.run_sync(self.tier.reconcile)
+            await self._forget_gone()
+
+    async def _forget_gone(self) -> None:
+        """Forget the SSD entries the tier no longer holds (evicted, vanished, cold)."""
         if self.tier is None:
             return
-        gone = await trio.to_thread.run_sync(self.tier.reconcile)
+        live = {e.key for e in self.tier.entries()}
+        gone = [k for k in self.index.keys(Tier.SSD) if k not in live]
         for key in gone:
-            if key in self.index:
-                self.index.forget(key)
-        if self.group is not None:
+            self.index.forget(key)
+        if self.group is not None and gone:
             await self.group.remove(gone)
 
     def release_reuse(self, request_id: str) -> None:
@@ -439,17 +448,20 @@ class PrefixCache:
         if self.tier is None:
             raise RuntimeError("write without an SSD tier")
         key, fields = self._identity(job)
-        stored, problem = None, None
+        stored, problem, disk = None, None, False
         try:
             stored = await self.tier.put_async(key, {**job.payload.header, **fields},
                                                job.payload.planes)
         except (OSError, ValueError) as exc:
-            problem = str(exc)
+            problem, disk = str(exc), isinstance(exc, OSError)
         if self.group is not None:  # acknowledged once every rank's file is durable
             problem = await self.group.written(job.ram_key, key, mine=stored is not None,
                                                keep=key in self.index) or problem
         if stored is None or problem is not None:
-            log.warning("snapshot %s abandoned: %s", key, problem)
+            # A disk error was logged once by the tier (storage.health), not per snapshot.
+            log.log(logging.DEBUG if disk else logging.WARNING, "snapshot %s abandoned: %s",
+                    key, problem)
+            await self._tier_shrank()  # a write may find the tier gone cold
             return False
         log.info("snapshot acknowledged %s", key)
         self._counts["spills"] += 1
@@ -461,14 +473,15 @@ class PrefixCache:
                 minimum_reusable_offset=job.minimum_reusable_offset, trimmable=True,
                 num_bytes=stored.num_bytes), Tier.SSD, self._next_tick())
             await self._remove_files(superseded)
-        if self.tier.statistics().num_entries < self.index.statistics().ssd_entries:
-            live = {e.key for e in self.tier.entries()}  # the tier evicted some files
-            evicted = [k for k in self.index.keys(Tier.SSD) if k not in live]
-            for gone in evicted:
-                self.index.forget(gone)
-            if self.group is not None:
-                await self.group.remove(evicted)
+        await self._tier_shrank()  # the tier may have evicted files, or gone cold
         return True
+
+    async def _tier_shrank(self) -> None:
+        """After a write: the tier holds fewer entries than the index knows (it evicted
+        some, or went cold): forget those."""
+        if self.tier is not None and (self.tier.statistics().num_entries
+                                      < self.index.statistics().ssd_entries):
+            await self._forget_gone()
 
     async def _remove_files(self, keys: list[str]) -> None:
         for key in keys:
@@ -512,6 +525,8 @@ class PrefixCache:
             quarantined=self._counts["quarantined"] + (group.num_quarantined if group else 0),
             ssd_write_errors=(tier.num_write_errors if tier is not None else 0)
             + (group.num_write_errors if group else 0),
+            ssd_errors=tier.num_errors if tier is not None else 0,
+            ssd_state=tier.state if tier is not None else "off",
             writes_pending=queued, loads_pending=len(self._loading))
 
     async def close_writes(self) -> None:
