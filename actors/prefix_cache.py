@@ -29,9 +29,17 @@ snapshot is also written to the SSD tier; RAM pressure then only drops RAM copie
 "back": a snapshot reaches the disk only when RAM pressure evicts it (a spill).
 Flush (`--ssd-flush`): "async" (default): writes go through a bounded queue to the writer
 task; `send_nowait`, and a full queue drops the write (counted in `spills_dropped`), so a
-step never waits for the disk; the RAM copy stays matchable during the write. "sync": the
-step's absorb awaits the write (on a worker thread) and publishes only after the file is
-durable.
+step never waits for the disk. "sync": the step's absorb awaits the write (on a worker
+thread) and publishes only after the file is durable.
+
+Reachability: a published snapshot stays matchable until it is gone for good, whatever the
+RAM budget. An entry over the budget is SPILLING until its spill or drop order runs (the
+runner still holds it: a hit takes it back into RAM and cancels the spill); once its RAM
+copy is gone while its async write is queued or running, it is PENDING: a hit restores it
+from the write's bytes (as an SSD hit, without reading the disk) until the write is
+acknowledged (then the SSD entry serves it) or abandoned. With --distributed the other
+ranks keep no bytes to restore from, so there an entry leaves the index with its RAM copy
+and is matchable again once its write is acknowledged.
 
 Edges: scheduler -> writer task, a trio channel of WRITE_QUEUE items (bulk bytes, so not
 a msgpack mailbox). The writer updates the index directly (same trio thread, sync calls,
@@ -91,6 +99,8 @@ class PrefixCacheStatistics:
     spills_dropped: int
     quarantined: int
     ssd_write_errors: int
+    ssd_errors: int  # errors of the cache dir's file system (storage.health)
+    ssd_state: str   # "ok", "read_only", "cold" (storage.health), or "off" (no cache dir)
     writes_pending: int
     loads_pending: int
 
@@ -140,6 +150,7 @@ class PrefixCache:
         self._pinned: dict[str, str] = {}          # request id -> pinned RAM key
         self._tokens: dict[str, tuple[int, ...]] = {}  # RAM key -> covered tokens
         self._on_disk: set[str] = set()            # RAM keys with an SSD copy
+        self._pending: dict[str, _Write] = {}      # RAM key -> its async write, until it ends
         self._loading: dict[str, list[tuple[str, int]]] = {}  # SSD key -> (rid, length)
         self._started: set[str] = set()            # SSD keys whose load task runs
         self._restoring: set[str] = set()          # runner keys of loads in flight
@@ -194,7 +205,11 @@ class PrefixCache:
                                   self._next_tick())
         if match is None:
             return None
-        if match.tier is Tier.RAM:
+        if match.tier is Tier.SPILLING:  # still in the runner: take it back, cancel the spill
+            self.index.unspill(match.key)
+            if match.key in self._spill:
+                self._spill.remove(match.key)
+        if match.tier in (Tier.RAM, Tier.SPILLING):
             self.index.pin(match.key)
             self._pinned[request_id] = match.key
             return Reuse(key=match.key, cached=match.length, tier="ram")
@@ -211,7 +226,13 @@ class PrefixCache:
         """Read SSD entry `key`, rebuild it on the runner and promote it to the RAM tier;
         the waiting requests' reuses then come out of `take_ready`."""
         entry = self.index.entry(key) if key in self.index else None
-        restored = await self._restore(key, entry) if entry is not None else None
+        job = self._pending.get(key) if self.index.tier(key) is Tier.PENDING else None
+        if job is not None:
+            restored = await self._restore_pending(job)
+        elif entry is not None and self.index.tier(key) is Tier.SSD:
+            restored = await self._restore(key, entry)
+        else:  # gone since the lookup (its write ended): the request looks up again
+            restored = None
         waiters = self._loading.pop(key, [])
         self._started.discard(key)
         if restored is None or entry is None:
@@ -281,15 +302,43 @@ class PrefixCache:
             self._restoring.discard(temporary)
         return temporary, int(num_bytes)
 
+    async def _restore_pending(self, job: _Write) -> tuple[str, int] | None:
+        """A PENDING entry rebuilt in the runner from its write's bytes (our own: a failure
+        is our bug, logged; the request runs cold)."""
+        temporary = f"s{next(self._ids)}"
+        header = job.payload.header
+        planes = {name: (data, tuple(shape), dtype)
+                  for name, data, shape, dtype in job.payload.planes}
+        self._restoring.add(temporary)
+        try:
+            num_bytes = await self._runner_call(
+                temporary, str(header["extra"]["layer_kinds"]), header["offset"],
+                header["minimum_reusable_offset"], planes,
+                self.namespaces.state_of(job.namespace) or "")
+        except Exception:
+            log.exception("snapshot %s could not be restored from its pending write",
+                          job.ram_key)
+            return None
+        finally:
+            self._restoring.discard(temporary)
+        return temporary, int(num_bytes)
+
     async def _reconcile(self) -> None:
-        """A file was missing: drop every index entry whose file vanished (deleted dir)."""
+        """A file was missing or unreadable: drop every index entry whose file vanished
+        (every one, if the tier went cold: storage.health)."""
+        if self.tier is not None:
+            await trio.to_thread.run_sync(self.tier.reconcile)
+            await self._forget_gone()
+
+    async def _forget_gone(self) -> None:
+        """Forget the SSD entries the tier no longer holds (evicted, vanished, cold)."""
         if self.tier is None:
             return
-        gone = await trio.to_thread.run_sync(self.tier.reconcile)
+        live = {e.key for e in self.tier.entries()}
+        gone = [k for k in self.index.keys(Tier.SSD) if k not in live]
         for key in gone:
-            if key in self.index:
-                self.index.forget(key)
-        if self.group is not None:
+            self.index.forget(key)
+        if self.group is not None and gone:
             await self.group.remove(gone)
 
     def release_reuse(self, request_id: str) -> None:
@@ -349,7 +398,8 @@ class PrefixCache:
                                 minimum_reusable_offset=made.minimum_reusable_offset,
                                 trimmable=True, num_bytes=made.num_bytes)
             payload = writes.get(made.key)
-            on_disk = self.index.has_tokens(namespace, tokens, Tier.SSD)
+            on_disk = (self.index.has_tokens(namespace, tokens, Tier.SSD)
+                       or self.index.has_tokens(namespace, tokens, Tier.PENDING))
             job = _Write(ram_key=made.key, namespace=namespace, tokens=tokens, payload=payload,
                          minimum_reusable_offset=made.minimum_reusable_offset) \
                 if payload is not None and not on_disk else None
@@ -359,9 +409,9 @@ class PrefixCache:
             self._tokens[made.key] = tokens
             if on_disk:
                 self._on_disk.add(made.key)
-            self._publish_ram(entry)
-            if job is not None:
+            if job is not None:  # queued first: over the budget at once, it is PENDING
                 self._enqueue(job)
+            self._publish_ram(entry)
         for _, key in plan.snapshot + plan.prompt_snapshot:
             if key not in self.index:
                 self._tokens.pop(key, None)
@@ -380,9 +430,15 @@ class PrefixCache:
 
     def _evict(self, keys: Iterable[str]) -> None:
         """RAM entries over the budget (marked SPILLING): with write-through, or when their
-        file exists already, drop the RAM copy; with write-back, spill them."""
+        file exists already, drop the RAM copy (an entry whose write is pending stays
+        matchable as PENDING); with write-back, spill them."""
         for key in keys:
-            if self.through or key in self._on_disk or self.tier is None:
+            if key in self._pending:
+                self.index.pending(key)
+                self._tokens.pop(key, None)
+                self._on_disk.discard(key)
+                self._drop.append(key)
+            elif self.through or key in self._on_disk or self.tier is None:
                 self.index.forget(key)
                 self._tokens.pop(key, None)
                 self._on_disk.discard(key)
@@ -391,6 +447,8 @@ class PrefixCache:
                 self._spill.append(key)
 
     def _enqueue(self, job: _Write) -> None:
+        """Queue `job` for the writer task (a full queue drops it, counted); its entry is
+        pending until the write ends (single process: see the module doc)."""
         try:
             if self._queue is None:
                 raise trio.WouldBlock
@@ -398,6 +456,8 @@ class PrefixCache:
         except trio.WouldBlock:
             self._counts["spills_dropped"] += 1
             return
+        if self.group is None:
+            self._pending[job.ram_key] = job
         self._order(job)
 
     def _order(self, job: _Write) -> None:
@@ -426,49 +486,66 @@ class PrefixCache:
             self.index.forget(payload.key)
             return
         entry = self.index.entry(payload.key)
-        self.index.forget(payload.key)  # SPILLING: it matched nothing since the eviction
         job = _Write(ram_key=payload.key, namespace=entry.namespace, tokens=tokens,
                      payload=payload, minimum_reusable_offset=entry.minimum_reusable_offset)
         if self.flush == "sync":
+            self.index.forget(payload.key)  # published on the SSD once durable
             await self._write_now(job)
+            return
+        self._enqueue(job)
+        if payload.key in self._pending:
+            self.index.pending(payload.key)  # matchable from its bytes until written
         else:
-            self._enqueue(job)
+            self.index.forget(payload.key)
 
     async def write(self, job: _Write) -> bool:
         """Write one snapshot to the SSD tier and index it there; False if it failed."""
         if self.tier is None:
             raise RuntimeError("write without an SSD tier")
         key, fields = self._identity(job)
-        stored, problem = None, None
+        stored, problem, disk = None, None, False
         try:
             stored = await self.tier.put_async(key, {**job.payload.header, **fields},
                                                job.payload.planes)
         except (OSError, ValueError) as exc:
-            problem = str(exc)
+            problem, disk = str(exc), isinstance(exc, OSError)
         if self.group is not None:  # acknowledged once every rank's file is durable
             problem = await self.group.written(job.ram_key, key, mine=stored is not None,
                                                keep=key in self.index) or problem
         if stored is None or problem is not None:
-            log.warning("snapshot %s abandoned: %s", key, problem)
+            self._end_pending(job)
+            # A disk error was logged once by the tier (storage.health), not per snapshot.
+            log.log(logging.DEBUG if disk else logging.WARNING, "snapshot %s abandoned: %s",
+                    key, problem)
+            await self._tier_shrank()  # a write may find the tier gone cold
             return False
         log.info("snapshot acknowledged %s", key)
         self._counts["spills"] += 1
-        if job.ram_key in self.index:
+        if self.index.tier(job.ram_key) in (Tier.RAM, Tier.SPILLING):
             self._on_disk.add(job.ram_key)
+        superseded: list[str] = []
         if key not in self.index:
             superseded, _ = self.index.publish(PrefixEntry(
                 key=key, namespace=job.namespace, tokens=job.tokens,
                 minimum_reusable_offset=job.minimum_reusable_offset, trimmable=True,
                 num_bytes=stored.num_bytes), Tier.SSD, self._next_tick())
-            await self._remove_files(superseded)
-        if self.tier.statistics().num_entries < self.index.statistics().ssd_entries:
-            live = {e.key for e in self.tier.entries()}  # the tier evicted some files
-            evicted = [k for k in self.index.keys(Tier.SSD) if k not in live]
-            for gone in evicted:
-                self.index.forget(gone)
-            if self.group is not None:
-                await self.group.remove(evicted)
+        self._end_pending(job)  # with no await since the publish: always one matches
+        await self._remove_files(superseded)
+        await self._tier_shrank()  # the tier may have evicted files, or gone cold
         return True
+
+    async def _tier_shrank(self) -> None:
+        """After a write: the tier holds fewer entries than the index knows (it evicted
+        some, or went cold): forget those."""
+        if self.tier is not None and (self.tier.statistics().num_entries
+                                      < self.index.statistics().ssd_entries):
+            await self._forget_gone()
+
+    def _end_pending(self, job: _Write) -> None:
+        """`job`'s write ended: its PENDING entry (if its RAM copy went) leaves the index."""
+        self._pending.pop(job.ram_key, None)
+        if self.index.tier(job.ram_key) is Tier.PENDING:
+            self.index.forget(job.ram_key)
 
     async def _remove_files(self, keys: list[str]) -> None:
         for key in keys:
@@ -512,6 +589,8 @@ class PrefixCache:
             quarantined=self._counts["quarantined"] + (group.num_quarantined if group else 0),
             ssd_write_errors=(tier.num_write_errors if tier is not None else 0)
             + (group.num_write_errors if group else 0),
+            ssd_errors=tier.num_errors if tier is not None else 0,
+            ssd_state=tier.state if tier is not None else "off",
             writes_pending=queued, loads_pending=len(self._loading))
 
     async def close_writes(self) -> None:

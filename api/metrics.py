@@ -98,6 +98,12 @@ class _EngineCollector(Collector):
                       prefix.ssd_write_errors)
         yield counter("tqserve:prefix_cache_quarantined_files", "SSD snapshot files that failed "
                       "verification and were moved to quarantine/.", prefix.quarantined)
+        yield counter("tqserve:prefix_cache_ssd_errors", "Errors of the cache dir's file "
+                      "system (the SSD tier then goes read-only or cold).", prefix.ssd_errors)
+        for state in ("ok", "read_only", "cold"):
+            yield gauge("tqserve:prefix_cache_ssd_state", "1 for the SSD tier's state: ok, "
+                        "read_only (writes paused) or cold (entries dropped).",
+                        int(prefix.ssd_state == state), state=state)
         for tier, nbytes, entries in (("ram", prefix.ram_bytes, prefix.ram_entries),
                                       ("ssd", prefix.ssd_bytes, prefix.ssd_entries)):
             yield gauge("tqserve:prefix_cache_bytes", "Snapshot bytes held, by tier.", nbytes,

@@ -40,8 +40,11 @@ minimum_reusable_offset <= A's, and E is trimmable (or covers exactly A's tokens
 earlier plain donor survives a converted descendant, whose boundary is higher.
 
 RAM budget: `ram_budget` bytes; `publish` returns the coldest unpinned RAM entries over
-the budget, marked SPILLING (matching nothing) until the caller reports
-`spilled(key, ssd_entry)` or `forget(key)`.
+the budget, marked SPILLING until the caller reports `spilled(key, ssd_entry)`,
+`pending(key)` or `forget(key)`. Tiers out of the budget stay matchable: SPILLING (the
+caller still holds the snapshot; a hit may take it back with `unspill`) and PENDING (the
+RAM copy is gone, its bytes wait for the disk: the caller serves them until its write
+ends); a lookup prefers, at equal length, RAM, then SPILLING, PENDING and SSD.
 """
 
 from __future__ import annotations
@@ -56,7 +59,11 @@ import attrs
 class Tier(enum.Enum):
     RAM = "ram"
     SSD = "ssd"
-    SPILLING = "spilling"
+    SPILLING = "spilling"  # over the RAM budget; the caller's spill or drop is on its way
+    PENDING = "pending"    # its RAM copy is gone; its file is being written
+
+
+_MATCH_ORDER = (Tier.RAM, Tier.SPILLING, Tier.PENDING, Tier.SSD)  # the preference at a tie
 
 
 def cache_namespace(fingerprint: str, kv_scheme: str, speculation: str = "none") -> str:
@@ -112,12 +119,9 @@ class _Node:
     edge: tuple[int, ...]  # the tokens from the parent to this node
     depth: int             # tokens from the root to the end of `edge`
     children: dict[int, _Node] = attrs.Factory(dict)  # first token of the child's edge
-    ram: dict[str, None] = attrs.Factory(dict)  # RAM entries through here, coldest first
-    ssd: dict[str, None] = attrs.Factory(dict)
+    # per tier, the entries through here, least recently used first
+    members: dict[Tier, dict[str, None]] = attrs.Factory(lambda: {t: {} for t in Tier})
     ends: set[str] = attrs.Factory(set)         # entries (any tier) ending exactly here
-
-    def members(self, tier: Tier) -> dict[str, None] | None:
-        return self.ram if tier is Tier.RAM else self.ssd if tier is Tier.SSD else None
 
 
 def _common(edge: tuple[int, ...], tokens: Sequence[int], start: int) -> int:
@@ -161,17 +165,16 @@ class PrefixIndex:
 
     def has_tokens(self, namespace: str, tokens: Sequence[int],
                    tier: Tier | None = None) -> bool:
-        """Whether a matchable entry (of `tier`, if given) covers exactly `tokens`."""
+        """Whether an entry (of `tier`, if given) covers exactly `tokens`."""
         node = self._exact(namespace, tokens)
-        return node is not None and any(
-            self._tier[k] is not Tier.SPILLING and (tier is None or self._tier[k] is tier)
-            for k in node.ends)
+        return node is not None and any(tier is None or self._tier[k] is tier
+                                        for k in node.ends)
 
     def lookup(self, namespace: str, prompt: Sequence[int], tick: int) -> PrefixMatch | None:
         """The longest usable donor for `prompt` (see the module doc); counts hit or miss."""
         for node, depth in self._candidates(namespace, prompt[:len(prompt) - 1]):
-            for tier in (Tier.RAM, Tier.SSD):
-                for key in reversed(node.members(tier) or ()):
+            for tier in _MATCH_ORDER:
+                for key in reversed(node.members[tier]):
                     self._counts["entries_visited"] += 1
                     entry = self._entries[key]
                     if depth < entry.minimum_reusable_offset:
@@ -179,7 +182,8 @@ class PrefixIndex:
                     if depth < entry.covered and not entry.trimmable:
                         continue
                     self._touch(key, tick)
-                    self._counts["hits_ram" if tier is Tier.RAM else "hits_ssd"] += 1
+                    in_ram = tier in (Tier.RAM, Tier.SPILLING)
+                    self._counts["hits_ram" if in_ram else "hits_ssd"] += 1
                     return PrefixMatch(key=key, tier=tier, length=depth, entry=entry)
         self._counts["misses"] += 1
         return None
@@ -195,8 +199,8 @@ class PrefixIndex:
             raise ValueError("minimum_reusable_offset exceeds the covered length")
         if not entry.tokens:
             raise ValueError("an entry covers at least one token")
-        if tier is Tier.SPILLING:
-            raise ValueError("an entry is published in RAM or SSD, not SPILLING")
+        if tier not in (Tier.RAM, Tier.SSD):
+            raise ValueError(f"an entry is published in RAM or SSD, not {tier.name}")
         path = self._insert_path(entry.namespace, entry.tokens)
         superseded = []
         for node in path:
@@ -260,7 +264,7 @@ class PrefixIndex:
     def _split(parent: _Node, child: _Node, n: int) -> _Node:
         """Cut `child`'s edge after `n` tokens; the new middle node keeps its members."""
         middle = _Node(edge=child.edge[:n], depth=child.depth - len(child.edge) + n,
-                       ram=dict(child.ram), ssd=dict(child.ssd))
+                       members={tier: dict(keys) for tier, keys in child.members.items()})
         child.edge = child.edge[n:]
         middle.children[child.edge[0]] = child
         parent.children[middle.edge[0]] = middle
@@ -288,9 +292,7 @@ class PrefixIndex:
         """Record `key` as in `tier` (members, totals, eviction order)."""
         self._tier[key] = tier
         for node in path:
-            members = node.members(tier)
-            if members is not None:
-                members[key] = None
+            node.members[tier][key] = None
         totals = self._totals[tier]
         totals[0] += 1
         totals[1] += self._entries[key].num_bytes
@@ -300,9 +302,7 @@ class PrefixIndex:
     def _unplace(self, key: str, path: list[_Node]) -> None:
         tier = self._tier[key]
         for node in path:
-            members = node.members(tier)
-            if members is not None:
-                members.pop(key, None)
+            node.members[tier].pop(key, None)
         totals = self._totals[tier]
         totals[0] -= 1
         totals[1] -= self._entries[key].num_bytes
@@ -318,10 +318,9 @@ class PrefixIndex:
         self._used[key] = tick
         tier = self._tier[key]
         for node in self._path(self._entries[key]):
-            members = node.members(tier)
-            if members is not None:
-                members.pop(key, None)
-                members[key] = None
+            members = node.members[tier]
+            members.pop(key, None)
+            members[key] = None
         if tier is Tier.RAM:
             self._ram_order.pop(key, None)
             self._ram_order[key] = None
@@ -348,9 +347,18 @@ class PrefixIndex:
             self.publish(ssd_entry, Tier.SSD, self._used.get(key, 0))
 
     def unspill(self, key: str) -> None:
-        """A SPILLING entry whose spill never happened is back in RAM (a failed step)."""
+        """A SPILLING entry whose spill never happened (a failed step, or a hit took it
+        back) is back in RAM."""
         if self._tier.get(key) is Tier.SPILLING:
             self._retier(key, Tier.RAM)
+
+    def pending(self, key: str) -> None:
+        """A SPILLING entry left RAM, but its file is still being written: PENDING (still
+        matchable) until the caller reports `spilled` or `forget`. ValueError unless
+        SPILLING."""
+        if self._tier.get(key) is not Tier.SPILLING:
+            raise ValueError(f"entry {key} is not SPILLING")
+        self._retier(key, Tier.PENDING)
 
     def pin(self, key: str) -> None:
         """Keep the entry from eviction until `unpin` (a row is being built from it)."""

@@ -8,6 +8,8 @@ Anyone who can write into the cache directory can plant files the server will re
   open) and refuses anything that is not a regular file: a symbolic link, a FIFO, a
   directory, a device. The caller reads from the returned descriptor, so the file checked
   is the file read.
+* `remove_leftover` deletes a `.tmp-*` leftover at start without following it (a link goes,
+  its target stays); `directory_problem` tells a file's own error from its directory's.
 * `quarantine_entry` moves a bad entry (whatever its type: a link moves as a link, its
   target untouched) into `quarantine/` with directory-relative renames. When `quarantine/`
   is not a real directory of the cache dir (e.g. a symbolic link planted to carry files
@@ -94,12 +96,30 @@ def open_regular(path: Path) -> tuple[BinaryIO, int]:
         raise
 
 
-def entry_is_regular(path: Path) -> bool:
-    """Whether `path` is (still) a regular file, not following links."""
+def directory_problem(directory: Path, path: Path) -> OSError | None:
+    """Why `directory`, which holds `path`, cannot be used any more (it cannot be searched:
+    EACCES, ENOTDIR, EIO...; or it is gone), or None if it can (an error was `path`'s own)."""
     try:
-        return stat.S_ISREG(os.lstat(path).st_mode)
+        os.lstat(path)
+    except FileNotFoundError as exc:
+        if not os.path.isdir(directory):
+            return exc
+    except OSError as exc:
+        return exc
+    return None
+
+
+def remove_leftover(path: Path) -> int:
+    """Delete a temporary leftover of an unfinished write, whatever it is (a link itself,
+    never what it points to), except a directory (left alone, logged); 1 if removed."""
+    try:
+        if stat.S_ISDIR(os.lstat(path).st_mode):
+            logger.warning("ignored %s: a leftover name that is a directory", path.name)
+            return 0
+        os.unlink(path)
     except FileNotFoundError:
-        return False
+        return 0
+    return 1
 
 
 def quarantine_entry(directory: Path, name: str, reason: str) -> bool:

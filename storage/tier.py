@@ -14,16 +14,25 @@ size, and the caller's `validate_header` (the engine checks planes against its m
 start-up costs the same whatever the planes hold; plane checksums are verified by `get`,
 when a file is loaded for a hit, and a failure there quarantines the file too. Links and
 non-regular entries are never opened through. `reconcile` drops entries whose files have
-vanished (a deleted cache dir). Eviction is oldest-written first, by a sequence number
-stored in each header's `extra` so the order survives restarts; indexed files never total
-more than `max_bytes`.
+vanished. Eviction is oldest-written first, by a sequence number stored in each header's
+`extra` so the order survives restarts; indexed files never total more than `max_bytes`.
+
+After `recover`, no error of the directory's file system escapes `get`, `reconcile` or
+`remove` (storage.health): a directory that cannot be searched any more (EACCES, ENOTDIR:
+replaced by a file, gone, EIO) makes the tier cold (every entry dropped, the call a miss);
+a failed write or removal makes it read-only for a while (`put` raises OSError, counted in
+`num_write_errors`). A write finding the directory removed creates it again (private, as
+at start) and goes on. A temporary leftover of an unfinished write is removed at start
+whatever it is (a link itself, never its target), except a directory.
 """
 
 import contextlib
 import functools
 import logging
 import os
+import stat
 import threading
+import time
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -31,8 +40,9 @@ from typing import Any
 import attrs
 import trio
 
-from tqserve.storage.cachedir import (QUARANTINE_DIR, entry_is_regular, open_regular, prepare_directory,
-                              quarantine_entry)
+from tqserve.storage.cachedir import (QUARANTINE_DIR, directory_problem, open_regular,
+                                     prepare_directory, quarantine_entry, remove_leftover)
+from tqserve.storage.health import RETRY_SECONDS, TierHealth
 from tqserve.storage.shard import ShardId, check_shard
 from tqserve.storage.snapshot import (Plane, SnapshotError, SnapshotHeader, check_sizes, decode_header,
                               decode_snapshot, encode_snapshot, read_header)
@@ -84,6 +94,8 @@ class TierStatistics:
     num_evicted: int
     num_write_errors: int
     num_bytes_read: int
+    num_errors: int  # errors of the directory's file system (storage.health)
+    state: str       # "ok", "read_only" or "cold" (storage.health.TierState)
 
 
 class SsdTier:
@@ -99,13 +111,16 @@ class SsdTier:
         on_evict: Callable[[str], None] | None = None,
         validate_header: Callable[[SnapshotHeader], None] | None = None,
         shard: ShardId | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        retry_seconds: float = RETRY_SECONDS,
     ) -> None:
         """`on_evict(key)` runs before each evicted file is unlinked (during recover under
         the tier's lock, during put outside it; it must not call back into the tier).
         `validate_header(header)` raises SnapshotError for a header this tier must not index
         or serve (checked at recovery and every load; pure: no I/O, any thread).
         `shard`: this tier holds one rank's shard (storage.shard): its files say so, and
-        files of another shard or of a single process are refused (None: a single process)."""
+        files of another shard or of a single process are refused (None: a single process).
+        `clock`, `retry_seconds`: the pause of writes after a failed one (storage.health)."""
         if max_bytes <= 0:
             raise ValueError(f"max_bytes must be positive, got {max_bytes}")
         self.directory = Path(directory)
@@ -123,6 +138,7 @@ class SsdTier:
         self._next_sequence = 0
         self._counts = dict.fromkeys(("hits", "misses", "writes", "quarantined", "evicted",
                                       "write_errors", "bytes_read"), 0)
+        self._health = TierHealth(self.directory, clock, retry_seconds)
 
     def recover(self) -> RecoveryReport:
         """Rebuild the index from disk: delete temporaries; check headers, then index or
@@ -139,12 +155,7 @@ class SsdTier:
             for name in sorted(os.listdir(self.directory)):
                 path = self.directory / name
                 if is_temporary_name(name):
-                    if entry_is_regular(path):
-                        path.unlink(missing_ok=True)
-                        num_temporaries += 1
-                    else:
-                        logger.warning("ignored %s: a leftover name that is not a regular file",
-                                       name)
+                    num_temporaries += remove_leftover(path)
                 elif name.endswith(SNAPSHOT_SUFFIX):
                     try:
                         entry = self._verified_entry(name[: -len(SNAPSHOT_SUFFIX)], path)
@@ -177,9 +188,14 @@ class SsdTier:
         `header_fields` are `encode_snapshot`'s keyword arguments except planes and level.
         ValueError if the fields are invalid, the key is not `snapshot_key(namespace, token_ids)`,
         the identity is not one this tier expects, or the snapshot alone exceeds the budget.
-        OSError from the write propagates: the snapshot is abandoned, no file is left under `key`.
+        OSError from the write propagates: the snapshot is abandoned, no file is left under `key`
+        (also while writes are paused after a failed one: storage.health).
         """
         validate_key(key)
+        if not self._health.can_write():
+            with self._lock:
+                self._counts["write_errors"] += 1
+            raise OSError(f"writes to {self.directory} are paused after a failed one")
         with self._lock:
             self._require_recovered()
             sequence = self._next_sequence
@@ -209,7 +225,7 @@ class SsdTier:
                         self._on_evict(victim.key)
                     victim.path.unlink(missing_ok=True)
                 path = self._write_file(key, data)
-            except OSError:
+            except OSError as exc:
                 # The write may have failed after the rename: leave no file of unknown content.
                 with self._lock:
                     self._counts["write_errors"] += 1
@@ -217,7 +233,9 @@ class SsdTier:
                         self._drop_locked(replaced)
                 with contextlib.suppress(OSError):
                     snapshot_path(self.directory, key).unlink(missing_ok=True)
+                self._health.failed("write", exc)
                 raise
+            self._health.wrote()
             entry = TierEntry(key=key, header=header, path=path, num_bytes=len(data),
                               sequence=sequence)
             with self._lock:
@@ -228,7 +246,20 @@ class SsdTier:
             return entry
 
     def _write_file(self, key: str, data: bytes) -> Path:
-        """Durably write one snapshot file (temp, fsync, rename, directory fsync)."""
+        """Durably write one snapshot file (temp, fsync, rename, directory fsync); if the
+        directory was removed, the tier goes cold (its files went with it) and the
+        directory is created again, private, for this write."""
+        try:
+            return write_snapshot_file(self.directory, key, data)
+        except FileNotFoundError as exc:
+            if os.path.lexists(self.directory):
+                raise
+            self._go_cold("write", exc)
+        try:
+            prepare_directory(self.directory)
+        except ValueError as exc:  # e.g. the new parent is shared: not a directory to use
+            raise OSError(str(exc)) from None
+        logger.info("cache dir %s was removed: created it again", self.directory)
         return write_snapshot_file(self.directory, key, data)
 
     def _evict_books(self, budget: int, keep: str) -> list[TierEntry]:
@@ -258,17 +289,22 @@ class SsdTier:
                 return None
         try:
             header, planes = self._read_verified(key, entry)
-        except FileNotFoundError:
-            with self._lock:
-                self._drop_locked(entry)
-                self._counts["misses"] += 1
-            return None
         except SnapshotError as exc:
             with self._lock:
                 self._counts["misses"] += 1
                 if self._drop_locked(entry):
                     self._quarantine(entry.path, exc.reason)
             raise
+        except OSError as exc:
+            unusable = directory_problem(self.directory, entry.path)
+            if unusable is not None:
+                self._go_cold("read", unusable)
+            elif not isinstance(exc, FileNotFoundError):
+                raise  # this file's own error: the caller quarantines it
+            with self._lock:
+                self._drop_locked(entry)
+                self._counts["misses"] += 1
+            return None
         with self._lock:
             self._counts["hits"] += 1
         return header, planes
@@ -285,27 +321,55 @@ class SsdTier:
             return True
 
     def reconcile(self) -> tuple[str, ...]:
-        """Drop indexed entries whose files are gone (or are no longer regular files), e.g.
-        after the directory was deleted; returns their keys. One lstat per entry."""
+        """Drop indexed entries whose files are gone (or are no longer regular files);
+        returns their keys. One lstat per entry, outside the lock. A directory that cannot
+        be searched, or is gone, makes the tier cold: every entry is dropped."""
         with self._lock:
-            gone = [entry for entry in self._require_recovered().values()
-                    if not entry_is_regular(entry.path)]
-            for entry in gone:
-                self._drop_locked(entry)
+            entries = list(self._require_recovered().values())
+        gone = []
+        for entry in entries:
+            try:
+                if not stat.S_ISREG(os.lstat(entry.path).st_mode):
+                    gone.append(entry)
+            except FileNotFoundError:
+                gone.append(entry)
+            except OSError as exc:
+                return self._go_cold("reconcile", exc)
         if gone:
+            unusable = directory_problem(self.directory, gone[0].path)
+            if unusable is not None:
+                return self._go_cold("reconcile", unusable)
             logger.warning("%d indexed snapshot files vanished from %s; dropped from the index",
                            len(gone), self.directory)
-        return tuple(entry.key for entry in gone)
+        with self._lock:
+            return tuple(entry.key for entry in gone if self._drop_locked(entry))
+
+    def _go_cold(self, operation: str, error: OSError) -> tuple[str, ...]:
+        """The directory failed `operation`: drop every entry (in place), count and log it
+        once (storage.health); returns the keys dropped."""
+        with self._lock:
+            index = self._require_recovered()
+            keys = tuple(index)
+            index.clear()
+            self._num_bytes = 0
+        self._health.failed(operation, error, cold=True)
+        return keys
 
     def remove(self, key: str) -> bool:
         """Delete the snapshot under `key`; False if there was none."""
         validate_key(key)
+        error = None
         with self._lock:
             entry = self._require_recovered().get(key)
-            if entry is None:
+            if entry is None or not self._drop_locked(entry):
                 return False
-            self._delete_locked(entry)
-            return True
+            try:
+                entry.path.unlink(missing_ok=True)
+            except OSError as exc:  # the file may stay: indexed again at the next start
+                error = exc
+        if error is not None:
+            self._health.failed("remove", error)
+        return True
 
     def entries(self) -> tuple[TierEntry, ...]:
         """Indexed snapshots, oldest first."""
@@ -317,6 +381,7 @@ class SsdTier:
         with self._lock:
             return TierStatistics(
                 num_entries=len(self._index or {}), num_bytes=self._num_bytes,
+                num_errors=self._health.num_errors, state=self._health.state.value,
                 **{f"num_{name}": count for name, count in self._counts.items()})
 
     async def recover_async(self) -> RecoveryReport:

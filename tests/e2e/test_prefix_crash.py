@@ -2,9 +2,10 @@
 snapshots, restart it on the same --cache-dir, and check the directory every time.
 
 Each cycle starts `python -m api.cli serve` as a subprocess (bundled draft model, float32,
---ssd-flush sync, a 1-byte RAM budget so every finished row spills to disk at the next step),
-drives short multi-turn conversations over WebSockets (each turn extends the previous one, so
-SSD ancestors get superseded and removed too), and SIGKILLs it after a seeded random delay.
+--ssd-flush sync unless TQSERVE_CRASH_FLUSH says async, a 1-byte RAM budget so every
+finished row spills to disk at the next step), drives short multi-turn conversations over
+WebSockets (each turn extends the previous one, so SSD ancestors get superseded and removed
+too), and SIGKILLs it after a seeded random delay.
 The server's log goes to a file: "snapshot acknowledged <key>" is written only after the
 file, its rename and its directory are fsynced; "snapshot removed <key>" before any unlink.
 
@@ -41,7 +42,10 @@ from tqserve.storage.writer import SNAPSHOT_SUFFIX, is_temporary_name
 from tests.api.wsclient import Session
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-NUM_KILLS = 50
+# The suite runs 50 kills; a longer tool run sets TQSERVE_CRASH_KILLS (e.g. 200) and may
+# set TQSERVE_CRASH_FLUSH=async (the default --ssd-flush); figures: docs/prefix-cache.md.
+NUM_KILLS = int(os.environ.get("TQSERVE_CRASH_KILLS", "50"))
+FLUSH = os.environ.get("TQSERVE_CRASH_FLUSH", "sync")
 SEED = 20261130
 MAX_KILL_DELAY = 0.8      # seconds after "serving" until the kill (uniform from 0.05)
 CONVERSATIONS = 3         # concurrent WebSocket conversations per server
@@ -53,7 +57,7 @@ EVENT = re.compile(r"tqserve\.prefix: snapshot (acknowledged|removed) ([0-9a-f]{
 
 def server_command(directory: Path) -> list[str]:
     return [sys.executable, "-u", "-m", "tqserve.api.cli", "serve", "--port", "0", "--dtype", "float32",
-            "--cache-dir", str(directory), "--ssd-flush", "sync", "--ram-cache-bytes", "1",
+            "--cache-dir", str(directory), "--ssd-flush", FLUSH, "--ram-cache-bytes", "1",
             "--max-batch", "4", "--max-tokens-cap", "16", "--default-max-tokens", "4"]
 
 

@@ -89,6 +89,92 @@ async def test_immediate_repeat_reuses_ram_while_the_write_is_pending(draft_mode
     assert first == again == restarted == await cold(draft_model, p)
 
 
+class HeldDisk:
+    """The real file writer (storage.tier.write_snapshot_file), held back while `gate` is
+    clear: a write queued meanwhile stays pending for as long as the test needs."""
+
+    def __init__(self) -> None:
+        self.gate = threading.Event()
+        self.real = storage.tier.write_snapshot_file
+
+    def __call__(self, *args):
+        self.gate.wait()
+        return self.real(*args)
+
+
+async def colds(loaded, prompts, max_tokens=4):
+    """`cold` of many prompts, from one engine."""
+    missing = [p for p in prompts if (p, max_tokens) not in _COLD]
+    if missing:
+        async with open_engine(Config(prefix_cache=False), loaded=loaded) as engine:
+            for p in missing:
+                _COLD[(p, max_tokens)] = (await run(engine, p, max_tokens))[0]
+    return [_COLD[(p, max_tokens)] for p in prompts]
+
+
+@pytest.mark.parametrize("write, rounds", [("through", 20), ("back", 5)])
+async def test_a_repeat_reuses_an_entry_whose_write_is_pending_below_one_entry_of_ram(
+        draft_model, tmp_path, monkeypatch, write, rounds):
+    """Issue 19: a RAM budget below one entry and the disk writer held back, so every
+    snapshot's write is still pending when the same prompt comes again right after the
+    first answer: in 20 rounds (5 with write-back; a fresh engine each, over one cache
+    dir) the repeat reuses all but its last token every time (from the pending write's
+    bytes, or the RAM copy its spill had not taken yet), greedy tokens identical; once
+    the writes land, a restart serves the first round's prompt from the SSD."""
+    disk = HeldDisk()
+    monkeypatch.setattr(storage.tier, "write_snapshot_file", disk)
+    config = Config(cache_dir=str(tmp_path), ram_cache_bytes=1, ssd_write=write)
+    prompts = [prompt(60 + n, 120) for n in range(rounds)]
+    want = await colds(draft_model, prompts)
+    reused, tiers = [], set()
+    with trio.fail_after(GUARD_S):
+        for p, cold_tokens in zip(prompts, want):
+            disk.gate.clear()
+            async with open_engine(config, loaded=draft_model) as engine:
+                try:
+                    first, _ = await run(engine, p)
+                    again, done = await run(engine, p)
+                    written = engine.statistics().prefix_cache.spills
+                finally:
+                    disk.gate.set()  # the close drains the writes
+            assert written == 0  # nothing of this round was on disk during the repeat
+            assert first == again == cold_tokens
+            reused.append(sum(done.cached_tokens_by_tier.values()))
+            tiers.update(t for t, n in done.cached_tokens_by_tier.items() if n)
+        async with open_engine(config, loaded=draft_model) as engine:
+            restarted, done = await run(engine, prompts[0])
+    assert reused == [len(prompts[0]) - 1] * len(prompts)
+    if write == "through":  # every RAM copy went at once: the write's bytes served it
+        assert tiers == {"ssd"}
+    assert done.cached_tokens_by_tier == {"ram": 0, "ssd": len(prompts[0]) - 1}
+    assert restarted == want[0]
+
+
+async def test_write_back_serves_a_spilled_entry_from_its_pending_write(draft_model, tmp_path,
+                                                                       monkeypatch):
+    """--ssd-write back, the writer held: once another request's steps have spilled the
+    first answer's snapshot (its RAM copy gone, its file not written), the repeat reuses
+    it from the pending write's bytes, counted as an SSD hit; the tokens are the cold
+    ones."""
+    disk = HeldDisk()
+    monkeypatch.setattr(storage.tier, "write_snapshot_file", disk)
+    p, other = prompt(90, 120), prompt(91, 30)
+    config = Config(cache_dir=str(tmp_path), ram_cache_bytes=1, ssd_write="back")
+    with trio.fail_after(GUARD_S):
+        async with open_engine(config, loaded=draft_model) as engine:
+            try:
+                first, _ = await run(engine, p)
+                await run(engine, other)  # its steps carry the spill of the first answer
+                ram = engine.statistics().prefix_cache.ram_entries
+                again, done = await run(engine, p)
+                stats = engine.statistics().prefix_cache
+            finally:
+                disk.gate.set()
+    assert ram == 0 and stats.spills == 0
+    assert done.cached_tokens_by_tier == {"ram": 0, "ssd": len(p) - 1}
+    assert first == again == await cold(draft_model, p)
+
+
 async def test_clean_close_drains_and_a_restart_serves_every_prompt_from_ssd(
         draft_model, tmp_path):
     """N prompts, leave open_engine at once (writes still queued), reopen on the same

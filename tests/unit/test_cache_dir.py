@@ -182,6 +182,32 @@ def test_links_and_non_regular_entries_are_never_loaded(tmp_path, monkeypatch):
     assert not os.path.lexists(directory / f"{again}.tqsnap")
 
 
+def test_leftover_temporaries_are_removed_whatever_they_are_never_followed(tmp_path):
+    """Issue 20 #11: `.tmp-*` leftovers are removed at start: a symbolic link (to a file,
+    to a directory, dangling) as a link, its target untouched; a FIFO; a regular file. A
+    directory of that name is left alone."""
+    directory = tmp_path / "ssd"
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    kept = store(new_tier(directory), (4, 0))
+    target = outside / "precious"
+    target.write_bytes(b"not ours")
+    os.symlink(target, directory / ".tmp-link-to-a-file")
+    os.symlink(outside, directory / ".tmp-link-to-a-dir")
+    os.symlink(tmp_path / "nowhere", directory / ".tmp-dangling")
+    os.mkfifo(directory / ".tmp-fifo")
+    (directory / f".tmp-{kept}-0badf00d").write_bytes(b"half a snapshot")
+    os.mkdir(directory / ".tmp-dir")
+
+    restarted = SsdTier(directory, max_bytes=1 << 30)
+    report = restarted.recover()
+
+    assert report.num_temporaries_removed == 5
+    assert sorted(p.name for p in directory.iterdir()) == [".tmp-dir", f"{kept}.tqsnap"]
+    assert target.read_bytes() == b"not ours" and list(outside.iterdir()) == [target]
+    assert [entry.key for entry in restarted.entries()] == [kept]
+
+
 def test_a_quarantine_symlink_never_moves_files_out_of_the_directory(tmp_path):
     directory = tmp_path / "ssd"
     elsewhere = tmp_path / "elsewhere"
@@ -234,17 +260,32 @@ def test_quarantine_keeps_only_the_newest_files_within_its_byte_bound(tmp_path, 
         <= 3 * 64 * 1024
 
 
-def test_vanished_files_leave_the_index(tmp_path):
+def test_vanished_files_leave_the_index_and_a_removed_directory_makes_the_tier_cold(
+        tmp_path, caplog):
     directory = tmp_path / "ssd"
     tier = new_tier(directory)
     keys = [store(tier, (8, n)) for n in range(5)]
-    shutil.rmtree(directory)
+    (directory / f"{keys[0]}.tqsnap").unlink()
     assert tier.get(keys[0]) is None  # a missing file at load: a miss, out of the index
     assert tier.statistics().num_entries == 4
-    assert sorted(tier.reconcile()) == sorted(keys[1:])
+    for key in keys[1:3]:
+        (directory / f"{key}.tqsnap").unlink()
+    assert sorted(tier.reconcile()) == sorted(keys[1:3])
     stats = tier.statistics()
-    assert (stats.num_entries, stats.num_bytes) == (0, 0)
-    assert tier.entries() == ()
+    assert (stats.num_entries, stats.num_errors, stats.state) == (2, 0, "ok")
+
+    shutil.rmtree(directory)  # the whole directory: cold at the first read, one line
+    assert tier.get(keys[3]) is None
+    stats = tier.statistics()
+    assert (stats.num_entries, stats.num_bytes, stats.num_errors, stats.state) == \
+        (0, 0, 1, "cold")
+    assert tier.entries() == () and tier.reconcile() == ()
+    assert [r.levelname for r in caplog.records if "cache dir" in r.message] == ["WARNING"]
+    # The next write creates the directory again, private, and the tier is ok.
+    again = store(tier, (8, 9))
+    assert stat.S_IMODE(os.stat(directory).st_mode) == 0o700
+    assert [e.key for e in tier.entries()] == [again] and tier.get(again) is not None
+    assert tier.statistics().state == "ok"
 
 
 def test_encode_refuses_nothing_that_recovery_would_reject(tmp_path):

@@ -1,5 +1,7 @@
 """The sans-io prefix index: longest usable donor, bounds, supersession, budget, namespaces."""
 
+import pytest
+
 from tqserve.engine.prefix import PrefixEntry, PrefixIndex, Tier, cache_namespace
 
 NS = cache_namespace("fp", "plain:float32")
@@ -53,11 +55,46 @@ def test_budget_spills_coldest_unpinned_and_tiers_rank():
     index.pin("a")
     _, spill = index.publish(entry("c", (7, 8, 9)), Tier.RAM, 3)
     assert spill == ["b"] and index.tier("b") is Tier.SPILLING
-    assert index.lookup(NS, (4, 5, 6, 7), 4) is None
+    match = index.lookup(NS, (4, 5, 6, 7), 4)  # out of the budget, still reachable
+    assert (match.key, match.tier, match.length) == ("b", Tier.SPILLING, 3)
+    index.pending("b")  # its RAM copy went; its bytes wait for the disk
+    assert index.lookup(NS, (4, 5, 6, 7), 5).tier is Tier.PENDING
     index.spilled("b", entry("ssd-b", (4, 5, 6)))
-    assert index.lookup(NS, (4, 5, 6, 7), 5).tier is Tier.SSD
+    assert index.lookup(NS, (4, 5, 6, 7), 6).tier is Tier.SSD
     stats = index.statistics()
-    assert (stats.ram_entries, stats.ssd_entries, stats.hits_ssd, stats.misses) == (2, 1, 1, 1)
+    assert (stats.ram_entries, stats.ram_bytes, stats.ssd_entries) == (2, 20, 1)
+    assert (stats.hits_ram, stats.hits_ssd, stats.misses) == (1, 2, 0)
+
+
+def test_ties_prefer_ram_spilling_pending_then_ssd_and_other_tiers_are_never_superseded():
+    """One prefix in every tier: each lookup takes the best tier left; a RAM descendant
+    supersedes neither the SPILLING, the PENDING nor the SSD entry."""
+    index = PrefixIndex(0)
+    _, spill = index.publish(entry("p", (1, 2, 3)), Tier.RAM, 1)
+    assert spill == ["p"]
+    index.pending("p")
+    _, spill = index.publish(entry("s", (1, 2, 3)), Tier.RAM, 2)
+    assert spill == ["s"] and index.tier("p") is Tier.PENDING
+    index.publish(entry("d", (1, 2, 3)), Tier.SSD, 3)
+    index.pin("r")
+    assert index.publish(entry("r", (1, 2, 3, 4)), Tier.RAM, 4) == ([], [])
+    order = []
+    for key in ("r", "s", "p", "d"):
+        match = index.lookup(NS, (1, 2, 3, 9), 5)
+        order.append((match.key, match.tier))
+        index.forget(key)
+    assert order == [("r", Tier.RAM), ("s", Tier.SPILLING), ("p", Tier.PENDING),
+                     ("d", Tier.SSD)]
+    assert index.lookup(NS, (1, 2, 3, 9), 6) is None
+
+
+def test_only_a_spilling_entry_becomes_pending_and_nothing_is_published_pending():
+    index = PrefixIndex(100)
+    index.publish(entry("a", (1, 2)), Tier.RAM, 1)
+    with pytest.raises(ValueError, match="not SPILLING"):
+        index.pending("a")
+    with pytest.raises(ValueError, match="not PENDING"):
+        index.publish(entry("b", (3, 4)), Tier.PENDING, 2)
 
 
 SYSTEM = tuple(range(1000, 1000 + 512))
@@ -122,6 +159,6 @@ def test_unspill_returns_an_entry_to_ram():
     index = PrefixIndex(10)
     index.publish(entry("a", (1, 2, 3)), Tier.RAM, 1)
     _, spill = index.publish(entry("b", (4, 5, 6)), Tier.RAM, 2)
-    assert spill == ["a"] and index.lookup(NS, (1, 2, 3, 4), 3) is None
+    assert spill == ["a"] and index.lookup(NS, (1, 2, 3, 4), 3).tier is Tier.SPILLING
     index.unspill("a")
     assert index.tier("a") is Tier.RAM and index.lookup(NS, (1, 2, 3, 4), 4).key == "a"
