@@ -4,6 +4,7 @@ import json
 
 import pytest
 
+from tqserve import blas
 from tqserve.engine.model import DEFAULT_MODEL
 from tqserve.tools import step_variants
 
@@ -18,9 +19,12 @@ def test_every_variant_reports_a_step_time_and_the_checks(tmp_path, capsys):
         for batch in (1, 2):
             figure = report[f"{variant}_b{batch}"]
             assert figure["ms_per_step"] > 0 and len(figure["runs"]) == 1, figure
-    # the fused and compiled forwards compute the model's own logits (CPU, float32)
-    assert report["check_fused"] == {"max_abs_logit_diff": 0.0, "argmax_equal": True}
-    assert report["check_compiled"] == {"max_abs_logit_diff": 0.0, "argmax_equal": True}
+    # the fused and compiled forwards compute the model's own logits (CPU, float32: bit for
+    # bit on MLX's reference BLAS, within float32 rounding on OpenBLAS: tests/unit/test_fastpath)
+    limit = 0.0 if blas.loaded is None else 1e-4
+    for check in ("check_fused", "check_compiled"):
+        assert report[check]["argmax_equal"] is True
+        assert 0.0 <= report[check]["max_abs_logit_diff"] <= limit, report[check]
     assert "runner_fast_b2" in capsys.readouterr().out
 
 
