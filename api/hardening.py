@@ -21,6 +21,14 @@ hypercorn server in the process keeps hypercorn's own behaviour.
   preface gets 505 and the connection is closed.
 * A connection that has not completed a request within hypercorn's `keep_alive_timeout`
   is closed (hypercorn's idle timer, set by api.server).
+* An answer given before the request's body was read (a 401, 404, 405, 413, 429 ...) never
+  leaves the connection stuck. hypercorn hands body chunks to the app through a queue of
+  `max_app_queue_size` messages that nobody reads once the app has returned, so the next
+  chunk (or the closing `http.disconnect`) blocked the connection's reader forever and the
+  next request on a keep-alive connection hung. Here a stream drops what it would queue
+  once its app has returned (and unblocks a put already waiting), and such an early answer
+  says `connection: close`: h11 then reads and discards the rest of the body and the
+  connection closes after the answer, which the client knows before it sends again.
 """
 
 from __future__ import annotations
@@ -34,8 +42,9 @@ import hypercorn.protocol.h11
 import trio
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.config import Sockets
-from hypercorn.protocol.events import Request, StreamClosed
+from hypercorn.protocol.events import Request, Response, StreamClosed
 from hypercorn.protocol.h11 import H11Protocol
+from hypercorn.protocol.http_stream import HTTPStream
 from hypercorn.protocol.ws_stream import FrameTooLargeError, WSStream
 from hypercorn.events import Closed
 from wsproto.connection import ConnectionState
@@ -138,10 +147,62 @@ class LimitedWSStream(WSStream):
         await self.send(StreamClosed(stream_id=self.stream_id))
 
 
+class LimitedHTTPStream(HTTPStream):
+    """hypercorn's HTTP stream whose queue to the app cannot block the connection: what
+    would be queued once the app returned is dropped, a put waiting then is cancelled, and
+    the closing `http.disconnect` is queued in the background (the stream closes inside
+    the app's own last send, so waiting there for the app to read would be a deadlock)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._app_returned = False
+        self._puts: set[trio.CancelScope] = set()
+
+    async def handle(self, event: Any) -> None:
+        await super().handle(event)
+        if (isinstance(event, Request) and isinstance(self.config, LimitedConfig)
+                and getattr(self, "app_put", None) is not None):
+            queue_put = self.app_put
+
+            async def put(message: Any) -> None:
+                if message.get("type") == "http.disconnect":
+                    self.task_group.spawn(self._put, queue_put, message)
+                else:
+                    await self._put(queue_put, message)
+
+            self.app_put = put
+
+    async def _put(self, queue_put: Any, message: Any) -> None:
+        if self._app_returned:
+            return  # nobody reads the queue any more: drop it
+        with trio.CancelScope() as scope:
+            self._puts.add(scope)
+            try:
+                await queue_put(message)
+            finally:
+                self._puts.discard(scope)
+
+    async def app_send(self, message: Any) -> None:
+        if message is None:  # the app returned: no one will read what is queued for it
+            self._app_returned = True
+            for scope in self._puts:
+                scope.cancel()
+        await super().app_send(message)
+
+
 class LimitedH11Protocol(H11Protocol):
-    """hypercorn's HTTP/1.1 protocol without the h2c upgrade or an HTTP/2 preface."""
+    """hypercorn's HTTP/1.1 protocol without the h2c upgrade or an HTTP/2 preface, whose
+    answers given before the request body was read close the connection."""
 
     _refuse_http2 = False
+
+    async def stream_send(self, event: Any) -> None:
+        if (isinstance(event, Response) and event.status_code >= 200
+                and isinstance(self.config, LimitedConfig)
+                and self.connection.their_state is h11.SEND_BODY):
+            event = dataclasses.replace(event, headers=[*event.headers,
+                                                        (b"connection", b"close")])
+        await super().stream_send(event)
 
     async def _check_protocol(self, event: h11.Request) -> None:
         if not isinstance(self.config, LimitedConfig):
@@ -161,6 +222,7 @@ def install() -> None:
     """Put the subclasses in place of hypercorn's (idempotent)."""
     hypercorn.protocol.H11Protocol = LimitedH11Protocol  # type: ignore[misc]
     hypercorn.protocol.h11.WSStream = LimitedWSStream  # type: ignore[misc]
+    hypercorn.protocol.h11.HTTPStream = LimitedHTTPStream  # type: ignore[misc]
 
 
 # Connections the kernel queues before accept (capped by net.core.somaxconn): with
