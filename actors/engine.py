@@ -472,14 +472,16 @@ async def open_engine(config: Config, *, loaded: LoadedModel | None = None,
             link = SpeculationLink(outbox=spec_out, replies=decisions_in, default=spec_default)
         prefix = None
         if config.prefix_cache:
-            if await thread.call(runner.can_snapshot):
+            refused = await thread.call(runner.unsnapshottable_caches)
+            if not refused:
                 layout = await thread.call(runner.plane_layout)
                 states = await thread.call(runner.state_layouts)
                 prefix = _prefix_cache(config, loaded, runner, thread, layout, states,
                                        spec_default)
             else:
-                log.warning("prefix cache off: this model has caches that cannot be reused "
-                            "by prefix (sliding-window layers)")
+                log.warning("prefix cache off: this model's %s layers cannot be reused by "
+                            "prefix (a sliding window overwrites positions; recurrent state "
+                            "cannot be cut back to a shorter prefix)", ", ".join(refused))
         if prefix is not None:
             await prefix.recover()  # before the nursery: a bad cache-dir is a plain ValueError
         async with trio.open_nursery() as writer:

@@ -73,7 +73,7 @@ from tqserve.engine.prefill import PrefillGroups
 from tqserve.engine.sampling import LazySample, RowSampler, build_sample, finalize_sample
 from tqserve.engine.scheduler import RowOutput, SnapshotMade, SpillPayload, StepPlan, StepResult
 from tqserve.engine.snapshot import (PlaneLayout, Snapshot, describe, extract_snapshot, from_planes,
-                             header_extra, plane_layout, row_from_snapshot, snapshot_kinds,
+                             header_extra, layer_kind, plane_layout, row_from_snapshot,
                              snapshot_of_row, to_planes)
 from tqserve.engine.speculative.mtp import forward_with_hidden
 from tqserve.engine.speculative.speculator import SpecRow, Speculator
@@ -420,9 +420,11 @@ class Runner:
             self._layout = plane_layout(self._model, self._make_cache(self._model))
         return self._layout
 
-    def can_snapshot(self) -> bool:
-        """Whether every layer of this model's caches can be snapshotted."""
-        return snapshot_kinds(self._make_cache(self._model)) is not None
+    def unsnapshottable_caches(self) -> list[str]:
+        """Class names of this model's layer caches that cannot be snapshotted (sliding
+        windows, recurrent state ...), sorted; empty when the prefix cache can serve it."""
+        return sorted({type(c).__name__ for c in self._make_cache(self._model)
+                       if layer_kind(c) is None})
 
     def drop_snapshot(self, key: str) -> None:
         """Forget a held snapshot (unknown keys are ignored)."""

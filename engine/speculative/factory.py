@@ -17,6 +17,12 @@ def build_speculator(config: Any, loaded: Any, draft: Any = None) -> Speculator 
     nor --draft-model is set. ValueError naming the flag otherwise."""
     if config.speculative is None and config.draft_model is None:
         return None
+    refused = _caches_without_rollback(loaded.model)
+    if refused:
+        flag = (f"--speculative {config.speculative}" if config.speculative is not None
+                else "--draft-model")
+        raise ValueError(f"{flag}: this model's {', '.join(refused)} layers cannot roll back "
+                         "rejected positions row by row; serve it without speculation")
     proposers: dict[str, Proposer] = {
         "lookup": LookupProposer(LookupSettings(max_ngram=config.speculative_ngram))}
     if draft is not None:
@@ -34,6 +40,15 @@ def build_speculator(config: Any, loaded: Any, draft: Any = None) -> Speculator 
         default = SpecChoice(method=config.speculative,
                              num_tokens=config.num_speculative_tokens)
     return Speculator(proposers, default)
+
+
+def _caches_without_rollback(model: Any) -> list[str]:
+    """Class names of the model's layer caches that speculation cannot trim per row
+    (sliding windows, recurrent state): the kinds engine.snapshot cannot take either."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from tqserve.engine.snapshot import layer_kind
+    return sorted({type(c).__name__ for c in make_prompt_cache(model) if layer_kind(c) is None})
 
 
 def spec_policy(config: Any) -> SpecPolicy:
