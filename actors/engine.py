@@ -122,6 +122,7 @@ CACHE_OWNER_MAILBOX = 64  # leases/releases of one step; the owner only does boo
 # ones on a worker thread, so that one large prompt never stalls every other stream.
 TOKENIZE_INLINE_CHARS = 4096
 SHUTDOWN_GRACE = 5.0  # seconds ended requests' consumers get to read their final Done
+CLOSE_SETTLE = 5.0  # seconds at close for finished rows to release (their snapshots taken, written)
 # Untrusted response_formats compile on these threads (engine.structured.worker): two, so
 # that one slow grammar does not hold up every other structured request; a compile
 # longer than this is refused (the formats' size limits keep real ones under ~0.2 s).
@@ -395,7 +396,10 @@ class Engine:
 @asynccontextmanager
 async def open_engine(config: Config, *, loaded: LoadedModel | None = None,
                       recorder: Recorder | None = None) -> AsyncIterator[Engine]:
-    """Load the model (unless given) and run the actor graph until the block exits."""
+    """Load the model (unless given) and run the actor graph until the block exits. When
+    no stream is open at exit, the rows of finished requests are released first (at most
+    CLOSE_SETTLE seconds), so their prefix-cache snapshots are taken and written: a
+    restart reuses the last turn of a conversation too."""
     thread = RunnerThread()
     runner: Runner | None = None
     try:
@@ -511,6 +515,9 @@ async def open_engine(config: Config, *, loaded: LoadedModel | None = None,
                                         core, prefix, runner, sizes, speculation)
                         engine.group_failed = group_failed
                         yield engine
+                        if not engine.num_live:  # rows of finished requests: release them
+                            with trio.move_on_after(CLOSE_SETTLE):
+                                await engine.wait_idle()
                     finally:
                         nursery.cancel_scope.cancel()
             finally:

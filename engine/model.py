@@ -138,6 +138,15 @@ def keep_float32_exact() -> bool:
     return exact
 
 
+def _private_arrays(net: Any) -> list[mx.array]:
+    """Arrays modules keep outside their parameters (e.g. rope_utils' `_freqs` of Llama 3
+    and Gemma 4 RoPE): built lazily at construction on this thread, they must be evaluated
+    here; MLX cannot evaluate them later on the runner thread (no stream of this thread
+    there: "There is no Stream(cpu, 0) in current thread")."""
+    return [v for m in net.modules() for k, v in m.items()
+            if k.startswith("_") and isinstance(v, mx.array)]
+
+
 def load_model(model: str | Path = DEFAULT_MODEL, dtype: str = "auto") -> LoadedModel:
     """Load a model directory or hub id and apply the dtype policy."""
     path = _resolve_path(model)
@@ -155,7 +164,7 @@ def load_model(model: str | Path = DEFAULT_MODEL, dtype: str = "auto") -> Loaded
         keep_float32_exact()
     if mx.default_device() == mx.cpu:
         blas.warn_if_slow()  # once per process: the embedded API says it too (tqserve.blas)
-    mx.eval(net.parameters())
+    mx.eval(net.parameters(), _private_arrays(net))
     config = json.loads((path / "config.json").read_text())
     eos = set(tokenizer.eos_token_ids or [])
     if tokenizer.eos_token_id is not None:

@@ -90,8 +90,10 @@ class PrefillGroups:
 
     @staticmethod
     def can_batch(fresh: list[Any]) -> bool:
-        """Whether rows with these (empty) caches can be prefilled as one batch."""
-        return snapshot_kinds(fresh) is not None
+        """Whether rows with these (empty) caches can be prefilled as one batch (not with
+        recurrent "state" layers: left padding would run through their recurrence)."""
+        kinds = snapshot_kinds(fresh)
+        return kinds is not None and "state" not in kinds
 
     def add(self, request_id: str, group: int, pad: int, fresh: list[Any]) -> None:
         """A new row of `group` with `pad` positions of left padding and empty caches

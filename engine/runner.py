@@ -73,7 +73,7 @@ from tqserve.engine.prefill import PrefillGroups
 from tqserve.engine.sampling import LazySample, RowSampler, build_sample, finalize_sample
 from tqserve.engine.scheduler import RowOutput, SnapshotMade, SpillPayload, StepPlan, StepResult
 from tqserve.engine.snapshot import (PlaneLayout, Snapshot, describe, extract_snapshot, from_planes,
-                             header_extra, layer_kind, plane_layout, row_from_snapshot,
+                             header_extra, layer_kind, plane_layout, row_from_snapshot, snapshot_kinds,
                              snapshot_of_row, to_planes)
 from tqserve.engine.speculative.mtp import forward_with_hidden
 from tqserve.engine.speculative.speculator import SpecRow, Speculator
@@ -423,8 +423,11 @@ class Runner:
     def unsnapshottable_caches(self) -> list[str]:
         """Class names of this model's layer caches that cannot be snapshotted (sliding
         windows, recurrent state ...), sorted; empty when the prefix cache can serve it."""
-        return sorted({type(c).__name__ for c in self._make_cache(self._model)
-                       if layer_kind(c) is None})
+        caches = self._make_cache(self._model)
+        refused = sorted({type(c).__name__ for c in caches if layer_kind(c) is None})
+        if not refused and snapshot_kinds(caches) is None:  # recurrent layers only
+            refused = sorted({type(c).__name__ for c in caches})
+        return refused
 
     def drop_snapshot(self, key: str) -> None:
         """Forget a held snapshot (unknown keys are ignored)."""

@@ -9,9 +9,15 @@ the slice's end reallocates, so the snapshot's arrays are never written). No dee
 
 Supported kinds, per layer: mlx-lm KVCache ("kv"), TurboQuantKVCache ("tq"),
 DelayedTurboQuantKVCache ("dplain" before conversion, "dtq" after) and AffineKVCache
-("affine"). RotatingKVCache (sliding windows) is refused: its buffer overwrites positions
-in place, so a prefix of it is not recoverable; a model with such layers is served
-without prefix reuse (`snapshot_kinds` returns None).
+("affine"), and mlx-lm's ArraysCache ("state": the recurrent state of a hybrid model's
+linear-attention layers, e.g. qwen3_5's gated delta-net). Recurrent state cannot be cut
+back to a shorter prefix, so a snapshot holding a "state" layer is reusable only at its
+exact boundary (`minimum_reusable_offset` == offset: the prefix index then reuses it only
+when a new prompt extends all of its tokens). Its planes are the state arrays ("s0", "s1"),
+with no position axis. A model with only recurrent layers (no attention layer counts its
+positions) and RotatingKVCache (sliding windows: the buffer overwrites positions in place,
+so neither a prefix nor, through the batch's padding, the exact boundary is recoverable)
+are refused: such models are served without prefix reuse (`snapshot_kinds` returns None).
 
 Planes for the SSD tier: `to_planes` gives (name, bytes, shape, dtype) per array
 ("<layer>.<plane>"); bfloat16 travels as its 16-bit pattern. `from_planes` restores a
@@ -42,7 +48,7 @@ from typing import Any
 import attrs
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import KVCache, make_prompt_cache
+from mlx_lm.models.cache import ArraysCache, KVCache, make_prompt_cache
 
 from tqserve.engine.kv.affine import AffineKVCache
 from tqserve.engine.kv.affine import PLANES as AFFINE_PLANES
@@ -97,16 +103,32 @@ def layer_kind(cache: Any) -> str | None:
         return "dtq" if cache.converted else "dplain"
     if isinstance(cache, AffineKVCache):
         return "affine"
+    if type(cache) is ArraysCache:
+        return "state"
     return None
 
 
 def snapshot_kinds(template: Sequence[Any]) -> tuple[str, ...] | None:
-    """Kinds of a fresh cache list; None if some layer cannot be snapshotted."""
+    """Kinds of a fresh cache list; None if some layer cannot be snapshotted, or if no
+    layer counts positions (recurrent layers only)."""
     kinds = tuple(layer_kind(c) for c in template)
-    return None if None in kinds else kinds  # type: ignore[return-value]
+    if None in kinds or all(k == "state" for k in kinds):
+        return None
+    return kinds  # type: ignore[return-value]
+
+
+def _exact_boundary(layers: Sequence[Any], boundary: int, offset: int) -> int:
+    """The reuse bound: the offset itself when a layer holds recurrent state."""
+    return offset if any(type(c) is ArraysCache for c in layers) else boundary
+
+
+def _offset(layers: Sequence[Any]) -> int:
+    return min(int(c.offset) for c in layers if type(c) is not ArraysCache)
 
 
 def _planes(cache: Any) -> dict[str, mx.array]:
+    if type(cache) is ArraysCache:
+        return {f"s{j}": a for j, a in enumerate(cache.cache) if a is not None}
     if type(cache) is KVCache:
         if cache.keys is None:
             return {}
@@ -124,11 +146,11 @@ def extract_snapshot(batch_layers: Sequence[Any], index: int) -> Snapshot | None
     if None in kinds:
         return None
     mx.eval([list(_planes(c).values()) for c in layers])
-    offset = min(int(c.offset) for c in layers)
+    offset = _offset(layers)
     boundary = max((c.minimum_reusable_offset for c in layers
                     if isinstance(c, DelayedTurboQuantKVCache)), default=0)
     return Snapshot(layers=layers, kinds=kinds, offset=offset,  # type: ignore[arg-type]
-                    minimum_reusable_offset=boundary)
+                    minimum_reusable_offset=_exact_boundary(layers, boundary, offset))
 
 
 def snapshot_of_row(row_layers: Sequence[Any]) -> Snapshot | None:
@@ -138,18 +160,20 @@ def snapshot_of_row(row_layers: Sequence[Any]) -> Snapshot | None:
     kinds = tuple(layer_kind(c) for c in row_layers)
     if None in kinds:
         return None
-    offset = min(int(c.offset) for c in row_layers)
+    offset = _offset(row_layers)
     boundary = max((c.minimum_reusable_offset for c in row_layers
                     if isinstance(c, DelayedTurboQuantKVCache)), default=0)
-    layers = tuple(_layer_from(c, kind, _cut(_planes(c), offset),
+    layers = tuple(_layer_from(c, kind, _cut(_planes(c), offset, kind),
                                getattr(c, "minimum_reusable_offset", 0))
                    for c, kind in zip(row_layers, kinds))
     mx.eval([list(_planes(c).values()) for c in layers])
     return Snapshot(layers=layers, kinds=kinds, offset=offset,  # type: ignore[arg-type]
-                    minimum_reusable_offset=boundary)
+                    minimum_reusable_offset=_exact_boundary(layers, boundary, offset))
 
 
-def _cut(planes: Mapping[str, mx.array], length: int) -> dict[str, mx.array]:
+def _cut(planes: Mapping[str, mx.array], length: int, kind: str) -> dict[str, mx.array]:
+    if kind == "state":  # no position axis; reused only whole (the exact boundary)
+        return dict(planes)
     return {name: a[:, :, :length] for name, a in planes.items()}
 
 
@@ -173,6 +197,10 @@ def _layer_from(template: Any, kind: str, planes: Mapping[str, mx.array],
         affine = AffineKVCache(template.bits, template.group_size)
         affine.rows = KvTensorRows.from_planes(planes)
         return affine
+    if kind == "state":  # the model replaces state arrays, never writes into them
+        state = ArraysCache(len(template.cache))
+        state.cache = [planes.get(f"s{j}") for j in range(len(template.cache))]
+        return state
     raise ValueError(f"unknown snapshot layer kind {kind!r}")
 
 
@@ -184,7 +212,7 @@ def row_from_snapshot(snapshot: Snapshot, length: int) -> list[Any]:
     out = []
     for cache, kind in zip(snapshot.layers, snapshot.kinds):
         boundary = getattr(cache, "minimum_reusable_offset", 0)
-        out.append(_layer_from(cache, kind, _cut(_planes(cache), length), boundary))
+        out.append(_layer_from(cache, kind, _cut(_planes(cache), length, kind), boundary))
     return out
 
 
@@ -258,19 +286,23 @@ def from_planes(template: Sequence[Any], kinds_text: str, offset: int, boundary:
         if kind != want and {kind, want} != {"dplain", "dtq"}:
             raise ValueError(f"layer {i}: snapshot kind {kind} != engine kind {want}")
         names = {"kv": PLAIN_PLANES, "dplain": PLAIN_PLANES, "tq": TQ_PLANES,
-                 "dtq": TQ_PLANES, "affine": AFFINE_PLANES}[kind]
+                 "dtq": TQ_PLANES, "affine": AFFINE_PLANES,
+                 "state": tuple(f"s{j}" for j in range(len(getattr(fresh, "cache", ()))))}[kind]
         arrays = {}
         for name in names:
             if f"{i}.{name}" not in planes:
                 raise ValueError(f"plane {i}.{name} is missing")
             data, shape, dtype = planes[f"{i}.{name}"]
             arrays[name] = plane_array(f"{i}.{name}", data, shape, dtype)
-            if len(shape) != 4 or shape[0] != 1 or shape[2] != offset:
+            if kind == "state":
+                if not shape or shape[0] != 1:
+                    raise ValueError(f"plane {i}.{name} of shape {tuple(shape)} is not one row")
+            elif len(shape) != 4 or shape[0] != 1 or shape[2] != offset:
                 raise ValueError(f"plane {i}.{name} of shape {tuple(shape)} for offset {offset}")
         layers.append(_layer_from(fresh, kind, arrays, boundary))
     mx.eval([list(_planes(c).values()) for c in layers])
     return Snapshot(layers=tuple(layers), kinds=kinds, offset=offset,
-                    minimum_reusable_offset=boundary)
+                    minimum_reusable_offset=_exact_boundary(layers, boundary, offset))
 
 
 def describe(snapshot: Snapshot) -> dict[str, Any]:
@@ -288,7 +320,7 @@ def describe(snapshot: Snapshot) -> dict[str, Any]:
         head_dim = int(words.shape[-1]) * 32 // affine.bits if words is not None else 1
         return {"cache_kind": "affine", "k_bits": affine.bits, "v_bits": affine.bits,
                 "head_dim": head_dim, "rotation_id": None}
-    first = _planes(snapshot.layers[0])
+    first = next((_planes(c) for c in snapshot.layers if type(c) is not ArraysCache), {})
     head_dim = int(first["keys"].shape[-1]) if "keys" in first else 1
     return {"cache_kind": "kv", "k_bits": None, "v_bits": None, "head_dim": head_dim,
             "rotation_id": None}
@@ -299,7 +331,8 @@ class PlaneLayout:
     """What a snapshot of this engine must hold (see the module doc). Plain data: `check`
     runs on any thread, no MLX."""
 
-    # per layer: kind -> plane name -> (shape without the T axis: (1, heads, ...), dtype)
+    # per layer: kind -> plane name -> (shape without the T axis: (1, heads, ...), dtype);
+    # a "state" layer's planes have no T axis: their whole shape
     layers: tuple[dict[str, dict[str, tuple[tuple[int, ...], str]]], ...]
     fields: dict[str, Any]
 
@@ -325,7 +358,7 @@ class PlaneLayout:
                 if full not in planes:
                     raise ValueError(f"plane {full} is missing")
                 shape, got = planes[full]
-                want = (*pattern[:2], offset, *pattern[2:])
+                want = pattern if kind == "state" else (*pattern[:2], offset, *pattern[2:])
                 if tuple(shape) != want or got != dtype:
                     raise ValueError(f"plane {full} is {tuple(shape)} {got}, this model needs "
                                      f"{want} {dtype}")
@@ -368,6 +401,11 @@ def plane_layout(model: Any, template: Sequence[Any]) -> PlaneLayout | None:
     layers, probes = [], []
     for i, (fresh, kind) in enumerate(zip(template, kinds)):
         written = _planes(plain[i])
+        if kind == "state":  # the probe's own state arrays: shapes do not grow with T
+            layers.append({"state": {name: (tuple(a.shape), _DTYPES[a.dtype])
+                                     for name, a in written.items()}})
+            probes.append(plain[i])
+            continue
         variants = {}
         for variant in ({"dplain", "dtq"} if kind in ("dplain", "dtq") else {kind}):
             probe = _probe(fresh, variant, written["keys"], written["values"])

@@ -77,7 +77,7 @@ REFUSED = "refused at start"
 CLAIMS = {  # per layer kind: prefix cache, TurboQuant, speculation
     "full": ("yes", "yes", "yes"),
     "sliding": ("off (warned)", "full-attention layers", REFUSED),
-    "hybrid": ("off (warned)", "full-attention layers", REFUSED),
+    "hybrid": ("exact boundaries", "full-attention layers", REFUSED),
     "recurrent": ("off (warned)", "none (warned: no attention layers)", REFUSED),
 }
 

@@ -44,11 +44,12 @@ def build_speculator(config: Any, loaded: Any, draft: Any = None) -> Speculator 
 
 def _caches_without_rollback(model: Any) -> list[str]:
     """Class names of the model's layer caches that speculation cannot trim per row
-    (sliding windows, recurrent state): the kinds engine.snapshot cannot take either."""
+    (sliding windows, recurrent state)."""
     from mlx_lm.models.cache import make_prompt_cache
 
     from tqserve.engine.snapshot import layer_kind
-    return sorted({type(c).__name__ for c in make_prompt_cache(model) if layer_kind(c) is None})
+    return sorted({type(c).__name__ for c in make_prompt_cache(model)
+                   if layer_kind(c) in (None, "state")})
 
 
 def spec_policy(config: Any) -> SpecPolicy:

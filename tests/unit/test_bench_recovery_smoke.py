@@ -22,9 +22,10 @@ def test_engine_start_over_real_snapshots_then_a_hit(tmp_path):
                  "--out", str(out)]) == 0
     report = json.loads(out.read_text())
     assert report["mode"] == "engine" and len(report["all_seconds"]) == 2
-    # The prompt's snapshot (all but its last token), or the finished row's if the release
-    # step ran before the close; either supersedes the other, so one source file is indexed.
-    assert report["tokens_per_file"] in (39, 40)
+    # The finished row's snapshot (its 40 prompt tokens and the one it generated: the
+    # engine releases finished rows before it closes); it supersedes the prompt's own
+    # snapshot (39 tokens), so one source file is indexed.
+    assert report["tokens_per_file"] == 41
     assert report["ssd_entries"] == 13  # the 12 copies and the file they were copied from
     assert report["hit_after_start"] == {"hits_ssd": 1, "quarantined": 0}
 
