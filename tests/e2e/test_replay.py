@@ -203,7 +203,9 @@ def test_ab_two_configs_ratio_table(tmp_path, capsys):
     b = json.loads((tmp_path / "ab" / "B" / "summary.json").read_text())
     assert b["compare_with_A"]["compared"] == 5
     assert b["completed"] == 5
-    assert captured.err.count("load check:") == 2  # open loop: offered vs measured, per target
+    # open loop, per target: offered (as sent, reuse counted) vs measured; the busiest 10 s
+    assert captured.err.count("load check: trace offers") == 2
+    assert captured.err.count("load check: busiest 10 s: 5 requests") == 2
 
 
 def test_bad_arguments_are_one_line_errors(tmp_path, capsys):
