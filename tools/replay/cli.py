@@ -38,7 +38,8 @@ EXIT_FAILED = 3  # some requests failed
 DEFAULT_MODEL = str(Path(__file__).resolve().parents[2] / "models" / "pycoder-draft-4m")
 _ENGINE_FLAGS = (("dtype", str), ("turboquant", str), ("cache_dir", str), ("max_batch", int),
                  ("prefill_chunk", int), ("ram_cache_bytes", int), ("quantized_kv_start", int),
-                 ("max_queued_requests", int), ("max_queued_tokens", int))
+                 ("max_queued_requests", int), ("max_queued_tokens", int),
+                 ("speculative", str), ("draft_model", str))
 
 
 class _Parser(argparse.ArgumentParser):

@@ -40,6 +40,10 @@ def summary_table(summary: dict[str, Any]) -> str:
     if trace:
         lines.append(f"{'Input tokens sent / trace implies':<40}"
                      f"{trace['tokens_sent']:>7d} / {trace['tokens_implied']:.0f}")
+    spec = summary.get("speculative")
+    if spec:
+        lines.append(f"{'Speculative: accepted / proposed':<40}"
+                     f"{spec['accepted']:>7d} / {spec['proposed']} ({spec['acceptance_rate']:.2f})")
     lines += _reuse_lines(summary)
     lines += _outcome_lines(summary)
     lines += _stats_lines(summary)
@@ -103,8 +107,8 @@ def _stats_lines(summary: dict[str, Any]) -> list[str]:
         prompt = _delta(after, before, "prompt_tokens")
         lines.append(f"router /v1/stats after - before: policy {after.get('policy')}, routed "
                      + ", ".join(f"{u} {v:+d}" for u, v in routed.items() if v is not None)
-                     + f", retries {_delta(after, before, 'num_retries'):+d}, rejections "
-                     f"{_delta(after, before, 'rejections'):+d}, cached/prompt tokens "
+                     + f", retries {_delta(after, before, 'num_retries') or 0:+d}, rejections "
+                     f"{_delta(after, before, 'rejections') or 0:+d}, cached/prompt tokens "
                      f"{cached}/{prompt} (each backend's engine counters: its /v1/stats)")
         return lines
     parts = [f"{k} {_delta(after, before, k):+d}" for k in ("requests_total", "requests_rejected")
