@@ -225,6 +225,23 @@ def _check_totals(summary: dict[str, Any]) -> None:
               "scale: prompts are the wrong length (a block-size mismatch?)", file=sys.stderr)
 
 
+def _compare(args: argparse.Namespace, tag: str, summary: dict[str, Any], results: list,
+             reqs: list[TraceRequest], summaries: list, out: Path | None) -> int:
+    """--verify (A against the recording) or B against A; 1 where --verify diverged."""
+    if not (args.verify or tag == "B"):
+        return 0
+    div_dir = out / f"divergences-{tag}" if out else None
+    if tag == "B":
+        a_ok = {a.index: a for a in summaries[0][1] if a.ok}
+        reqs_b = [TraceRequest(**{**_fields(q), "expected_tokens": a_ok[q.index].output_tokens,
+                                  "expected_finish": a_ok[q.index].finish_reason})
+                  for q in reqs if q.index in a_ok]
+        summary["compare_with_A"] = report.compare_outputs(reqs_b, results, div_dir)
+        return 0
+    summary["verify"] = report.compare_outputs(reqs, results, div_dir)
+    return 1 if summary["verify"]["divergent"] else 0
+
+
 def _min_hit_tokens(args: argparse.Namespace, fmt: str) -> int:
     if args.min_hit_tokens is not None:
         return args.min_hit_tokens
@@ -249,22 +266,12 @@ async def _runs(args: argparse.Namespace, interrupt: Interrupt) -> int:
                             _min_hit_tokens(args, header["format"]))
         if run is None:
             say(f"tqserve replay: interrupted by {interrupt.reason} before {tag}'s replay "
-                "began: nothing measured")
+                "began: nothing measured on it")
             return interrupt.code
         summary, results = run
         summary["trace"]["format"] = header["format"]
         _check_totals(summary)
-        if args.verify or tag == "B":
-            div_dir = out / f"divergences-{tag}" if out else None
-            if tag == "B":
-                a_ok = {a.index: a for a in summaries[0][1] if a.ok}
-                reqs_b = [TraceRequest(**{**_fields(q), "expected_tokens": a_ok[q.index].output_tokens,
-                                          "expected_finish": a_ok[q.index].finish_reason})
-                          for q in reqs if q.index in a_ok]
-                summary["compare_with_A"] = report.compare_outputs(reqs_b, results, div_dir)
-            else:
-                summary["verify"] = report.compare_outputs(reqs, results, div_dir)
-                status = 1 if summary["verify"]["divergent"] else 0
+        status = max(status, _compare(args, tag, summary, results, reqs, summaries, out))
         summaries.append((summary, results))
         mark = f" (PARTIAL: {interrupt.reason})" if interrupt.reason else ""
         print(f"============ {tag}: {target.name}{mark} ============")

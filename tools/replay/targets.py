@@ -136,7 +136,8 @@ class SpawnTarget(UrlTarget):
         await self._open_nursery()
         try:
             await self._start()
-        except BaseException:
+        except BaseException:  # an interruption while it loads too: stop the child
+            await self._stop()
             self._nursery.cancel_scope.cancel()
             await self._stack.aclose()
             raise
