@@ -260,3 +260,13 @@ async def test_readme_client_example_runs(server):
                                     capture_stdout=True, capture_stderr=True)
     out = result.stdout.decode()
     assert out.rstrip().endswith("[length, cached {'ram': 0, 'ssd': 0}]"), out
+
+
+async def test_stats_and_limits_pass_the_api_key(draft_model, nursery):
+    server = await start_server(nursery, draft_model, api_key="sesame", max_queued_requests=9)
+    async with UrlTarget(server.ws_url, api_key="sesame") as target:
+        assert (await target.stats())["requests_total"] == 0
+        assert await target.limits() == {"max_model_len": 32768, "max_batch": 32,
+                                         "max_queued_requests": 9, "max_queued_tokens": 65536}
+    async with UrlTarget(server.ws_url) as target:  # no key: the server says 401
+        assert await target.stats() is None and await target.limits() == {}

@@ -44,8 +44,9 @@ def request_fields(req: TraceRequest) -> dict[str, Any]:
     return {k: v for k, v in fields.items() if v is not None}
 
 
-def _http_json(url: str) -> dict[str, Any]:
-    with urllib.request.urlopen(url, timeout=30) as resp:
+def _http_json(url: str, api_key: str | None = None) -> dict[str, Any]:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=30) as resp:
         return json.loads(resp.read())
 
 
@@ -103,7 +104,8 @@ class UrlTarget:
 
     async def stats(self) -> dict[str, Any] | None:
         try:
-            return await trio.to_thread.run_sync(_http_json, self._base() + "/v1/stats")
+            return await trio.to_thread.run_sync(_http_json, self._base() + "/v1/stats",
+                                                 self._api_key)
         except (OSError, ValueError):
             return None
 
@@ -112,7 +114,8 @@ class UrlTarget:
         if stats and stats.get("limits"):
             return dict(stats["limits"])
         try:  # a router (or an older server): the context from the model listing
-            listing = await trio.to_thread.run_sync(_http_json, self._base() + "/v1/models")
+            listing = await trio.to_thread.run_sync(_http_json, self._base() + "/v1/models",
+                                                   self._api_key)
             n = listing["data"][0].get("max_model_len")
         except (OSError, ValueError, KeyError, IndexError, TypeError):
             return {}
