@@ -152,6 +152,9 @@ class EngineStatistics:
     speculative: SpeculationStatistics | None = None  # with --speculative / --draft-model
     kv_budget_bytes: int = 0    # engine.kv_budget: what admitted rows may hold together
     kv_charged_bytes: int = 0   # what the running rows are charged for their whole lives
+    # the bounds a client plans against: max_model_len (prompt + max_tokens), max_batch,
+    # max_queued_requests, max_queued_tokens (tools/replay's load and context checks)
+    limits: dict[str, int] = attrs.Factory(dict)
 
 
 class Engine:
@@ -386,7 +389,11 @@ class Engine:
             model=self.model.path.name, dtype=self.model.dtype,
             prefix_cache=self.prefix.statistics() if self.prefix is not None else None,
             speculative=self._speculative_statistics(),
-            kv_budget_bytes=self._core.kv_budget_bytes, kv_charged_bytes=self._core.kv_charge())
+            kv_budget_bytes=self._core.kv_budget_bytes, kv_charged_bytes=self._core.kv_charge(),
+            limits={"max_model_len": self.model.context_length,
+                    "max_batch": self.config.max_batch,
+                    "max_queued_requests": self.config.max_queued_requests,
+                    "max_queued_tokens": self.config.max_queued_tokens})
 
     def _speculative_statistics(self) -> SpeculationStatistics | None:
         """The speculation actor's books."""

@@ -275,4 +275,5 @@ def register(app: QuartTrio, engine: Engine, metrics: Metrics) -> None:
     @app.get("/v1/models")
     async def models() -> Response:
         return jsonify({"object": "list", "data": [
-            {"id": model_name, "object": "model", "created": 0, "owned_by": "tqserve"}]})
+            {"id": model_name, "object": "model", "created": 0, "owned_by": "tqserve",
+             "max_model_len": engine.model.context_length}]})  # vLLM's name: prompt + output

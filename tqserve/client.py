@@ -74,6 +74,7 @@ class DoneEvent:
     completion_tokens: int
     cached_tokens: int = 0
     cached_tokens_by_tier: dict[str, int] = attrs.Factory(dict)
+    speculative: dict[str, Any] | None = None  # usage.speculative: proposed, accepted, ...
 
 
 @attrs.frozen(kw_only=True)
@@ -104,7 +105,8 @@ def parse_event(obj: dict[str, Any]) -> Event:
                          prompt_tokens=usage.get("prompt_tokens", 0),
                          completion_tokens=usage.get("completion_tokens", 0),
                          cached_tokens=usage.get("cached_tokens", 0),
-                         cached_tokens_by_tier=dict(usage.get("cached_tokens_by_tier", {})))
+                         cached_tokens_by_tier=dict(usage.get("cached_tokens_by_tier", {})),
+                         speculative=usage.get("speculative"))
     if kind == "error":
         return ErrorEvent(request_id=rid, code=obj.get("code", ""),
                           message=obj.get("message", ""))

@@ -156,7 +156,7 @@ def test_record_then_verify_and_a_changed_seed_diverges(tmp_path, draft_model, c
     assert "divergent" in capsys.readouterr().out
 
 
-def _family_trace(tmp_path: Path) -> Path:
+def _family_trace(tmp_path: Path, output_length: int = 2) -> Path:
     rows = [{"timestamp": 0, "input_length": 1200, "output_length": 2, "hash_ids": [0, 1, 2]},
             {"timestamp": 0, "input_length": 900, "output_length": 2, "hash_ids": [3, 4]},
             # a filler: on main a snapshot spills at the engine's next step, which this gives
@@ -166,7 +166,8 @@ def _family_trace(tmp_path: Path) -> Path:
             {"timestamp": 2000, "input_length": 1400, "output_length": 2,
              "hash_ids": [3, 4, 6]}]
     path = tmp_path / "family.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    path.write_text("".join(json.dumps({**r, "output_length": output_length}) + "\n"
+                            for r in rows))
     return path
 
 
@@ -192,6 +193,32 @@ def test_restart_on_the_same_cache_dir_serves_ssd_hits(tmp_path, how, capsys):
     assert (out / "A" / "replay.png").stat().st_size > 1000
 
 
+def test_a_warm_cache_labels_the_ideals_and_speculation_is_recorded(tmp_path, capsys):
+    """The second run on the same --cache-dir starts with the first's entries: its ideals
+    (this run's prompts only) sit below the achieved fraction, and the table says why."""
+    argv = [str(_family_trace(tmp_path, 8)), "--model", str(DEFAULT_MODEL), "--block-tokens",
+            "8", "--cache-dir", str(tmp_path / "cache"), "--concurrency", "1", "--no-progress",
+            "--no-plots"]
+    assert main(argv + ["--out", str(tmp_path / "cold")]) == 0
+    cold = json.loads((tmp_path / "cold" / "A" / "summary.json").read_text())
+    assert cold["warm_entries"] == 0 and "speculative" not in cold
+    capsys.readouterr()
+    assert main(argv + ["--speculative", "lookup", "--out", str(tmp_path / "warm")]) == 0
+    warm = json.loads((tmp_path / "warm" / "A" / "summary.json").read_text())
+    assert warm["warm_entries"] >= 3
+    assert warm["achieved_reuse_fraction"] > warm["reuse"]["ideal_reuse_infinite"]
+    out = capsys.readouterr().out
+    assert (f"(ideals count this run's prompts only: the target's cache held "
+            f"{warm['warm_entries']} entries before it, so achieved can exceed them)") in out
+    rows = [json.loads(x) for x in (tmp_path / "warm" / "A" / "requests.jsonl").read_text()
+            .splitlines()]
+    spec = [r["speculative"] for r in rows if r["speculative"] is not None]
+    assert spec and all(set(x) >= {"proposed", "accepted"} for x in spec)
+    assert warm["speculative"]["requests"] == len(spec)
+    assert warm["speculative"]["proposed"] == sum(x["proposed"] for x in spec)
+    assert "Speculative: accepted / proposed" in out
+
+
 def test_ab_two_configs_ratio_table(tmp_path, capsys):
     argv = [str(_family_trace(tmp_path)), "--model", str(DEFAULT_MODEL), "--block-tokens", "4",
             "--time-scale", "0.01", "--ab-config", "turboquant=k4v4", "--no-progress",
@@ -203,7 +230,9 @@ def test_ab_two_configs_ratio_table(tmp_path, capsys):
     b = json.loads((tmp_path / "ab" / "B" / "summary.json").read_text())
     assert b["compare_with_A"]["compared"] == 5
     assert b["completed"] == 5
-    assert captured.err.count("load check:") == 2  # open loop: offered vs measured, per target
+    # open loop, per target: offered (as sent, reuse counted) vs measured; the busiest 10 s
+    assert captured.err.count("load check: trace offers") == 2
+    assert captured.err.count("load check: busiest 10 s: 5 requests") == 2
 
 
 def test_bad_arguments_are_one_line_errors(tmp_path, capsys):
@@ -231,3 +260,13 @@ async def test_readme_client_example_runs(server):
                                     capture_stdout=True, capture_stderr=True)
     out = result.stdout.decode()
     assert out.rstrip().endswith("[length, cached {'ram': 0, 'ssd': 0}]"), out
+
+
+async def test_stats_and_limits_pass_the_api_key(draft_model, nursery):
+    server = await start_server(nursery, draft_model, api_key="sesame", max_queued_requests=9)
+    async with UrlTarget(server.ws_url, api_key="sesame") as target:
+        assert (await target.stats())["requests_total"] == 0
+        assert await target.limits() == {"max_model_len": 32768, "max_batch": 32,
+                                         "max_queued_requests": 9, "max_queued_tokens": 65536}
+    async with UrlTarget(server.ws_url) as target:  # no key: the server says 401
+        assert await target.stats() is None and await target.limits() == {}

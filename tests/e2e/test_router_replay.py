@@ -13,6 +13,7 @@ from tests.api.routerkit import start_replica, start_router
 from tests.conftest import REPO
 from tqserve.client import TokenEvent
 from tqserve.tools.replay.metrics import ideal_reuse, summarize
+from tqserve.tools.replay.report import summary_table
 from tqserve.tools.replay.run import replay
 from tqserve.tools.replay.targets import UrlTarget
 from tqserve.tools.replay.traces import load_mooncake, subsample_families
@@ -44,24 +45,34 @@ def requests(tmp_path_factory):
 
 async def _reuse(url, reqs):
     async with UrlTarget(url) as target:
+        before = await target.stats()
         results = await replay(target, reqs, concurrency=CONCURRENCY)
-    summary = summarize(results)
+        summary = summarize(results)
+        summary.update(stats_before=before, stats_after=await target.stats(), target=url)
+        summary["limits"] = await target.limits()
     assert summary["completed"] == len(reqs), [r.error for r in results if r.error]
-    return summary["achieved_reuse_fraction"]
+    return summary["achieved_reuse_fraction"], summary
 
 
 async def test_prefix_routing_keeps_single_server_reuse(nursery, draft_model, requests):
     ideal = ideal_reuse([r.prompt_tokens for r in requests],
                         [r.arrival_s for r in requests], [None] * len(requests))
     single = await start_replica(nursery, draft_model)
-    reuse = {"single": await _reuse(single.url.replace("http", "ws") + "/v1/stream",
-                                    requests)}
+    reuse = {"single": (await _reuse(single.url.replace("http", "ws") + "/v1/stream",
+                                     requests))[0]}
     single.kill()
     for policy in ("prefix", "round-robin"):
         replicas = [await start_replica(nursery, draft_model) for _ in range(3)]
         router = await start_router(nursery, [r.url for r in replicas],
                                     routing={"policy": policy, "block_tokens": BLOCK})
-        reuse[policy] = await _reuse(router.ws_url, requests)
+        reuse[policy], summary = await _reuse(router.ws_url, requests)
+        # a router's /v1/stats has its own line in the table; its context comes from a
+        # backend's /v1/models (it reports no queue bounds)
+        line = next(x for x in summary_table(summary).splitlines() if "/v1/stats" in x)
+        assert line.startswith(f"router /v1/stats after - before: policy {policy}, routed ")
+        assert sum(int(x.split()[-1]) for x in line.split("routed ")[1].split(", retries")[0]
+                   .split(", ")) == len(requests)
+        assert summary["limits"] == {"max_model_len": 32768}
         stats = await router.stats()
         routed = [sum(b["num_routed"].values()) for b in stats["backends"].values()]
         assert sum(routed) == len(requests) and min(routed) > 0  # all 3 replicas served

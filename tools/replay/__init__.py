@@ -2,6 +2,8 @@
 
 Modules: traces (Mooncake, Azure, recordings -> TraceRequest), recording (the file
 format), recorder (`tqserve serve --record`), targets (URL, spawned server, embedded
-engine), run (the open/closed-loop driver), metrics (sans-io arithmetic), report (tables,
-JSON, plots, divergences), cli (`tqserve replay`).
+engine), run (the open/closed-loop driver and its books), load (the start checks'
+arithmetic: context, reuse, bursts, estimated rejections), session (one run: checks,
+replay, interruption, summary), metrics (sans-io arithmetic), report (tables, JSON,
+plots, divergences), cli (`tqserve replay`). User docs: docs/replay.md.
 """

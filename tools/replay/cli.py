@@ -8,32 +8,38 @@ embedded in this process) or --spawn (a `tqserve serve` child; with --model as i
 model). Engine flags (--dtype, --turboquant, --cache-dir, ...) apply to --model/--spawn.
 --verify compares a recording's outputs token by token; --ab-url / --ab-config runs the
 same requests a second time on another server or config and prints B/A ratios.
-Bad arguments print one line and exit with code 2.
+Exit codes: 0 every request completed (and, with --verify, matched); 1 outputs diverged;
+2 bad arguments (one line); 3 some requests failed (their errors are in the table and
+requests.jsonl); 124 --timeout cut the run short; 130 SIGINT (Ctrl-C) and 143 SIGTERM.
+An interrupted run still writes what it measured, marked partial.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
+import signal
 import sys
 from pathlib import Path
 from typing import Any, NoReturn, Sequence
 
 import trio
 
+from tqserve.api.signals import SIGNALS, SignalLatch
 from tqserve.tools.replay import report
-from tqserve.tools.replay.metrics import ideal_reuse, parse_goodput, summarize
+from tqserve.tools.replay.metrics import HIT_MIN_TOKENS
 from tqserve.tools.replay.recording import FORMAT, read_recording
-from tqserve.tools.replay.run import measure_capacity, offered_load, replay
+from tqserve.tools.replay.session import Interrupt, run_one, say
 from tqserve.tools.replay.targets import EngineTarget, SpawnTarget, UrlTarget
 from tqserve.tools.replay.traces import (TraceRequest, corpus_tokens, default_corpus_paths,
                                  from_recording, load_azure, load_mooncake, subsample_families)
 
+EXIT_FAILED = 3  # some requests failed
 DEFAULT_MODEL = str(Path(__file__).resolve().parents[2] / "models" / "pycoder-draft-4m")
 _ENGINE_FLAGS = (("dtype", str), ("turboquant", str), ("cache_dir", str), ("max_batch", int),
                  ("prefill_chunk", int), ("ram_cache_bytes", int), ("quantized_kv_start", int),
-                 ("max_queued_requests", int), ("max_queued_tokens", int))
+                 ("max_queued_requests", int), ("max_queued_tokens", int),
+                 ("speculative", str), ("draft_model", str))
 
 
 class _Parser(argparse.ArgumentParser):
@@ -87,6 +93,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="B: the same --model/--spawn with these engine flags changed")
     r.add_argument("--goodput", nargs="*", default=None, metavar="METRIC:MS")
     r.add_argument("--no-load-check", action="store_true")
+    r.add_argument("--skip-over-context", action="store_true",
+                   help="leave out requests whose prompt + max_tokens exceed the context")
+    r.add_argument("--timeout", type=float, default=None, metavar="S",
+                   help="stop the replay after S seconds; writes the partial results")
+    r.add_argument("--min-hit-tokens", type=int, default=None,
+                   help=f"cached tokens a cache hit needs (default {HIT_MIN_TOKENS}, or one "
+                        "Mooncake block where that is smaller)")
     r.add_argument("--out", default=None, help="directory for JSON, JSONL, plots")
     r.add_argument("--no-plots", action="store_true")
     r.add_argument("--no-progress", action="store_true")
@@ -204,50 +217,6 @@ def _target(args: argparse.Namespace, url: str | None, overrides: dict[str, str]
     return EngineTarget(config)
 
 
-async def _run_one(args: argparse.Namespace, target: Any, reqs: list[TraceRequest],
-                   tag: str) -> tuple[dict[str, Any], list]:
-    async with target:
-        if not args.no_load_check:
-            if args.concurrency is None:
-                load = offered_load(reqs, args.time_scale)
-                capacity = await measure_capacity(target, args.vocab_size)
-                print(f"load check: trace offers {load['tokens_per_s']:.0f} tok/s (prompt + "
-                      f"max output) over {load['span_s']:.1f} s; {target.name} measured "
-                      f"~{capacity:.0f} tok/s", file=sys.stderr)
-                if load["tokens_per_s"] > capacity:
-                    print(f"WARNING: overload run: {load['tokens_per_s'] / capacity:.1f}x the "
-                          "measured capacity; queues will grow and TTFT will measure them",
-                          file=sys.stderr)
-        before = await target.stats()
-        bar = _progress(len(reqs), f"{tag} {target.name}", args.no_progress)
-        results = await replay(target, reqs, time_scale=args.time_scale,
-                               concurrency=args.concurrency, restart_at=args.restart_at,
-                               on_done=lambda r: bar.update(1) if bar else None)
-        if bar:
-            bar.close()
-        after = await target.stats()
-    summary = summarize(results, goodput=parse_goodput(args.goodput or ()))
-    by_index = {r.index: r for r in results}
-    summary["reuse"] = ideal_reuse([r.prompt_tokens for r in reqs],
-                                   [by_index[r.index].send_s for r in reqs],
-                                   [by_index[r.index].done_s for r in reqs])
-    summary["trace"] = {"requests": len(reqs),
-                        "tokens_sent": sum(len(r.prompt_tokens) for r in reqs),
-                        "tokens_implied": sum(r.implied_input_tokens for r in reqs)}
-    summary["stats_before"], summary["stats_after"] = before, after
-    summary["target"] = target.name
-    summary["restarted"] = args.restart_at is not None and args.restart_at < len(reqs)
-    return summary, results
-
-
-def _progress(total: int, desc: str, off: bool) -> Any:
-    if off:
-        return None
-    from tqdm import tqdm
-
-    return tqdm(total=total, desc=desc, unit="req", file=sys.stderr)
-
-
 def _check_totals(summary: dict[str, Any]) -> None:
     trace = summary["trace"]
     sent, implied = trace["tokens_sent"], trace["tokens_implied"]
@@ -256,47 +225,106 @@ def _check_totals(summary: dict[str, Any]) -> None:
               "scale: prompts are the wrong length (a block-size mismatch?)", file=sys.stderr)
 
 
-async def _main(args: argparse.Namespace) -> int:
+def _compare(args: argparse.Namespace, tag: str, summary: dict[str, Any], results: list,
+             reqs: list[TraceRequest], summaries: list, out: Path | None) -> int:
+    """--verify (A against the recording) or B against A; 1 where --verify diverged."""
+    if not (args.verify or tag == "B"):
+        return 0
+    div_dir = out / f"divergences-{tag}" if out else None
+    if tag == "B":
+        a_ok = {a.index: a for a in summaries[0][1] if a.ok}
+        reqs_b = [TraceRequest(**{**_fields(q), "expected_tokens": a_ok[q.index].output_tokens,
+                                  "expected_finish": a_ok[q.index].finish_reason})
+                  for q in reqs if q.index in a_ok]
+        summary["compare_with_A"] = report.compare_outputs(reqs_b, results, div_dir)
+        return 0
+    summary["verify"] = report.compare_outputs(reqs, results, div_dir)
+    return 1 if summary["verify"]["divergent"] else 0
+
+
+def _min_hit_tokens(args: argparse.Namespace, fmt: str) -> int:
+    if args.min_hit_tokens is not None:
+        return args.min_hit_tokens
+    return min(args.block_tokens, HIT_MIN_TOKENS) if fmt == "mooncake" else HIT_MIN_TOKENS
+
+
+async def _runs(args: argparse.Namespace, interrupt: Interrupt) -> int:
     reqs, header = load_requests(args)
     overrides = _overrides(args.ab_config)
     runs = [("A", _target(args, args.url, {}))]
     if args.ab_url or args.ab_config is not None:
         runs.append(("B", _target(args, args.ab_url, overrides)))
     out = Path(args.out) if args.out else None
+    plots = out is not None and not args.no_plots
+    if plots and (line := report.plots_available()) is not None:
+        say(line)
+        plots = False
     summaries = []
     status = 0
     for tag, target in runs:
-        summary, results = await _run_one(args, target, reqs, tag)
+        run = await run_one(args, target, reqs, tag, interrupt,
+                            _min_hit_tokens(args, header["format"]))
+        if run is None:
+            say(f"tqserve replay: interrupted by {interrupt.reason} before {tag}'s replay "
+                "began: nothing measured on it")
+            return interrupt.code
+        summary, results = run
         summary["trace"]["format"] = header["format"]
         _check_totals(summary)
-        if args.verify or tag == "B":
-            div_dir = out / f"divergences-{tag}" if out else None
-            if tag == "B":
-                a_results = summaries[0][1]
-                reqs_b = [TraceRequest(**{**_fields(q), "expected_tokens": a.output_tokens,
-                                          "expected_finish": a.finish_reason})
-                          for q, a in zip(reqs, a_results) if a.ok]
-                summary["compare_with_A"] = report.compare_outputs(reqs_b, results, div_dir)
-            else:
-                summary["verify"] = report.compare_outputs(reqs, results, div_dir)
-                status = 1 if summary["verify"]["divergent"] else 0
+        status = max(status, _compare(args, tag, summary, results, reqs, summaries, out))
         summaries.append((summary, results))
-        print(f"============ {tag}: {target.name} ============")
-        print(report.summary_table(summary))
+        mark = f" (PARTIAL: {interrupt.reason})" if interrupt.reason else ""
+        print(f"============ {tag}: {target.name}{mark} ============")
+        print(report.summary_table(summary), flush=True)
         for key in ("verify", "compare_with_A"):
             if key in summary:
                 print(f"{key}: {summary[key]}")
         if out is not None:
             bin_s = args.bin_s or max(summary["duration_s"] / 60, 0.05)
-            report.write_outputs(out / tag, summary, results, plots=not args.no_plots,
-                                 bin_s=bin_s)
+            report.write_outputs(out / tag, summary, results, plots=plots, bin_s=bin_s)
+        if interrupt.reason is not None:
+            p = summary["partial"]
+            where = f"partial results in {out / tag}" if out else "no --out: the table is all"
+            say(f"tqserve replay: interrupted by {interrupt.reason} after {p['ended']} of "
+                f"{summary['trace']['requests']} requests ended ({p['cut_off']} cut off in "
+                f"flight, {p['not_sent']} not sent); {where}")
+            return interrupt.code
+        if summary["failed"]:
+            codes = ", ".join(f"{k} {v}" for k, v in summary["errors"].items())
+            say(f"tqserve replay: {summary['failed']} of {len(results)} requests failed on "
+                f"{tag} ({codes}): see the errors in the table and requests.jsonl")
+            status = max(status, EXIT_FAILED)
     if len(summaries) == 2:
         print(report.ratio_table(summaries[0][0], summaries[1][0],
                                  (summaries[0][0]["target"], summaries[1][0]["target"])))
     return status
 
 
+async def _main(args: argparse.Namespace, latch: SignalLatch) -> int:
+    """The runs, with SIGINT and SIGTERM taken by trio: each stops the run (Interrupt)."""
+    interrupt = Interrupt()
+    with trio.open_signal_receiver(*SIGNALS) as signals:
+        if latch.signum is not None:  # came before trio ran
+            interrupt.stop(latch.name, 128 + latch.signum)
+
+        async def watch() -> None:
+            async for signum in signals:
+                latch.note(signum)
+                interrupt.stop(signal.Signals(signum).name, 128 + signum)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(watch)
+            status = await _runs(args, interrupt)
+            nursery.cancel_scope.cancel()
+    return status
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    with SignalLatch() as latch:  # a Ctrl-C before trio runs is noted, never a traceback
+        return _checked_main(argv, latch)
+
+
+def _checked_main(argv: Sequence[str] | None, latch: SignalLatch) -> int:
     args = build_parser().parse_args(argv)
     try:
         if sum(x is not None and x is not False for x in (args.url, args.spawn or None)) > 1:
@@ -307,9 +335,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ValueError("--concurrency must be >= 1")
         if not args.time_scale > 0 or math.isinf(args.time_scale):
             raise ValueError("--time-scale must be a positive number")
+        if args.timeout is not None and not args.timeout > 0:
+            raise ValueError("--timeout must be a positive number of seconds")
+        if args.min_hit_tokens is not None and args.min_hit_tokens < 1:
+            raise ValueError("--min-hit-tokens must be >= 1")
         if args.verify and _detect(args.trace, args.format) != "recording":
             raise ValueError(f"--verify needs a {FORMAT} file")
-        return trio.run(_main, args)
+        return trio.run(_main, args, latch)
     except (ValueError, OSError) as exc:
         print(f"tqserve replay: error: {exc}", file=sys.stderr)
         return 2

@@ -7,8 +7,16 @@ ms), request goodput under SLOs. Percentiles are numpy's (linear interpolation),
 
 * TTFT = first token - send; E2EL = done - send; TPOT = (E2EL - TTFT) / (output - 1) for
   requests with more than one output token (vLLM's formula); ITL pools every gap between a request's tokens.
-* Cache outcome per request from `done`: miss (0 cached tokens), ram or ssd (the tier the
-  reused prefix came from).
+* Cache outcome per request from `done`: ram or ssd (the tier the reused prefix came
+  from) when at least `min_hit_tokens` prompt tokens were cached, else miss. The floor
+  keeps chance matches out of the hits: on a trace without prefix information (Azure)
+  unrelated prompts share 1-19 leading tokens, which cost nothing to recompute and made
+  "hits" look slower than misses. The CLI's default is HIT_MIN_TOKENS, or one block where
+  a Mooncake block is smaller; a request below it is a miss (its cached tokens still count
+  in the achieved fraction) and is counted in `chance_matches`.
+* Failed requests keep the server's code and message (`error`, `error_message`) and the
+  time the error came (`end_s`); requests cut off by an interruption are `interrupted`,
+  counted apart from the failures.
 * Ideal reusable fraction (`ideal_reuse`): for each request, the longest prefix its prompt
   shares with an earlier donor's prompt, capped at prompt length - 1 (the last prompt token
   always runs, to give logits), over all prompt tokens. "infinite": every earlier-sent
@@ -25,6 +33,8 @@ import attrs
 import numpy as np
 
 OUTCOMES = ("miss", "ram", "ssd")
+HIT_MIN_TOKENS = 32   # fewer cached tokens than this is a chance match, not a hit
+INTERRUPTED = "interrupted"  # error code of a request the replay's interruption cut off
 
 
 @attrs.frozen(kw_only=True)
@@ -38,8 +48,12 @@ class RequestResult:
     cached_tokens: int = 0
     cached_tier: str | None = None       # "ram" / "ssd" where cached_tokens > 0
     error: str | None = None             # error code, for failed requests
+    error_message: str | None = None     # the server's reason, for failed requests
+    end_s: float | None = None           # when a failed request ended (its error)
     output_tokens: tuple[int, ...] = ()
     finish_reason: str | None = None
+    speculative: dict[str, Any] | None = None  # done's usage.speculative, where reported
+    min_hit_tokens: int = 1              # cached tokens a hit needs (module docstring)
 
     @property
     def ok(self) -> bool:
@@ -47,7 +61,13 @@ class RequestResult:
 
     @property
     def outcome(self) -> str:
-        return self.cached_tier if self.cached_tokens and self.cached_tier else "miss"
+        hit = self.cached_tokens >= max(1, self.min_hit_tokens)
+        return self.cached_tier if hit and self.cached_tier else "miss"
+
+    @property
+    def chance_match(self) -> bool:
+        """Some prompt tokens were cached, fewer than a hit needs."""
+        return 0 < self.cached_tokens < self.min_hit_tokens
 
     @property
     def ttft_s(self) -> float | None:
@@ -67,6 +87,7 @@ class RequestResult:
     def to_json(self) -> dict[str, Any]:
         out = attrs.asdict(self)
         out.pop("token_times")
+        out.pop("min_hit_tokens")
         out.update(outcome=self.outcome, ttft_ms=_ms(self.ttft_s), tpot_ms=_ms(self.tpot_s),
                    e2el_ms=_ms(self.e2el_s), output_tokens=list(self.output_tokens))
         return out
@@ -120,8 +141,10 @@ def summarize(results: Sequence[RequestResult], *, goodput: dict[str, float] | N
     duration = max(end - start, 1e-9)
     n_in = sum(r.prompt_tokens for r in ok)
     n_out = sum(r.completion_tokens for r in ok)
+    cut = sum(1 for r in results if r.error == INTERRUPTED)
     out: dict[str, Any] = {
-        "completed": len(ok), "failed": len(results) - len(ok), "duration_s": duration,
+        "completed": len(ok), "failed": len(results) - len(ok) - cut, "interrupted": cut,
+        "duration_s": duration,
         "total_input_tokens": n_in, "total_output_tokens": n_out,
         "request_throughput": len(ok) / duration, "output_throughput": n_out / duration,
         "total_token_throughput": (n_in + n_out) / duration}
@@ -137,6 +160,8 @@ def summarize(results: Sequence[RequestResult], *, goodput: dict[str, float] | N
     cached = sum(r.cached_tokens for r in ok)
     out["cached_tokens"] = cached
     out["achieved_reuse_fraction"] = cached / n_in if n_in else 0.0
+    out["min_hit_tokens"] = max((r.min_hit_tokens for r in results), default=1)
+    out["chance_matches"] = sum(1 for r in ok if r.chance_match)
     out["by_outcome"] = {}
     for outcome in OUTCOMES:
         group = [r for r in ok if r.outcome == outcome]
@@ -146,14 +171,25 @@ def summarize(results: Sequence[RequestResult], *, goodput: dict[str, float] | N
         row.update(_stats("ttft", [r.ttft_s for r in group if r.ttft_s is not None]))
         out["by_outcome"][outcome] = row
     errors: dict[str, int] = {}
+    examples: dict[str, str] = {}
     for r in results:
-        if not r.ok:
-            errors[r.error or "unfinished"] = errors.get(r.error or "unfinished", 0) + 1
+        if not r.ok and r.error != INTERRUPTED:
+            code = r.error or "unfinished"
+            errors[code] = errors.get(code, 0) + 1
+            examples.setdefault(code, r.error_message or "")
     out["errors"] = errors
+    out["error_examples"] = examples  # code -> the first such request's message
+    spec = [r.speculative for r in ok if r.speculative]
+    if spec:
+        proposed = sum(int(x.get("proposed", 0)) for x in spec)
+        accepted = sum(int(x.get("accepted", 0)) for x in spec)
+        out["speculative"] = {"requests": len(spec), "proposed": proposed,
+                              "accepted": accepted,
+                              "acceptance_rate": accepted / proposed if proposed else 0.0}
     return out
 
 
-def _lcp_in_trie(trie: dict, tokens: Sequence[int]) -> int:
+def lcp_in_trie(trie: dict, tokens: Sequence[int]) -> int:
     node, n = trie, 0
     for t in tokens:
         node = node.get(t)
@@ -163,7 +199,7 @@ def _lcp_in_trie(trie: dict, tokens: Sequence[int]) -> int:
     return n
 
 
-def _insert(trie: dict, tokens: Sequence[int]) -> None:
+def trie_insert(trie: dict, tokens: Sequence[int]) -> None:
     node = trie
     for t in tokens:
         node = node.setdefault(t, {})
@@ -177,17 +213,17 @@ def ideal_reuse(prompts: Sequence[Sequence[int]], send_s: Sequence[float],
     reused_inf = 0
     for i in sorted(range(len(prompts)), key=lambda i: (send_s[i], i)):
         p = prompts[i]
-        reused_inf += min(_lcp_in_trie(infinite_trie, p), len(p) - 1)
-        _insert(infinite_trie, p)
+        reused_inf += min(lcp_in_trie(infinite_trie, p), len(p) - 1)
+        trie_insert(infinite_trie, p)
     events = [(send_s[i], 0, i) for i in range(len(prompts))]
     events += [(d, 1, i) for i, d in enumerate(done_s) if d is not None]
     finished_trie: dict = {}
     reused_fin = 0
     for _, kind, i in sorted(events):
         if kind == 0:
-            reused_fin += min(_lcp_in_trie(finished_trie, prompts[i]), len(prompts[i]) - 1)
+            reused_fin += min(lcp_in_trie(finished_trie, prompts[i]), len(prompts[i]) - 1)
         else:
-            _insert(finished_trie, prompts[i])
+            trie_insert(finished_trie, prompts[i])
     return {"prompt_tokens": total,
             "ideal_reuse_infinite": reused_inf / total if total else 0.0,
             "ideal_reuse_donor_finished": reused_fin / total if total else 0.0}
@@ -195,9 +231,10 @@ def ideal_reuse(prompts: Sequence[Sequence[int]], send_s: Sequence[float],
 
 def time_series(results: Sequence[RequestResult], bin_s: float) -> dict[str, list[float]]:
     """Per bin of `bin_s` seconds: output tokens/s, requests waiting for a first token
-    (the queue, at the bin's end), running requests, and the cached fraction of the
-    prompts sent in that bin."""
-    end = max([r.done_s or r.send_s for r in results] + [0.0])
+    (the queue, at the bin's end: a request that ended without one, rejected or failed,
+    waits no longer), running requests, and the cached fraction of the prompts sent in
+    that bin."""
+    end = max([_end(r) or r.send_s for r in results] + [0.0])
     n = int(end // bin_s) + 1
     tokens = np.zeros(n)
     sent = np.zeros(n)
@@ -212,9 +249,14 @@ def time_series(results: Sequence[RequestResult], bin_s: float) -> dict[str, lis
     edges = [(i + 1) * bin_s for i in range(n)]
     queued = [sum(1 for r in results if r.send_s <= e and (not r.token_times or
                                                           r.token_times[0] > e)
-                  and (r.done_s is None or r.done_s > e)) for e in edges]
+                  and (_end(r) is None or _end(r) > e)) for e in edges]  # type: ignore[operator]
     running = [sum(1 for r in results if r.token_times and r.token_times[0] <= e
-                   and (r.done_s is None or r.done_s > e)) for e in edges]
+                   and (_end(r) is None or _end(r) > e)) for e in edges]  # type: ignore[operator]
     frac = [float(c / s) if s else float("nan") for c, s in zip(cached, sent)]
     return {"t_s": edges, "output_tokens_per_s": list(tokens / bin_s),
             "queued": queued, "running": running, "cached_fraction": frac}
+
+
+def _end(r: RequestResult) -> float | None:
+    """When the request ended, done or failed (None: it never ended)."""
+    return r.done_s if r.done_s is not None else r.end_s

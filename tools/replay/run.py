@@ -6,17 +6,21 @@ request as soon as their previous one ends (arrival times ignored). `restart_at=
 N requests are sent, wait for every one in flight to end, restart the target (same cache
 dir), then go on; open-loop times resume from there (the restart's own time is not part
 of any request's latency). Times are seconds since the run began (trio's clock).
+
+`RunBooks` keeps what a run has measured as it goes (ended requests, and the tokens so far
+of those in flight), so that a run cancelled by a signal or --timeout still reports: the
+cut-off requests become `interrupted` results, the unsent ones are counted.
 """
 
 from __future__ import annotations
 
-import math
 from typing import Any, Callable, Sequence
 
+import attrs
 import numpy as np
 import trio
 
-from tqserve.tools.replay.metrics import RequestResult
+from tqserve.tools.replay.metrics import INTERRUPTED, RequestResult
 from tqserve.tools.replay.targets import request_fields
 from tqserve.tools.replay.traces import FIRST_TOKEN, TraceRequest
 from tqserve.client import ClientError, DoneEvent, ErrorEvent, TokenEvent
@@ -26,10 +30,36 @@ PROBE_PROMPT = 128        # prompt tokens of each probe request
 PROBE_OUTPUT = 32         # output tokens of each probe request
 
 
-async def _one(target: Any, req: TraceRequest, rid: str, t0: float) -> RequestResult:
-    send = trio.current_time() - t0
-    times: list[float] = []
-    tokens: list[int] = []
+@attrs.define
+class _Live:
+    req: TraceRequest
+    send_s: float
+    times: list[float] = attrs.Factory(list)
+    tokens: list[int] = attrs.Factory(list)
+
+
+@attrs.define
+class RunBooks:
+    """A run's results so far and its requests in flight (see the module docstring)."""
+
+    results: list[RequestResult] = attrs.Factory(list)
+    live: dict[int, _Live] = attrs.Factory(dict)
+
+    def cut_off(self, now: float, why: str) -> list[RequestResult]:
+        """The requests in flight as `interrupted` results, with the tokens they had."""
+        return [RequestResult(index=i, send_s=x.send_s, prompt_tokens=len(x.req.prompt_tokens),
+                              token_times=tuple(x.times), output_tokens=tuple(x.tokens),
+                              error=INTERRUPTED, end_s=now,
+                              error_message=f"the replay was interrupted ({why}) before "
+                                            "this request ended")
+                for i, x in sorted(self.live.items())]
+
+
+async def _one(target: Any, req: TraceRequest, rid: str, t0: float,
+               books: RunBooks) -> RequestResult:
+    live = books.live[req.index] = _Live(req=req, send_s=trio.current_time() - t0)
+    send, times, tokens = live.send_s, live.times, live.tokens
+    message = None
     try:
         async for ev in target.generate(req, rid):
             now = trio.current_time() - t0
@@ -43,24 +73,29 @@ async def _one(target: Any, req: TraceRequest, rid: str, t0: float) -> RequestRe
                     token_times=tuple(times), done_s=now,
                     completion_tokens=ev.completion_tokens, cached_tokens=ev.cached_tokens,
                     cached_tier=tier, output_tokens=tuple(tokens),
-                    finish_reason=ev.finish_reason)
+                    finish_reason=ev.finish_reason, speculative=ev.speculative)
             elif isinstance(ev, ErrorEvent):
                 return RequestResult(index=req.index, send_s=send,
                                      prompt_tokens=len(req.prompt_tokens),
                                      token_times=tuple(times), error=ev.code,
+                                     error_message=ev.message, end_s=now,
                                      output_tokens=tuple(tokens))
         error = "no_done"
+        message = "the stream ended without a done or error frame"
     except ClientError as exc:
-        error = type(exc).__name__
+        error, message = type(exc).__name__, str(exc)
     return RequestResult(index=req.index, send_s=send, prompt_tokens=len(req.prompt_tokens),
-                         token_times=tuple(times), error=error, output_tokens=tuple(tokens))
+                         token_times=tuple(times), error=error, error_message=message,
+                         end_s=trio.current_time() - t0, output_tokens=tuple(tokens))
 
 
 async def _phase(target: Any, reqs: Sequence[TraceRequest], t0: float, offset: float,
                  time_scale: float, concurrency: int | None, tag: str,
-                 on_done: Callable[[RequestResult], None]) -> None:
+                 on_done: Callable[[RequestResult], None], books: RunBooks) -> None:
     async def send(req: TraceRequest) -> None:
-        on_done(await _one(target, req, f"{tag}{req.index}", t0))
+        result = await _one(target, req, f"{tag}{req.index}", t0, books)
+        del books.live[req.index]
+        on_done(result)
 
     async with trio.open_nursery() as nursery:
         if concurrency is None:
@@ -81,32 +116,28 @@ async def _phase(target: Any, reqs: Sequence[TraceRequest], t0: float, offset: f
 
 async def replay(target: Any, reqs: Sequence[TraceRequest], *, time_scale: float = 1.0,
                  concurrency: int | None = None, restart_at: int | None = None,
-                 tag: str = "r", on_done: Callable[[RequestResult], None] | None = None
+                 tag: str = "r", on_done: Callable[[RequestResult], None] | None = None,
+                 books: RunBooks | None = None, t0: float | None = None
                  ) -> list[RequestResult]:
-    """Replay `reqs` (sorted by arrival) on `target`; results in trace order."""
-    results: list[RequestResult] = []
+    """Replay `reqs` (sorted by arrival) on `target`; results in trace order. `books`
+    (a fresh RunBooks by default) sees every result as it ends; `t0` is the run's start
+    (trio's clock; default now)."""
+    books = RunBooks() if books is None else books
 
     def done(r: RequestResult) -> None:
-        results.append(r)
+        books.results.append(r)
         if on_done is not None:
             on_done(r)
 
-    t0 = trio.current_time()
+    t0 = trio.current_time() if t0 is None else t0
     cut = len(reqs) if restart_at is None else max(0, min(restart_at, len(reqs)))
-    await _phase(target, reqs[:cut], t0, 0.0, time_scale, concurrency, tag, done)
+    await _phase(target, reqs[:cut], t0, 0.0, time_scale, concurrency, tag, done, books)
     if cut < len(reqs):
         await target.restart()
         offset = trio.current_time() - t0
-        await _phase(target, reqs[cut:], t0, offset, time_scale, concurrency, tag, done)
-    return sorted(results, key=lambda r: r.index)
-
-
-def offered_load(reqs: Sequence[TraceRequest], time_scale: float) -> dict[str, float]:
-    """Tokens per second the trace asks for at this time scale (prompt + max output)."""
-    span = (reqs[-1].arrival_s - reqs[0].arrival_s) * time_scale if reqs else 0.0
-    tokens = sum(len(r.prompt_tokens) + r.max_tokens for r in reqs)
-    return {"span_s": span, "tokens": tokens,
-            "tokens_per_s": tokens / span if span > 0 else math.inf}
+        await _phase(target, reqs[cut:], t0, offset, time_scale, concurrency, tag, done,
+                     books)
+    return sorted(books.results, key=lambda r: r.index)
 
 
 async def measure_capacity(target: Any, vocab_size: int) -> float:

@@ -1,7 +1,10 @@
 """Where a replay sends its requests: a running server, a spawned one, an embedded engine.
 
 Every target yields `tqserve.client` events for a request, answers `stats()` (the
-`/v1/stats` object) and, where it owns the server, `restart()`s it on the same cache dir.
+`/v1/stats` object: a server's or a router's) and `limits()` (the bounds it reports:
+max_model_len, max_batch, max_queued_requests, max_queued_tokens; a router reports only its
+backends' max_model_len, from /v1/models) and, where it owns the server, `restart()`s it on
+the same cache dir.
 
 * `UrlTarget`: a pool of WebSocket connections, each carrying at most
   `streams_per_connection` requests (the server's --max-streams-per-connection, 16 by
@@ -41,8 +44,9 @@ def request_fields(req: TraceRequest) -> dict[str, Any]:
     return {k: v for k, v in fields.items() if v is not None}
 
 
-def _http_json(url: str) -> dict[str, Any]:
-    with urllib.request.urlopen(url, timeout=30) as resp:
+def _http_json(url: str, api_key: str | None = None) -> dict[str, Any]:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=30) as resp:
         return json.loads(resp.read())
 
 
@@ -99,12 +103,27 @@ class UrlTarget:
             yield event
 
     async def stats(self) -> dict[str, Any] | None:
-        base = self.ws_url.replace("ws://", "http://").replace("wss://", "https://")
-        base = base.rsplit("/v1/stream", 1)[0]
         try:
-            return await trio.to_thread.run_sync(_http_json, base + "/v1/stats")
-        except OSError:
+            return await trio.to_thread.run_sync(_http_json, self._base() + "/v1/stats",
+                                                 self._api_key)
+        except (OSError, ValueError):
             return None
+
+    async def limits(self) -> dict[str, int]:
+        stats = await self.stats()
+        if stats and stats.get("limits"):
+            return dict(stats["limits"])
+        try:  # a router (or an older server): the context from the model listing
+            listing = await trio.to_thread.run_sync(_http_json, self._base() + "/v1/models",
+                                                   self._api_key)
+            n = listing["data"][0].get("max_model_len")
+        except (OSError, ValueError, KeyError, IndexError, TypeError):
+            return {}
+        return {"max_model_len": int(n)} if isinstance(n, int) else {}
+
+    def _base(self) -> str:
+        base = self.ws_url.replace("ws://", "http://").replace("wss://", "https://")
+        return base.rsplit("/v1/stream", 1)[0]
 
     async def restart(self) -> None:
         raise ValueError("--restart-at needs a server this tool owns (--model or --spawn)")
@@ -120,7 +139,8 @@ class SpawnTarget(UrlTarget):
         await self._open_nursery()
         try:
             await self._start()
-        except BaseException:
+        except BaseException:  # an interruption while it loads too: stop the child
+            await self._stop()
             self._nursery.cancel_scope.cancel()
             await self._stack.aclose()
             raise
@@ -133,8 +153,10 @@ class SpawnTarget(UrlTarget):
     async def _start(self) -> None:
         cmd = [sys.executable, "-m", "tqserve.api.cli", "serve", "--port", "0", *self._args]
         self._log = tempfile.TemporaryFile()  # the child's stderr: shown only if it fails
+        # a session of its own: a Ctrl-C at the terminal reaches this tool only, which
+        # then stops the child itself, after the partial results are in
         self._proc = await trio.lowlevel.open_process(cmd, cwd=_REPO, stdout=subprocess.PIPE,
-                                                      stderr=self._log)
+                                                      stderr=self._log, start_new_session=True)
         buf = b""
         with trio.move_on_after(SPAWN_START_TIMEOUT):
             while not re.search(rb"on (http://\S+) ", buf):
@@ -183,18 +205,36 @@ class EngineTarget:
         self._loaded: Any = None
 
     async def __aenter__(self) -> "EngineTarget":
+        self._nursery = await self._stack.enter_async_context(trio.open_nursery())
         await self._open()
         return self
 
     async def __aexit__(self, *exc: object) -> None:
+        await self._close()
         await self._stack.aclose()
 
     async def _open(self) -> None:
+        # the engine lives in a task of the target's own nursery, so that a restart from
+        # inside any cancel scope (a replay phase) leaves the scopes nested as trio needs
+        self._stop, self._closed = trio.Event(), trio.Event()
+        self._engine = await self._nursery.start(self._host, self._stop, self._closed)
+        self._loaded = self._engine.model
+
+    async def _host(self, stop: trio.Event, closed: trio.Event,
+                    task_status: trio.TaskStatus[Any] = trio.TASK_STATUS_IGNORED) -> None:
         from tqserve.actors.engine import open_engine
 
-        self._engine = await self._stack.enter_async_context(
-            open_engine(self.config, loaded=self._loaded))
-        self._loaded = self._engine.model
+        try:
+            async with open_engine(self.config, loaded=self._loaded) as engine:
+                task_status.started(engine)
+                await stop.wait()
+        finally:
+            closed.set()
+
+    async def _close(self) -> None:
+        self._stop.set()
+        with trio.CancelScope(shield=True):
+            await self._closed.wait()
 
     async def generate(self, req: TraceRequest, rid: str) -> AsyncIterator[Event]:
         from tqserve.engine.request import GenerateRequest
@@ -216,7 +256,9 @@ class EngineTarget:
 
         return attrs.asdict(self._engine.statistics())
 
+    async def limits(self) -> dict[str, int]:
+        return dict(self._engine.statistics().limits)
+
     async def restart(self) -> None:
-        await self._stack.aclose()
-        self._stack = AsyncExitStack()
+        await self._close()
         await self._open()
