@@ -102,7 +102,7 @@ from tqserve.engine.namespaces import CacheNamespaces
 from tqserve.engine.request import GenerateRequest
 from tqserve.engine.runner import Runner
 from tqserve.engine.scheduler import SchedulerCore
-from tqserve.engine.snapshot import PlaneLayout
+from tqserve.engine.snapshot_layout import PlaneLayout
 from tqserve.engine.memory import kv_budget, kv_bytes_per_position
 from tqserve.engine.structured import (BigStackExecutor, GrammarMasks, ResponseFormat,
                                        compile_format)

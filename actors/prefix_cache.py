@@ -75,7 +75,7 @@ import trio
 from tqserve.engine.namespaces import CacheNamespaces
 from tqserve.engine.prefix import PrefixEntry, PrefixIndex, Tier
 from tqserve.engine.scheduler import Finished, SpillPayload, StepPlan, StepResult
-from tqserve.engine.snapshot import PlaneLayout
+from tqserve.engine.snapshot_layout import PlaneLayout
 from tqserve.engine.speculative.state import paired_minimum
 from tqserve.storage import SnapshotError, SnapshotHeader, SsdTier, snapshot_key
 

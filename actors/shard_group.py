@@ -41,7 +41,7 @@ import trio
 from tqserve.actors.prefix_cache import header_validator
 from tqserve.actors.runner_thread import RunnerThread
 from tqserve.engine.distributed import LeaderRunner, ShardRestoreError
-from tqserve.engine.snapshot import PlaneLayout
+from tqserve.engine.snapshot_layout import PlaneLayout
 from tqserve.storage import Plane, SnapshotHeader, SsdTier
 from tqserve.storage.shard import ShardId
 from tqserve.storage.shard_disk import ShardDisk

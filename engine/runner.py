@@ -72,9 +72,10 @@ from tqserve.engine.kv.slots import is_slot_batch, retire_order, slot_batch
 from tqserve.engine.prefill import PrefillGroups
 from tqserve.engine.sampling import LazySample, RowSampler, build_sample, finalize_sample
 from tqserve.engine.scheduler import RowOutput, SnapshotMade, SpillPayload, StepPlan, StepResult
-from tqserve.engine.snapshot import (PlaneLayout, Snapshot, describe, extract_snapshot, from_planes,
-                             header_extra, layer_kind, plane_layout, row_from_snapshot, snapshot_kinds,
-                             snapshot_of_row, to_planes)
+from tqserve.engine.snapshot import (Snapshot, describe, extract_snapshot, from_planes,
+                                     header_extra, layer_kind, row_from_snapshot,
+                                     snapshot_kinds, snapshot_of_row, to_planes)
+from tqserve.engine.snapshot_layout import PlaneLayout, plane_layout
 from tqserve.engine.speculative.mtp import forward_with_hidden
 from tqserve.engine.speculative.speculator import SpecRow, Speculator
 from tqserve.engine.speculative.state import StateLayout

@@ -24,13 +24,8 @@ Planes for the SSD tier: `to_planes` gives (name, bytes, shape, dtype) per array
 Snapshot against the layer templates of the engine's own cache factory, so a file whose
 kinds or settings differ from this engine's is refused (ValueError) and served as a miss.
 
-Files are untrusted: `plane_layout` probes the model once (a one-token forward on fresh
-caches) and records, per layer and per kind it can restore, every plane's shape (1, heads,
-T, ...) and dtype, plus the header fields (cache kind, bits, head dim, rotation).
-`PlaneLayout.check` refuses anything else — a wrong layer count, head count, head dim,
-bit width (code plane width), dtype, an extra or missing plane, T != offset, an offset
-that is not the token count — before a byte of a plane is decoded. It cannot tell two
-layers of equal shape apart: a swapped file is the writer's doing (README).
+Files are untrusted: engine.snapshot_layout checks a file's planes against what this
+model's snapshots hold before a byte of a plane is decoded.
 
 Paired snapshots (engine.speculative.state): a snapshot of a row that speculates with a
 stateful proposer (draft model, MTP head) also holds that proposer's state for the same
@@ -43,12 +38,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import ArraysCache, KVCache, make_prompt_cache
+from mlx_lm.models.cache import ArraysCache, KVCache
 
 from tqserve.engine.kv.affine import AffineKVCache
 from tqserve.engine.kv.affine import PLANES as AFFINE_PLANES
@@ -57,13 +52,15 @@ from tqserve.engine.kv.rows import KvTensorRows
 from tqserve.engine.kv.turboquant import PLANES as TQ_PLANES
 from tqserve.engine.kv.turboquant import TurboQuantKVCache
 
+if TYPE_CHECKING:
+    from tqserve.engine.snapshot_layout import PlaneLayout
+
 PLAIN_PLANES = ("keys", "values")
-_DTYPES = {mx.float32: "float32", mx.float16: "float16", mx.bfloat16: "bfloat16",
+DTYPE_NAMES = {mx.float32: "float32", mx.float16: "float16", mx.bfloat16: "bfloat16",
            mx.uint8: "uint8", mx.uint16: "uint16", mx.uint32: "uint32", mx.int32: "int32",
            mx.int8: "int8"}
-_MX_DTYPES = {name: dtype for dtype, name in _DTYPES.items()}
+_MXDTYPE_NAMES = {name: dtype for dtype, name in DTYPE_NAMES.items()}
 _NP_NAMES = {"bfloat16": "uint16"}
-_KIND_FIELDS = ("cache_kind", "k_bits", "v_bits", "head_dim", "rotation_id")
 
 
 @attrs.frozen(kw_only=True)
@@ -80,7 +77,7 @@ class Snapshot:
     @property
     def nbytes(self) -> int:
         paired = self.paired.nbytes if self.paired is not None else 0
-        return sum(_planes_nbytes(_planes(c)) for c in self.layers) + paired
+        return sum(_planes_nbytes(planes_of(c)) for c in self.layers) + paired
 
     @property
     def reusable_from(self) -> int:
@@ -126,7 +123,8 @@ def _offset(layers: Sequence[Any]) -> int:
     return min(int(c.offset) for c in layers if type(c) is not ArraysCache)
 
 
-def _planes(cache: Any) -> dict[str, mx.array]:
+def planes_of(cache: Any) -> dict[str, mx.array]:
+    """One layer cache's arrays by plane name, cut to its valid positions."""
     if type(cache) is ArraysCache:
         return {f"s{j}": a for j, a in enumerate(cache.cache) if a is not None}
     if type(cache) is KVCache:
@@ -135,7 +133,7 @@ def _planes(cache: Any) -> dict[str, mx.array]:
         return {"keys": cache.keys[..., :cache.offset, :],
                 "values": cache.values[..., :cache.offset, :]}
     if isinstance(cache, DelayedTurboQuantKVCache):
-        return _planes(cache.inner)
+        return planes_of(cache.inner)
     return cache.rows.valid_planes()
 
 
@@ -145,7 +143,7 @@ def extract_snapshot(batch_layers: Sequence[Any], index: int) -> Snapshot | None
     kinds = tuple(layer_kind(c) for c in layers)
     if None in kinds:
         return None
-    mx.eval([list(_planes(c).values()) for c in layers])
+    mx.eval([list(planes_of(c).values()) for c in layers])
     offset = _offset(layers)
     boundary = max((c.minimum_reusable_offset for c in layers
                     if isinstance(c, DelayedTurboQuantKVCache)), default=0)
@@ -163,10 +161,10 @@ def snapshot_of_row(row_layers: Sequence[Any]) -> Snapshot | None:
     offset = _offset(row_layers)
     boundary = max((c.minimum_reusable_offset for c in row_layers
                     if isinstance(c, DelayedTurboQuantKVCache)), default=0)
-    layers = tuple(_layer_from(c, kind, _cut(_planes(c), offset, kind),
+    layers = tuple(_layer_from(c, kind, _cut(planes_of(c), offset, kind),
                                getattr(c, "minimum_reusable_offset", 0))
                    for c, kind in zip(row_layers, kinds))
-    mx.eval([list(_planes(c).values()) for c in layers])
+    mx.eval([list(planes_of(c).values()) for c in layers])
     return Snapshot(layers=layers, kinds=kinds, offset=offset,  # type: ignore[arg-type]
                     minimum_reusable_offset=_exact_boundary(layers, boundary, offset))
 
@@ -212,25 +210,25 @@ def row_from_snapshot(snapshot: Snapshot, length: int) -> list[Any]:
     out = []
     for cache, kind in zip(snapshot.layers, snapshot.kinds):
         boundary = getattr(cache, "minimum_reusable_offset", 0)
-        out.append(_layer_from(cache, kind, _cut(_planes(cache), length, kind), boundary))
+        out.append(_layer_from(cache, kind, _cut(planes_of(cache), length, kind), boundary))
     return out
 
 
 def dtype_name(array: mx.array) -> str:
     """An array's dtype as the SSD format names it ("float32", "bfloat16", ...)."""
-    return _DTYPES[array.dtype]
+    return DTYPE_NAMES[array.dtype]
 
 
 def array_plane(name: str, array: mx.array) -> tuple[str, bytes, tuple[int, ...], str]:
     """One array as an SSD plane: (name, raw bytes, shape, dtype)."""
-    dtype = _DTYPES[array.dtype]
+    dtype = DTYPE_NAMES[array.dtype]
     raw = array.view(mx.uint16) if array.dtype == mx.bfloat16 else array
     return name, np.array(raw).tobytes(), tuple(array.shape), dtype
 
 
 def plane_array(name: str, data: bytes, shape: Sequence[int], dtype: str) -> mx.array:
     """The array of one SSD plane; ValueError if its dtype or byte count does not fit."""
-    if dtype not in _MX_DTYPES:
+    if dtype not in _MXDTYPE_NAMES:
         raise ValueError(f"unsupported plane dtype {dtype}")
     stored = "uint16" if dtype == "bfloat16" else dtype
     if len(data) != math.prod(shape) * np.dtype(stored).itemsize:
@@ -243,7 +241,7 @@ def to_planes(snapshot: Snapshot) -> list[tuple[str, bytes, tuple[int, ...], str
     """Every array as (name, raw bytes, shape, dtype) for the SSD tier, the paired
     proposer state's last."""
     out = [array_plane(f"{i}.{name}", array) for i, cache in enumerate(snapshot.layers)
-           for name, array in _planes(cache).items()]
+           for name, array in planes_of(cache).items()]
     if snapshot.paired is not None:
         out += snapshot.paired.planes()
     return out
@@ -300,7 +298,7 @@ def from_planes(template: Sequence[Any], kinds_text: str, offset: int, boundary:
             elif len(shape) != 4 or shape[0] != 1 or shape[2] != offset:
                 raise ValueError(f"plane {i}.{name} of shape {tuple(shape)} for offset {offset}")
         layers.append(_layer_from(fresh, kind, arrays, boundary))
-    mx.eval([list(_planes(c).values()) for c in layers])
+    mx.eval([list(planes_of(c).values()) for c in layers])
     return Snapshot(layers=tuple(layers), kinds=kinds, offset=offset,
                     minimum_reusable_offset=_exact_boundary(layers, boundary, offset))
 
@@ -316,108 +314,11 @@ def describe(snapshot: Snapshot) -> dict[str, Any]:
     affine = next((c for c in snapshot.layers if isinstance(c, AffineKVCache)), None)
     if affine is not None:
         # key_wq packs head_dim values of `bits` bits into uint32 words.
-        words = _planes(affine).get("key_wq")
+        words = planes_of(affine).get("key_wq")
         head_dim = int(words.shape[-1]) * 32 // affine.bits if words is not None else 1
         return {"cache_kind": "affine", "k_bits": affine.bits, "v_bits": affine.bits,
                 "head_dim": head_dim, "rotation_id": None}
-    first = next((_planes(c) for c in snapshot.layers if type(c) is not ArraysCache), {})
+    first = next((planes_of(c) for c in snapshot.layers if type(c) is not ArraysCache), {})
     head_dim = int(first["keys"].shape[-1]) if "keys" in first else 1
     return {"cache_kind": "kv", "k_bits": None, "v_bits": None, "head_dim": head_dim,
             "rotation_id": None}
-
-
-@attrs.frozen(kw_only=True)
-class PlaneLayout:
-    """What a snapshot of this engine must hold (see the module doc). Plain data: `check`
-    runs on any thread, no MLX."""
-
-    # per layer: kind -> plane name -> (shape without the T axis: (1, heads, ...), dtype);
-    # a "state" layer's planes have no T axis: their whole shape
-    layers: tuple[dict[str, dict[str, tuple[tuple[int, ...], str]]], ...]
-    fields: dict[str, Any]
-
-    def check(self, *, layer_kinds: str, offset: int,
-              planes: Mapping[str, tuple[Sequence[int], str]],
-              num_tokens: int | None = None, fields: Mapping[str, Any] | None = None) -> None:
-        """ValueError naming the first thing that this engine's model cannot restore."""
-        if offset < 1 or (num_tokens is not None and offset != num_tokens):
-            raise ValueError(f"offset {offset} for {num_tokens} token ids")
-        for name, want in self.fields.items():
-            if fields is not None and fields.get(name) != want:
-                raise ValueError(f"{name} {fields.get(name)!r:.40} != this engine's {want!r}")
-        kinds = layer_kinds.split(",")
-        if len(kinds) != len(self.layers):
-            raise ValueError(f"{len(kinds)} layers, the model has {len(self.layers)}")
-        expected = set()
-        for i, (kind, variants) in enumerate(zip(kinds, self.layers)):
-            if kind not in variants:
-                raise ValueError(f"layer {i}: kind {kind!r:.20} is not one of {sorted(variants)}")
-            for name, (pattern, dtype) in variants[kind].items():
-                full = f"{i}.{name}"
-                expected.add(full)
-                if full not in planes:
-                    raise ValueError(f"plane {full} is missing")
-                shape, got = planes[full]
-                want = pattern if kind == "state" else (*pattern[:2], offset, *pattern[2:])
-                if tuple(shape) != want or got != dtype:
-                    raise ValueError(f"plane {full} is {tuple(shape)} {got}, this model needs "
-                                     f"{want} {dtype}")
-        unknown = sorted(set(planes) - expected)
-        if unknown:
-            raise ValueError(f"unexpected planes {unknown[:3]}")
-
-    def check_header(self, header: Any,
-                     planes: Mapping[str, tuple[Sequence[int], str]] | None = None) -> None:
-        """`check` on a storage SnapshotHeader (duck-typed: engine never imports storage);
-        `planes`: the target's planes when the header holds others too (a paired file)."""
-        if planes is None:
-            planes = {spec.name: (spec.shape, spec.dtype) for spec in header.planes}
-        self.check(layer_kinds=str(header.extra.get("layer_kinds", "")), offset=header.offset,
-                   num_tokens=len(header.token_ids),
-                   fields={name: getattr(header, name) for name in _KIND_FIELDS},
-                   planes=planes)
-
-
-def _probe(fresh: Any, kind: str, keys: mx.array, values: mx.array) -> Any:
-    """A new cache of `kind` shaped like `fresh`, holding one position."""
-    if kind in ("kv", "dplain"):
-        cache: Any = KVCache()
-    elif kind in ("tq", "dtq"):
-        cache = TurboQuantKVCache.of(fresh.config)
-    else:
-        cache = AffineKVCache(fresh.bits, fresh.group_size)
-    cache.update_and_fetch(keys, values)
-    return cache
-
-
-def plane_layout(model: Any, template: Sequence[Any]) -> PlaneLayout | None:
-    """Probe `model` once (one token) for the planes its snapshots hold; None if this
-    cache list cannot be snapshotted. Runs on the runner thread."""
-    kinds = snapshot_kinds(template)
-    if kinds is None:
-        return None
-    plain = make_prompt_cache(model)
-    model(mx.array([[0]]), cache=plain)
-    layers, probes = [], []
-    for i, (fresh, kind) in enumerate(zip(template, kinds)):
-        written = _planes(plain[i])
-        if kind == "state":  # the probe's own state arrays: shapes do not grow with T
-            layers.append({"state": {name: (tuple(a.shape), _DTYPES[a.dtype])
-                                     for name, a in written.items()}})
-            probes.append(plain[i])
-            continue
-        variants = {}
-        for variant in ({"dplain", "dtq"} if kind in ("dplain", "dtq") else {kind}):
-            probe = _probe(fresh, variant, written["keys"], written["values"])
-            mx.eval(list(_planes(probe).values()))
-            variants[variant] = {name: ((*a.shape[:2], *a.shape[3:]), _DTYPES[a.dtype])
-                                 for name, a in _planes(probe).items()}
-            if variant == kind:
-                probes.append(probe if kind not in ("dplain", "dtq") else
-                              DelayedTurboQuantKVCache.of(fresh.quantized_kv_start,
-                                                          fresh.config, probe, 0))
-        layers.append(variants)
-    described = describe(Snapshot(layers=tuple(probes), kinds=kinds, offset=1,
-                                  minimum_reusable_offset=0))
-    return PlaneLayout(layers=tuple(layers),
-                       fields={name: described[name] for name in _KIND_FIELDS})

@@ -35,7 +35,8 @@ from typing import Any
 import attrs
 import mlx.core as mx
 
-from tqserve.engine.snapshot import PlaneLayout, array_plane, dtype_name, plane_array
+from tqserve.engine.snapshot import array_plane, dtype_name, plane_array
+from tqserve.engine.snapshot_layout import PlaneLayout
 
 Shape = tuple[int, ...]
 PAIRED_FIELD = "paired"
