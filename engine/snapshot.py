@@ -24,7 +24,7 @@ T, ...) and dtype, plus the header fields (cache kind, bits, head dim, rotation)
 `PlaneLayout.check` refuses anything else — a wrong layer count, head count, head dim,
 bit width (code plane width), dtype, an extra or missing plane, T != offset, an offset
 that is not the token count — before a byte of a plane is decoded. It cannot tell two
-layers of equal shape apart: a swapped file is the writer's doing (README).
+layers of equal shape apart: a swapped file is the writer's doing (docs/prefix-cache.md).
 
 Paired snapshots (engine.speculative.state): a snapshot of a row that speculates with a
 stateful proposer (draft model, MTP head) also holds that proposer's state for the same
