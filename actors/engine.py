@@ -4,7 +4,7 @@
         async for event in engine.generate(GenerateRequest(prompt="def f(x):")):
             ...
 
-The actor graph, drawn once (here; the README and DESIGN.md point to it). Every edge is a
+The actor graph, drawn once (here; docs/design.md and DESIGN.md point to it). Every edge is a
 bounded mailbox of msgpack bytes, named after the actor that reads it:
 
                  Submit, Cancel            Submit, Cancel

@@ -48,7 +48,7 @@ _INT_FLAGS = {  # Config field -> help; every one maps 1:1 onto engine.config.Co
                        "in the queue (0: half the free RAM at start, 80%% of free GPU memory)",
     "ram_cache_bytes": "byte budget of the prefix cache's RAM tier",
     "ssd_cache_bytes": "byte budget of the prefix cache's SSD tier (--cache-dir)",
-    "max_prompt_chars": "characters of prompt text one request may carry (README Reliability)",
+    "max_prompt_chars": "characters of prompt text one request may carry (docs/limits.md)",
     "max_messages": "entries of a chat messages array one request may carry",
 }
 _SERVER_ONLY = ("port", "max_message_bytes", "max_streams_per_connection", "max_connections")
@@ -140,7 +140,7 @@ def _config_flags(p: argparse.ArgumentParser, *, server: bool) -> None:
         p.add_argument("--host", default=defaults.host, help="address to listen on")
         p.add_argument("--distributed", action="store_true",
                        help="tensor parallel: run as one rank of a group started by mlx.launch "
-                            "(rank 0 serves, the other ranks follow; README \"Tensor parallel\")")
+                            "(rank 0 serves, the other ranks follow; docs/scale-out.md)")
         p.add_argument("--distributed-timeout", type=float, default=defaults.distributed_timeout,
                        metavar="SECONDS", help="a rank whose step or broadcast takes longer "
                        "(a peer died or hangs) ends the group")

@@ -121,7 +121,7 @@ class Config:
     max_batch: int = attrs.field(default=32, validator=_positive)
     prefill_chunk: int = attrs.field(default=512, validator=_positive)
     # Tokens one engine step processes: decoding rows one each, prefill (padding included)
-    # the rest (engine.scheduler's module doc; README "Batched prefill" for the default).
+    # the rest (engine.scheduler's module doc; docs/serving.md "Batched prefill" for the default).
     max_step_tokens: int = attrs.field(default=1024, validator=_positive)
     max_queued_requests: int = attrs.field(default=64, validator=_positive)
     max_queued_tokens: int = attrs.field(default=65536, validator=_positive)
@@ -134,7 +134,7 @@ class Config:
     max_streams_per_connection: int = attrs.field(default=16, validator=_positive)
     # open WebSockets the server holds at once; an upgrade beyond it is an HTTP 503
     max_connections: int = attrs.field(default=1024, validator=_positive)
-    # What one request may carry (README "Reliability"): checked before tokenizing.
+    # What one request may carry (docs/limits.md): checked before tokenizing.
     max_prompt_chars: int = attrs.field(default=262144, validator=_positive)
     max_messages: int = attrs.field(default=256, validator=_positive)
     # seconds a WebSocket message may take from its first byte to its last (then close 1008)
@@ -162,7 +162,7 @@ class Config:
     ssd_cache_bytes: int = attrs.field(default=16 << 30, validator=_positive)
     ssd_flush: str = attrs.field(default="async", validator=_ssd_flush)
     ssd_write: str = attrs.field(default="through", validator=_ssd_write)
-    # Speculative decoding (engine.speculative; README "Speculative decoding"): the
+    # Speculative decoding (engine.speculative; docs/speculative.md): the
     # server's default method (requests may choose another one that is served, or none).
     speculative: str | None = attrs.field(default=None, validator=_speculative)
     draft_model: str | None = None

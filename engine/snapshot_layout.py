@@ -6,7 +6,7 @@ per layer and per kind it can restore, every plane's shape (1, heads, T, ...; a 
 rotation). `PlaneLayout.check` refuses anything else — a wrong layer count, head count,
 head dim, bit width (code plane width), dtype, an extra or missing plane, T != offset, an
 offset that is not the token count — before a byte of a plane is decoded. It cannot tell
-two layers of equal shape apart: a swapped file is the writer's doing.
+two layers of equal shape apart: a swapped file is the writer's doing (docs/prefix-cache.md).
 """
 
 from __future__ import annotations

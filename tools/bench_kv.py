@@ -13,7 +13,7 @@ k4v4) "fused" (on CUDA the kernels of engine/kv/cuda_decode.py), "plain-ops", an
 TQSERVE_TURBOQUANT_FUSED_DECODE is read when a cache is built. Schemes run interleaved,
 --repeats times, median ms/step reported, with each scheme's ratio to the plain cache and
 its resident KV bytes. Needs only MLX and engine/ (no trio), so it runs on the lent GPU.
-On the H200 the 32-row figure of the README is
+On the H200 the 16k x 32-row figure (not measured yet) is
 `--shape qwen3-8b --contexts 16384 --rows 32 --schemes fused,fused-compiled-ops`.
 """
 

@@ -1,4 +1,4 @@
-"""Screenshot the playground page in headless Chromium (the README's picture).
+"""Screenshot the playground page in headless Chromium (the picture in docs/serving.md).
 
     python -m tqserve.tools.playground_shot [--model PATH] [--out docs/playground.png]
                                     [--prompt TEXT] [--max-tokens 96] [--seed 3]

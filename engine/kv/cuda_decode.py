@@ -53,7 +53,7 @@ logger = logging.getLogger(__name__)
 KERNEL_ENV = "TQSERVE_TURBOQUANT_CUDA_KERNEL"  # "0": use the compiled mx ops on CUDA too
 _THREADS = 128  # threads per attention block = positions per tile
 _TARGET_BLOCKS = 528  # 4 blocks per SM on an H100/H200 (132 SMs): the best of 132..2112 on the H200
-# (README "TurboQuant decode speed": 32k, one row: 138 us per call against 155 at 1024)
+# (docs/kv-cache.md, "Speed": 32k, one row: 138 us per call against 155 at 1024)
 _SHARED_LIMIT = 46 * 1024  # bytes of static shared memory the attention block may use
 
 def available(head_dim: int, group: int) -> bool:

@@ -1,4 +1,4 @@
-"""Token frames carry their own token's text when `stop` is set (README, protocol)."""
+"""Token frames carry their own token's text when `stop` is set (docs/protocol.md)."""
 
 from __future__ import annotations
 

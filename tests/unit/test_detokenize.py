@@ -48,7 +48,7 @@ def test_flush_releases_held_back_text_when_no_stop_completes(draft_model):
 
 
 def released_by_spec(tok, ids, stops):
-    """The README's rule, computed from whole decodes: after token i the released text is
+    """docs/protocol.md's rule, from whole decodes: after token i the released text is
     decode(ids[:i+1]) minus the longest suffix that is a proper prefix of a stop string;
     a token whose text ends in an incomplete character releases nothing new; a stop
     string ends the output before it."""
