@@ -40,7 +40,6 @@ from tqserve.api.router.ws import OUTGOING_FRAMES, ClientConnection
 
 GOING_AWAY = 1001
 CLOSE_GRACE = 5.0  # seconds sockets get to flush and close at shutdown
-REQUEST_TIMEOUT = 5.0  # seconds a connection may take to send a complete request (as the server)
 WS_MESSAGE_TIMEOUT = 30.0  # seconds one WebSocket message may take to arrive (as the server)
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -186,11 +185,12 @@ async def serve_router(config: RouterConfig, *, shutdown_trigger: trio.Event | N
     the first round of health checks is done. Returns the Router (its statistics)."""
     hc, sockets = listen_hardened(  # the server's hardening of hypercorn (api.hardening)
         config.host, config.port, hard_message_bytes=2 * config.max_message_bytes + (64 << 10),
-        request_timeout=REQUEST_TIMEOUT, ws_message_timeout=WS_MESSAGE_TIMEOUT)
+        limits=config.http, ws_message_timeout=WS_MESSAGE_TIMEOUT)
     limits = httpx.Limits(max_connections=HTTP_CONNECTIONS)
     async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(None, connect=5.0)) as client:
         async with trio.open_nursery() as nursery:
             router = Router(config, nursery, client)
+            hc.connection_cap.on_refused = lambda: router.reject("too_many_connections")
             await nursery.start(router.run_health_checks)
             app = create_app(router)
             stop_http = trio.Event()

@@ -16,6 +16,7 @@ from typing import NoReturn, Sequence
 
 import trio
 
+from tqserve.api.httpconn import TIMEOUT_FLAGS, HttpLimits, add_timeout_flags
 from tqserve.api.router.core import POLICIES, RoutingConfig
 from tqserve.api.router.service import RouterConfig
 
@@ -79,6 +80,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "'Authorization: Bearer KEY' (default: off)")
     p.add_argument("--shutdown-timeout", type=float, default=c.shutdown_timeout,
                    help="on SIGTERM/SIGINT, seconds in-flight requests get to finish")
+    p.add_argument("--max-connections", type=int, default=c.http.max_connections,
+                   help="open client connections (HTTP and WebSocket) at once (a request "
+                        "beyond it: HTTP 503, code too_many_connections)")
+    add_timeout_flags(p, c.http)
     return p
 
 
@@ -88,8 +93,9 @@ def config_from(args: argparse.Namespace) -> RouterConfig:
                       "min_match_fraction", "health_failures")
     try:
         routing = RoutingConfig(**{k: getattr(args, k) for k in routing_fields})
+        http = HttpLimits(**{k: getattr(args, k) for k in (*TIMEOUT_FLAGS, "max_connections")})
         return RouterConfig(
-            backends=tuple(args.backend), routing=routing,
+            backends=tuple(args.backend), routing=routing, http=http,
             **{k: getattr(args, k) for k in (
                 "host", "port", "health_interval", "health_timeout", "max_attempts",
                 "max_message_bytes", "max_streams_per_connection", "backend_streams",

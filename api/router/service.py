@@ -22,6 +22,7 @@ import attrs
 import httpx
 import trio
 
+from tqserve.api.httpconn import HttpLimits
 from tqserve.api.router.backends import BackendLink, LinkPool, PoolStatistics, check_health
 from tqserve.api.router.core import (NoHealthyBackend, Route, RouterStatistics, RouteTable,
                                      RoutingConfig, prefix_keys)
@@ -52,6 +53,7 @@ class RouterConfig:
     backend_api_key: str | None = None
     admin_key: str | None = None
     shutdown_timeout: float = attrs.field(default=10.0, validator=attrs.validators.ge(0))
+    http: HttpLimits = HttpLimits()  # client connections: timeouts, --max-connections
 
     @backends.validator
     def _check_backends(self, _: Any, value: tuple[str, ...]) -> None:
