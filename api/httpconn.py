@@ -131,6 +131,14 @@ def error_bytes(status: int, reason: str, code: str, message: str,
     return ("\r\n".join(head) + "\r\n\r\n").encode() + body
 
 
+def too_large_message(exc: Any, limit: int) -> str | None:
+    """The message of a werkzeug HTTP error; a 413 (Quart's MAX_CONTENT_LENGTH, set to
+    --max-message-bytes) names the limit and its flag."""
+    if exc.code == 413:
+        return f"request body exceeds the limit of {limit} bytes (--max-message-bytes)"
+    return exc.description
+
+
 def _has_body(request: h11.Request) -> bool:
     for name, value in request.headers:
         if name == b"transfer-encoding" or (name == b"content-length" and value != b"0"):

@@ -31,6 +31,7 @@ from quart import Response, jsonify, request, websocket
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
+from tqserve.api.httpconn import too_large_message
 from tqserve.api.hardening import listen_hardened
 from tqserve.api.router import http
 from tqserve.api.router.core import HealthEvent
@@ -50,11 +51,15 @@ def create_app(router: Router) -> QuartTrio:
     closing = trio.Event()
     app.extensions["router_closing"] = closing
 
+    app.config["MAX_CONTENT_LENGTH"] = router.config.max_message_bytes  # as the server's
+
     @app.errorhandler(HTTPException)
     async def http_error(exc: HTTPException) -> Any:
         code = (exc.name or "error").lower().replace(" ", "_")
-        return http.error_response(_path(), exc.code or 500,
-                                   exc.description or code, code)
+        if exc.code == 413:
+            router.reject("too_large")
+        return http.error_response(_path(), exc.code or 500, too_large_message(
+            exc, router.config.max_message_bytes) or code, code)
 
     api_key = router.config.api_key
 
