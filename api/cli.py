@@ -154,8 +154,8 @@ def _config_flags(p: argparse.ArgumentParser, *, server: bool) -> None:
                             "but /health and on the WebSocket upgrade (default: "
                             "$TQSERVE_API_KEY; unset = no auth)")
         p.add_argument("--allowed-origins", default="", metavar="ORIGIN,...",
-                       help="browser origins allowed to open the WebSocket, comma-separated "
-                            "(e.g. https://app.example.com); unset = not checked")
+                       help="browser origins allowed besides the server's own and loopback "
+                            "ones, comma-separated (e.g. https://app.example.com; * = any)")
         p.add_argument("--ws-message-timeout", type=float, default=defaults.ws_message_timeout,
                        help="seconds a WebSocket message may take to arrive (then close 1008)")
         add_timeout_flags(p, defaults)
