@@ -20,11 +20,12 @@ LIMIT = 1 << 20
 
 class Misbehaving:
     """A backend on loopback whose POST answers are `mode`: `silent` (never a byte),
-    `huge` (a JSON body of 32 MiB), `undelimited` (an SSE stream with no event end)."""
+    `huge` (a JSON body of `size` bytes, 32 MiB), `undelimited` (an SSE stream with no event end)."""
 
     def __init__(self, mode: str) -> None:
         self.mode = mode
         self.bytes_sent = 0
+        self.size = 32 << 20
 
     async def start(self, nursery: trio.Nursery) -> str:
         listeners = await nursery.start(
@@ -46,9 +47,9 @@ class Misbehaving:
                 sse = self.mode == "undelimited"
                 kind = b"text/event-stream" if sse else b"application/json"
                 await stream.send_all(b"HTTP/1.1 200 OK\r\ncontent-type: " + kind +
-                                      b"\r\ncontent-length: %d\r\n\r\n" % (32 << 20))
+                                      b"\r\ncontent-length: %d\r\n\r\n" % (self.size))
                 piece = (b"data: " if sse else b"") + b"x" * 65536
-                while self.bytes_sent < (32 << 20):
+                while self.bytes_sent < (self.size):
                     await stream.send_all(piece)
                     self.bytes_sent += len(piece)
         except (trio.BrokenResourceError, trio.ClosedResourceError):
