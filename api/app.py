@@ -161,6 +161,10 @@ def create_app(engine: Engine, connections: Connections | None = None) -> QuartT
     app = QuartTrio("tqserve")
     connections = connections if connections is not None else Connections()
 
+    # Quart refuses a body whose Content-Length is over it before reading any, and stops
+    # buffering one that streams past it (its own default is 16 MiB, read before our check)
+    app.config["MAX_CONTENT_LENGTH"] = engine.config.max_message_bytes
+
     @app.errorhandler(HTTPException)
     async def http_error(exc: HTTPException) -> Any:
         code = (exc.name or "error").lower().replace(" ", "_")

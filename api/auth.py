@@ -11,9 +11,11 @@ the key as a subprotocol, `tqserve.bearer.<key as unpadded base64url>`, offered 
 `tqserve` (the playground does this; the server then selects `tqserve`). A refused upgrade
 is an HTTP 401 (no WebSocket).
 
-With `--allowed-origins`, a WebSocket upgrade or HTTP request carrying an `Origin`
-header (a browser) is refused with 403 unless that origin is listed; clients that send
-no Origin (not browsers) are unaffected. Without the flag, origins are not checked.
+A WebSocket upgrade or HTTP request carrying an `Origin` header (a browser) is refused
+with 403 unless that origin is the request's own (its host:port is the `Host` header), a
+loopback one (localhost, 127.0.0.1, [::1], any port), or listed in `--allowed-origins`
+(`*` allows any); clients that send no Origin (not browsers) are unaffected. So a page
+the user visits elsewhere cannot drive a local server through its WebSocket.
 POST bodies must be `Content-Type: application/json` (415 otherwise): a page on another
 origin cannot send that without a CORS preflight, which this server never grants, so a
 web page cannot make a local server generate behind its user's back.
@@ -26,6 +28,7 @@ import binascii
 import hmac
 import time
 from typing import Any, Callable
+from urllib.parse import urlsplit
 
 from quart import Response, g, request, websocket
 from quart_trio import QuartTrio
@@ -66,6 +69,24 @@ def key_ok(expected: str, headers: Any, given: str | None = None) -> bool:
                                                      expected.encode("utf-8"))
 
 
+LOOPBACK_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})
+
+
+def origin_allowed(origin: str | None, host: str | None, allowed: tuple[str, ...]) -> bool:
+    """Whether a request with this Origin (None: not a browser) and Host may go on (the
+    module docstring's rule; the router's too)."""
+    if origin is None or "*" in allowed or origin.rstrip("/") in allowed:
+        return True
+    try:
+        parts = urlsplit(origin)
+        hostname = parts.hostname
+    except ValueError:
+        return False
+    if parts.scheme not in ("http", "https") or not hostname:
+        return False
+    return parts.netloc.lower() == (host or "").lower() or hostname.lower() in LOOPBACK_HOSTS
+
+
 def install(app: QuartTrio, api_key: str | None, allowed_origins: tuple[str, ...],
             metrics: Metrics, refusal: Callable[[str, int, str], Response]) -> None:
     """Register the hooks. `refusal(path, status, message)` builds the API-shaped error."""
@@ -80,8 +101,9 @@ def install(app: QuartTrio, api_key: str | None, allowed_origins: tuple[str, ...
             return refusal(request.path, 401, "missing or invalid API key (send it as "
                                               "'Authorization: Bearer <key>')")
         origin = request.headers.get("Origin")
-        if allowed_origins and origin is not None and origin not in allowed_origins:
-            return refusal(request.path, 403, f"origin {origin!r} is not allowed")
+        if not origin_allowed(origin, request.headers.get("Host"), allowed_origins):
+            return refusal(request.path, 403, f"origin {origin!r} is not allowed "
+                                              "(--allowed-origins)")
         if (request.method == "POST" and request.url_rule is not None
                 and request.mimetype != "application/json"):
             return refusal(request.path, 415, "send the body as JSON with "
@@ -103,8 +125,8 @@ def install(app: QuartTrio, api_key: str | None, allowed_origins: tuple[str, ...
         if api_key is not None and not key_ok(api_key, websocket.headers, offered):
             return Response('{"error": "missing or invalid API key"}', 401,
                             content_type="application/json")
-        origin = websocket.headers.get("Origin")
-        if allowed_origins and origin is not None and origin not in allowed_origins:
-            return Response('{"error": "origin not allowed"}', 403,
+        if not origin_allowed(websocket.headers.get("Origin"), websocket.headers.get("Host"),
+                              allowed_origins):
+            return Response('{"error": "origin not allowed (--allowed-origins)"}', 403,
                             content_type="application/json")
         return None

@@ -42,8 +42,8 @@ _INT_FLAGS = {  # Config field -> help; every one maps 1:1 onto engine.config.Co
     "port": "TCP port to listen on (0: any free port)",
     "max_message_bytes": "largest WebSocket frame a client may send",
     "max_streams_per_connection": "concurrent requests on one WebSocket",
-    "max_connections": "open WebSockets the server holds at once (an upgrade beyond it is "
-                       "refused with HTTP 503, code too_many_connections)",
+    "max_connections": "open connections (HTTP and WebSocket) the server holds at once (a "
+                       "request beyond it is refused with HTTP 503, code too_many_connections)",
     "kv_budget_bytes": "KV bytes the admitted rows may hold together; rows beyond it wait "
                        "in the queue (0: half the free RAM at start, 80%% of free GPU memory)",
     "ram_cache_bytes": "byte budget of the prefix cache's RAM tier",
@@ -73,6 +73,7 @@ class _Parser(argparse.ArgumentParser):
 
 def _config_flags(p: argparse.ArgumentParser, *, server: bool) -> None:
     # engine imports MLX: imported here, so that `tqserve bench --blas` can preload a BLAS
+    from tqserve.api.httpconn import add_timeout_flags
     from tqserve.engine.config import Config
     from tqserve.engine.kv.affine import KV_BITS, KV_GROUP_SIZES
     from tqserve.engine.model import DTYPES
@@ -153,10 +154,11 @@ def _config_flags(p: argparse.ArgumentParser, *, server: bool) -> None:
                             "but /health and on the WebSocket upgrade (default: "
                             "$TQSERVE_API_KEY; unset = no auth)")
         p.add_argument("--allowed-origins", default="", metavar="ORIGIN,...",
-                       help="browser origins allowed to open the WebSocket, comma-separated "
-                            "(e.g. https://app.example.com); unset = not checked")
+                       help="browser origins allowed besides the server's own and loopback "
+                            "ones, comma-separated (e.g. https://app.example.com; * = any)")
         p.add_argument("--ws-message-timeout", type=float, default=defaults.ws_message_timeout,
                        help="seconds a WebSocket message may take to arrive (then close 1008)")
+        add_timeout_flags(p, defaults)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -19,8 +19,8 @@ hypercorn server in the process keeps hypercorn's own behaviour.
 * HTTP/2 is not served: `Upgrade: h2c` is ignored and the request answered in HTTP/1.1
   (RFC 9110 7.8 lets a server ignore an upgrade); a prior-knowledge `PRI * HTTP/2.0`
   preface gets 505 and the connection is closed.
-* A connection that has not completed a request within hypercorn's `keep_alive_timeout`
-  is closed (hypercorn's idle timer, set by api.server).
+* Idle, header and body timeouts, `Connection: close` and HTTP/1.0 honoured, and the
+  cap on open connections: api.httpconn (its LimitedH11Protocol is put in place here).
 * An answer given before the request's body was read (a 401, 404, 405, 413, 429 ...) never
   leaves the connection stuck. hypercorn hands body chunks to the app through a queue of
   `max_app_queue_size` messages that nobody reads once the app has returned, so the next
@@ -34,30 +34,26 @@ hypercorn server in the process keeps hypercorn's own behaviour.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+import logging
+import resource
+from typing import Any, Callable
 
-import h11
 import hypercorn.protocol
 import hypercorn.protocol.h11
 import trio
-from hypercorn.config import Config as HypercornConfig
 from hypercorn.config import Sockets
-from hypercorn.protocol.events import Request, Response, StreamClosed
-from hypercorn.protocol.h11 import H11Protocol
+from hypercorn.protocol.events import Request, StreamClosed
 from hypercorn.protocol.http_stream import HTTPStream
 from hypercorn.protocol.ws_stream import FrameTooLargeError, WSStream
-from hypercorn.events import Closed
 from wsproto.connection import ConnectionState
 from wsproto.events import CloseConnection, Message, Ping
 from wsproto.frame_protocol import CloseReason
 
+from tqserve.api.httpconn import ConnectionCap, HttpLimits, LimitedConfig, LimitedH11Protocol
+
+log = logging.getLogger("tqserve.server")
+
 _EXTENSIONS_HEADER = b"sec-websocket-extensions"
-
-
-class LimitedConfig(HypercornConfig):
-    """hypercorn's config plus the limits the subclasses below enforce."""
-
-    ws_message_timeout: float = 30.0
 
 
 class LimitedWSStream(WSStream):
@@ -190,34 +186,6 @@ class LimitedHTTPStream(HTTPStream):
         await super().app_send(message)
 
 
-class LimitedH11Protocol(H11Protocol):
-    """hypercorn's HTTP/1.1 protocol without the h2c upgrade or an HTTP/2 preface, whose
-    answers given before the request body was read close the connection."""
-
-    _refuse_http2 = False
-
-    async def stream_send(self, event: Any) -> None:
-        if (isinstance(event, Response) and event.status_code >= 200
-                and isinstance(self.config, LimitedConfig)
-                and self.connection.their_state is h11.SEND_BODY):
-            event = dataclasses.replace(event, headers=[*event.headers,
-                                                        (b"connection", b"close")])
-        await super().stream_send(event)
-
-    async def _check_protocol(self, event: h11.Request) -> None:
-        if not isinstance(self.config, LimitedConfig):
-            await super()._check_protocol(event)
-        elif event.method == b"PRI" and event.http_version == b"2.0":
-            self._refuse_http2 = True
-
-    async def _create_stream(self, request: h11.Request) -> None:
-        if not self._refuse_http2:
-            await super()._create_stream(request)
-            return
-        await self._send_error_response(505)
-        await self.send(Closed())
-
-
 def install() -> None:
     """Put the subclasses in place of hypercorn's (idempotent)."""
     hypercorn.protocol.H11Protocol = LimitedH11Protocol  # type: ignore[misc]
@@ -231,21 +199,54 @@ def install() -> None:
 LISTEN_BACKLOG = 4096
 
 
-def listen_hardened(host: str, port: int, *, hard_message_bytes: int, request_timeout: float,
-                    ws_message_timeout: float, app_queue: int | None = None
+# Descriptors a process needs besides its client connections: model and cache files, the
+# router's connections to its backends, stdio, the listening sockets, the event loop.
+RESERVED_FDS = 256
+
+
+def fit_descriptor_limit(max_connections: int, reserved: int = RESERVED_FDS) -> int:
+    """Raise RLIMIT_NOFILE's soft limit to what `max_connections` client connections
+    need; return the cap that fits under it (lowered, with one warning line, where the
+    hard limit is too low)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    need = max_connections + reserved
+    if hard != resource.RLIM_INFINITY and need > hard:
+        need = hard
+    if soft != resource.RLIM_INFINITY and soft < need:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
+        soft = need
+    fits = max_connections if soft == resource.RLIM_INFINITY else min(
+        max_connections, max(1, soft - reserved))
+    if fits < max_connections:
+        log.warning("the descriptor limit (ulimit -n) is %d: --max-connections lowered from "
+                    "%d to %d (%d kept for files and backends)", soft, max_connections, fits,
+                    reserved)
+    return fits
+
+
+def listen_hardened(host: str, port: int, *, hard_message_bytes: int, ws_message_timeout: float,
+                    limits: HttpLimits, app_queue: int | None = None,
+                    on_refused: Callable[[], None] | None = None
                     ) -> tuple[LimitedConfig, Sockets]:
     """A hardened hypercorn config and its bound, listening sockets (the server's and the
-    router's). `hard_message_bytes`: a WebSocket message over it closes 1009;
-    `request_timeout`: hypercorn's idle timer; `app_queue`: messages queued for the app
-    (hypercorn's default when None). ValueError naming host:port when the address is
-    taken or invalid."""
+    router's). `hard_message_bytes`: a WebSocket message over it closes 1009; `limits`:
+    the HTTP timeouts and connection cap (api.httpconn; the descriptor limit is raised to
+    fit the cap); `app_queue`: messages queued for the app (hypercorn's default when
+    None); `on_refused`: called for each connection refused over the cap. ValueError
+    naming host:port when the address is taken or invalid."""
     install()
     hc = LimitedConfig()
     hc.bind = [f"{host}:{port}"]
     hc.websocket_max_message_size = hard_message_bytes
     if app_queue is not None:
         hc.max_app_queue_size = app_queue
-    hc.keep_alive_timeout = request_timeout
+    hc.idle_timeout = limits.http_idle_timeout
+    hc.header_timeout = limits.http_header_timeout
+    hc.body_timeout = limits.http_body_timeout
+    # hypercorn's own idle timer: a backstop behind api.httpconn's (which decides first);
+    # it also closes idle connections at once when the server stops
+    hc.keep_alive_timeout = limits.http_idle_timeout + limits.http_header_timeout + 1.0
+    hc.connection_cap = ConnectionCap(fit_descriptor_limit(limits.max_connections), on_refused)
     hc.ws_message_timeout = ws_message_timeout
     hc.accesslog = None
     hc.loglevel = "WARNING"  # hypercorn's "Running on" lines: the CLIs print their own

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 from quart import Response, request
 from quart_trio import QuartTrio
-from werkzeug.exceptions import MethodNotAllowed, NotFound
+from werkzeug.exceptions import MethodNotAllowed, NotFound, RequestEntityTooLarge
 
 from tqserve.actors.engine import Engine
 from tqserve.api import anthropic, auth, openai
 from tqserve.api.httpcommon import ApiError
+from tqserve.api.httpconn import too_large_message
 from tqserve.api.metrics import Metrics
 
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -55,5 +56,10 @@ def register_http_apis(app: QuartTrio, engine: Engine) -> Metrics:
                              code="method_not_allowed")
         response.headers["Allow"] = ", ".join(sorted(exc.valid_methods or ()))
         return response
+
+    @app.errorhandler(RequestEntityTooLarge)  # Quart's MAX_CONTENT_LENGTH (api.app)
+    async def too_large(exc: RequestEntityTooLarge) -> Response:
+        return api_error(request.path, 413, too_large_message(exc, config.max_message_bytes)
+                         or "request body too large", code="too_large")
 
     return metrics

@@ -23,6 +23,7 @@ import trio
 from tqserve.actors.engine import ShutdownReport, open_engine
 from tqserve.api.app import Connections, create_app
 from tqserve.api.hardening import listen_hardened
+from tqserve.api.httpconn import HttpLimits
 from tqserve.engine.config import Config
 from tqserve.engine.model import LoadedModel
 
@@ -33,8 +34,6 @@ _HARD_FRAME_MARGIN = 64 << 10
 # WebSocket messages hypercorn queues for the app (its default is 10): with quart-trio's own
 # queue of 10, a connection holds at most (APP_QUEUE + 11) * the hard cap of received data.
 APP_QUEUE = 1
-# seconds a connection may take to send a complete request (hypercorn's idle timer)
-REQUEST_TIMEOUT = 5.0
 
 
 def hard_message_bytes(config: Config) -> int:
@@ -47,9 +46,12 @@ CLOSE_GRACE = 5.0  # seconds the sockets get to flush their last frames and clos
 def listen(config: Config) -> tuple[HypercornConfig, Sockets]:
     """hypercorn's config and the bound, listening sockets; ValueError naming host:port
     when the address is taken or invalid (so callers can fail before loading a model)."""
+    limits = HttpLimits(http_idle_timeout=config.http_idle_timeout,
+                        http_header_timeout=config.http_header_timeout,
+                        http_body_timeout=config.http_body_timeout,
+                        max_connections=config.max_connections)
     return listen_hardened(config.host, config.port,
-                           hard_message_bytes=hard_message_bytes(config),
-                           request_timeout=REQUEST_TIMEOUT,
+                           hard_message_bytes=hard_message_bytes(config), limits=limits,
                            ws_message_timeout=config.ws_message_timeout, app_queue=APP_QUEUE)
 
 
@@ -73,6 +75,7 @@ async def serve(config: Config, *, loaded: LoadedModel | None = None,
         engine = await stack.enter_async_context(
             open_engine(config, loaded=loaded, recorder=recorder))
         connections = Connections()
+        hc.connection_cap.on_refused = lambda: engine.note_rejection("too_many_connections")
         app = wrap_app(create_app(engine, connections), hc.wsgi_max_body_size, None)
         stop_http = trio.Event()
 

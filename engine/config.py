@@ -132,11 +132,17 @@ class Config:
     port: int = attrs.field(default=8000, validator=_port)
     max_message_bytes: int = attrs.field(default=1 << 20, validator=_positive)
     max_streams_per_connection: int = attrs.field(default=16, validator=_positive)
-    # open WebSockets the server holds at once; an upgrade beyond it is an HTTP 503
+    # open connections (HTTP and WebSocket) the server holds at once; a request on one
+    # beyond it is an HTTP 503 (the descriptor limit is raised to fit it)
     max_connections: int = attrs.field(default=1024, validator=_positive)
     # What one request may carry (docs/limits.md): checked before tokenizing.
     max_prompt_chars: int = attrs.field(default=262144, validator=_positive)
     max_messages: int = attrs.field(default=256, validator=_positive)
+    # HTTP connections (api.httpconn, docs/limits.md): seconds a connection may sit idle
+    # between requests, a request's head and its body may take to arrive (then 408/close)
+    http_idle_timeout: float = attrs.field(default=5.0, validator=_positive_seconds)
+    http_header_timeout: float = attrs.field(default=10.0, validator=_positive_seconds)
+    http_body_timeout: float = attrs.field(default=30.0, validator=_positive_seconds)
     # seconds a WebSocket message may take from its first byte to its last (then close 1008)
     ws_message_timeout: float = attrs.field(default=30.0, validator=_positive_seconds)
     # Seconds in-flight requests get to finish after SIGTERM/SIGINT before they are ended

@@ -22,6 +22,10 @@ server. Nothing leaves 127.0.0.1. The phases and what must hold (`invariants`):
   before max_tokens, while its socket stays open.
 * stall: a victim stream's tokens/s before and while a 250k-character prompt is tokenized
   (on a worker thread) -> the victim goes on.
+* http (tools.attack_http): sockets that send one request and stay, bodies trickled a
+  byte at a time, a 16 MB Content-Length, a hostile Origin -> every idle socket closed,
+  every trickled body 408 and closed, every oversized body 413 unread, the hostile
+  Origin 403 and a loopback one 101; /health and a WebSocket work meanwhile.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from typing import Any
 
 import trio
 
+from tqserve.tools.attack_http import phase_http
 from tqserve.tools.attack_phases import (Server, phase_cancels, phase_fuzz, phase_held, phase_memory,
                                  phase_overload, phase_pings, phase_slow, phase_stall)
 
@@ -46,9 +51,11 @@ async def attack(args: argparse.Namespace) -> dict[str, Any]:
     rng = random.Random(args.seed)
     server = Server(["--ws-message-timeout", str(args.ws_message_timeout),
                      "--max-streams-per-connection", "64", "--max-queued-requests", "8",
-                     "--stream-buffer", "64"])
+                     "--stream-buffer", "64", "--http-header-timeout",
+                     str(args.http_timeout), "--http-body-timeout", str(args.http_timeout)])
     out: dict[str, Any] = {"server": {"ws_message_timeout": args.ws_message_timeout,
-                                      "max_queued_requests": 8, "stream_buffer": 64}}
+                                      "max_queued_requests": 8, "stream_buffer": 64,
+                                      "http_header_and_body_timeout": args.http_timeout}}
     try:
         with trio.fail_after(PHASE_TIMEOUT):
             out["fuzz"] = await phase_fuzz(server.port, args.fuzz, rng)
@@ -68,10 +75,13 @@ async def attack(args: argparse.Namespace) -> dict[str, Any]:
             out["slow"] = await phase_slow(server.port, SLOW_STREAMS, SLOW_MAX_TOKENS)
         with trio.fail_after(PHASE_TIMEOUT):
             out["stall"] = await phase_stall(server.port, 250_000)
+        with trio.fail_after(PHASE_TIMEOUT):
+            out["http"] = await phase_http(server.port, args.idle, args.trickle,
+                                           args.oversize_bodies)
         out["server_alive"] = server.alive()
     finally:
         server.stop()
-    mem, held = out["memory"], out["held"]
+    mem, held, web = out["memory"], out["held"], out["http"]
     out["invariants"] = {
         "no_internal_error": out["fuzz"]["internal_error"] == 0,
         "fuzz_sockets_kept": out["fuzz"]["sockets_closed_by_server"] == 0,
@@ -91,6 +101,13 @@ async def attack(args: argparse.Namespace) -> dict[str, Any]:
                                        and out["slow"]["steps_until_cancelled"]
                                        < SLOW_MAX_TOKENS // 2),
         "victim_goes_on_during_huge_prompt": out["stall"]["victim_tokens_during"] > 0,
+        "idle_http_sockets_closed": web["idle_closed"] == web["idle_sockets"],
+        "health_and_ws_during_idle_sockets": web["health_answered"]
+        and web["websocket_accepted"],
+        "trickled_bodies_408": web["trickle_408"] == web["trickled_bodies"],
+        "oversize_bodies_413": web["oversize_413"] == web["oversize_requests"],
+        "hostile_origin_refused": web["origin_status"] == {"http://evil.example": 403,
+                                                           "http://localhost:3000": 101},
         "server_alive": out["server_alive"],
     }
     return out
@@ -100,10 +117,13 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="tqserve attack", description=__doc__.split("\n")[0])
     for name, default in (("fuzz", 2000), ("cancels", 500), ("pings", 5000), ("slowloris", 200),
                           ("random", 100), ("connections", 500), ("bombs", 100),
-                          ("oversize", 100), ("overload", 200), ("seed", 0)):
-        p.add_argument("--" + name, type=int, default=default)
+                          ("oversize", 100), ("overload", 200), ("seed", 0), ("idle", 1000),
+                          ("trickle", 50), ("oversize_bodies", 40)):
+        p.add_argument("--" + name.replace("_", "-"), type=int, default=default)
     p.add_argument("--bomb-bytes", type=int, default=1 << 30, help="inflated size of a bomb")
     p.add_argument("--ws-message-timeout", type=float, default=3.0)
+    p.add_argument("--http-timeout", type=float, default=3.0,
+                   help="the server's --http-header-timeout and --http-body-timeout")
     p.add_argument("--out", default=None, help="write the JSON here (default: stdout only)")
     args = p.parse_args(argv)
     result = trio.run(attack, args)

@@ -51,11 +51,11 @@ def deflate_bomb(inflated: int, chunk: int = 1 << 20) -> bytes:
 
 
 async def connect(port: int, *, path: str = "/v1/stream", extensions: str | None = None,
-                  host: str = "127.0.0.1", receive_buffer: int | None = None
-                  ) -> tuple[trio.SocketStream, bytes]:
+                  host: str = "127.0.0.1", receive_buffer: int | None = None,
+                  origin: str | None = None) -> tuple[trio.SocketStream, bytes]:
     """Open a TCP connection and do the WebSocket handshake; returns (stream, response head).
     `receive_buffer`: SO_RCVBUF set before connecting (a small window: a client that stops
-    reading fills it quickly)."""
+    reading fills it quickly); `origin`: sent as the Origin header (a browser's)."""
     if receive_buffer is None:
         stream = await trio.open_tcp_stream(host, port)
     else:
@@ -68,6 +68,8 @@ async def connect(port: int, *, path: str = "/v1/stream", extensions: str | None
              "Connection: Upgrade", f"Sec-WebSocket-Key: {key}", "Sec-WebSocket-Version: 13"]
     if extensions is not None:
         lines.append(f"Sec-WebSocket-Extensions: {extensions}")
+    if origin is not None:
+        lines.append(f"Origin: {origin}")
     await stream.send_all(("\r\n".join(lines) + "\r\n\r\n").encode())
     head = b""
     while b"\r\n\r\n" not in head and len(head) < MAX_HEAD:

@@ -31,6 +31,8 @@ from quart import Response, jsonify, request, websocket
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
+from tqserve.api.httpconn import too_large_message
+from tqserve.api.auth import origin_allowed
 from tqserve.api.hardening import listen_hardened
 from tqserve.api.router import http
 from tqserve.api.router.core import HealthEvent
@@ -40,8 +42,8 @@ from tqserve.api.router.ws import OUTGOING_FRAMES, ClientConnection
 
 GOING_AWAY = 1001
 CLOSE_GRACE = 5.0  # seconds sockets get to flush and close at shutdown
-REQUEST_TIMEOUT = 5.0  # seconds a connection may take to send a complete request (as the server)
 WS_MESSAGE_TIMEOUT = 30.0  # seconds one WebSocket message may take to arrive (as the server)
+BACKEND_CONNECT_TIMEOUT = 5.0  # seconds a connection to a backend may take to open
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
@@ -51,25 +53,37 @@ def create_app(router: Router) -> QuartTrio:
     closing = trio.Event()
     app.extensions["router_closing"] = closing
 
+    app.config["MAX_CONTENT_LENGTH"] = router.config.max_message_bytes  # as the server's
+
     @app.errorhandler(HTTPException)
     async def http_error(exc: HTTPException) -> Any:
         code = (exc.name or "error").lower().replace(" ", "_")
-        return http.error_response(_path(), exc.code or 500,
-                                   exc.description or code, code)
+        if exc.code == 413:
+            router.reject("too_large")
+        return http.error_response(_path(), exc.code or 500, too_large_message(
+            exc, router.config.max_message_bytes) or code, code)
 
     api_key = router.config.api_key
 
     @app.before_request
     async def check_key() -> Response | None:
-        if api_key is None or request.path == "/health" or key_ok(api_key, request.headers):
-            return None
+        if (api_key is None or request.path == "/health" or request.path.startswith("/admin/")
+                or key_ok(api_key, request.headers)):  # /admin/: the admin key (below)
+            return origin_refused(request.path, request.headers)
         return http.error_response(request.path, 401, "missing or invalid API key (send it "
                                    "as 'Authorization: Bearer <key>')", "unauthorized")
+
+    def origin_refused(path: str, headers: Any) -> Response | None:
+        origin = headers.get("Origin")
+        if origin_allowed(origin, headers.get("Host"), router.config.allowed_origins):
+            return None
+        return http.error_response(path, 403, f"origin {origin!r} is not allowed "
+                                   "(--allowed-origins)", "forbidden")
 
     @app.before_websocket
     async def check_upgrade() -> Response | None:
         if api_key is None or key_ok(api_key, websocket.headers):
-            return None
+            return origin_refused("/v1/stream", websocket.headers)
         return Response('{"error": "missing or invalid API key"}', 401,
                         content_type="application/json")
 
@@ -98,8 +112,9 @@ def create_app(router: Router) -> QuartTrio:
     async def models() -> Any:
         for backend in router.table.routable():
             try:
-                response = await router.http.get(backend + "/v1/models",
-                                                 timeout=router.config.health_timeout)
+                response = await router.http.get(
+                    backend + "/v1/models", timeout=router.config.health_timeout,
+                    headers=http.backend_headers(router, request.headers))
             except httpx.TransportError:
                 continue
             return Response(response.content, status=response.status_code,
@@ -186,11 +201,14 @@ async def serve_router(config: RouterConfig, *, shutdown_trigger: trio.Event | N
     the first round of health checks is done. Returns the Router (its statistics)."""
     hc, sockets = listen_hardened(  # the server's hardening of hypercorn (api.hardening)
         config.host, config.port, hard_message_bytes=2 * config.max_message_bytes + (64 << 10),
-        request_timeout=REQUEST_TIMEOUT, ws_message_timeout=WS_MESSAGE_TIMEOUT)
+        limits=config.http, ws_message_timeout=WS_MESSAGE_TIMEOUT)
     limits = httpx.Limits(max_connections=HTTP_CONNECTIONS)
-    async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(None, connect=5.0)) as client:
+    timeout = httpx.Timeout(config.backend_read_timeout, connect=BACKEND_CONNECT_TIMEOUT,
+                            pool=None)  # read/write: between bytes, not the whole answer
+    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
         async with trio.open_nursery() as nursery:
             router = Router(config, nursery, client)
+            hc.connection_cap.on_refused = lambda: router.reject("too_many_connections")
             await nursery.start(router.run_health_checks)
             app = create_app(router)
             stop_http = trio.Event()

@@ -30,7 +30,10 @@ CONNECT_TIMEOUT = 5.0  # seconds opening a link may take (a blackholed host fail
 
 
 class BackendLost(Exception):
-    """The backend's socket closed (or could not be opened) under a request."""
+    """The backend's socket closed (or could not be opened) under a request; `sent`:
+    after the request had reached the backend."""
+
+    sent = False
 
 
 class SlowClient(Exception):
@@ -144,7 +147,10 @@ class BackendLink:
                 if finished:
                     return
             finished = True
-            raise stream.failure or BackendLost(f"connection to {self.url} closed")
+            failure = stream.failure or BackendLost(f"connection to {self.url} closed")
+            if isinstance(failure, BackendLost):
+                failure.sent = True
+            raise failure
         finally:
             self._streams.pop(rid, None)
             if not finished:

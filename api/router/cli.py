@@ -16,6 +16,7 @@ from typing import NoReturn, Sequence
 
 import trio
 
+from tqserve.api.httpconn import TIMEOUT_FLAGS, HttpLimits, add_timeout_flags
 from tqserve.api.router.core import POLICIES, RoutingConfig
 from tqserve.api.router.service import RouterConfig
 
@@ -79,6 +80,19 @@ def build_parser() -> argparse.ArgumentParser:
                         "'Authorization: Bearer KEY' (default: off)")
     p.add_argument("--shutdown-timeout", type=float, default=c.shutdown_timeout,
                    help="on SIGTERM/SIGINT, seconds in-flight requests get to finish")
+    p.add_argument("--max-connections", type=int, default=c.http.max_connections,
+                   help="open client connections (HTTP and WebSocket) at once (a request "
+                        "beyond it: HTTP 503, code too_many_connections)")
+    add_timeout_flags(p, c.http)
+    p.add_argument("--allowed-origins", default="", metavar="ORIGIN,...",
+                   help="browser origins allowed besides the router's own and loopback "
+                        "ones, comma-separated (* = any)")
+    p.add_argument("--backend-read-timeout", type=float, default=c.backend_read_timeout,
+                   metavar="SECONDS", help="a backend that sends nothing this long under a "
+                   "request: 504 backend_timeout (or an error event in a started stream)")
+    p.add_argument("--max-backend-bytes", type=int, default=c.max_backend_bytes,
+                   help="bytes of a backend's whole answer, or of one SSE event, the router "
+                        "holds (over it: 502 backend_failed)")
     return p
 
 
@@ -88,12 +102,14 @@ def config_from(args: argparse.Namespace) -> RouterConfig:
                       "min_match_fraction", "health_failures")
     try:
         routing = RoutingConfig(**{k: getattr(args, k) for k in routing_fields})
+        http = HttpLimits(**{k: getattr(args, k) for k in (*TIMEOUT_FLAGS, "max_connections")})
         return RouterConfig(
-            backends=tuple(args.backend), routing=routing,
+            backends=tuple(args.backend), routing=routing, http=http,
             **{k: getattr(args, k) for k in (
                 "host", "port", "health_interval", "health_timeout", "max_attempts",
                 "max_message_bytes", "max_streams_per_connection", "backend_streams",
-                "api_key", "backend_api_key", "admin_key", "shutdown_timeout")})
+                "api_key", "backend_api_key", "admin_key", "shutdown_timeout",
+                "backend_read_timeout", "max_backend_bytes", "allowed_origins")})
     except ValueError as exc:
         message = str(exc)
         if message.startswith("'"):  # attrs validators: "'name' must be >= 1: 0"

@@ -6,8 +6,12 @@ with the client's Content-Type, anthropic-version and (without --backend-api-key
 replaces them) Authorization / x-api-key headers; the backend's
 status, body and errors come back unchanged, SSE streams chunk by chunk.
 
-Fail-over: a backend whose connection fails before it has sent a token, or that answers
-503 (it is shutting down), is replaced by the next one. For a stream, the router holds back the preamble events that carry no
+Fail-over: a backend that cannot be reached, or that answers 503 (it is shutting down),
+is replaced by the next one. A backend whose connection breaks once it has the request
+(it died handling it: maybe a poison request, which would kill every backend in turn)
+gets it never resent: 502 `backend_failed`; no byte for --backend-read-timeout: 504
+`backend_timeout`; an answer over --max-backend-bytes (or an SSE stream with no event
+end within it): 502 `backend_failed`. For a stream, the router holds back the preamble events that carry no
 token (OpenAI chat's role chunk; Anthropic's message_start, content_block_start, ping)
 until the first token event, so the request can still move; a backend lost after that
 ends the stream with an error event in the API's shape (code `backend_lost`).
@@ -76,15 +80,66 @@ def is_preamble(event: bytes) -> bool:
     return False
 
 
-class _Sse:
-    """Splits a byte stream into whole SSE events."""
+class GoingAway(Exception):
+    """The backend refused the request before handling it (503: it is stopping)."""
 
-    def __init__(self) -> None:
+
+class BadBackendAnswer(Exception):
+    """The backend's answer broke a limit or the protocol (too large, no SSE events)."""
+
+
+def backend_headers(router: Router, incoming: Any) -> dict[str, str]:
+    """The client's headers a backend gets: with --backend-api-key, the router's key in
+    place of the client's."""
+    headers = {k: v for k, v in incoming.items() if k.lower() in FORWARD_HEADERS}
+    if router.config.backend_api_key is not None:
+        headers = {k: v for k, v in headers.items()
+                   if k.lower() not in ("authorization", "x-api-key")}
+        headers["Authorization"] = f"Bearer {router.config.backend_api_key}"
+    return headers
+
+
+async def read_bounded(response: httpx.Response, limit: int) -> bytes:
+    """A backend's whole answer; BadBackendAnswer past `limit` bytes (read no further)."""
+    parts, size = [], 0
+    async for chunk in response.aiter_raw():
+        size += len(chunk)
+        if size > limit:
+            raise BadBackendAnswer(f"its answer exceeds {limit} bytes (--max-backend-bytes)")
+        parts.append(chunk)
+    return b"".join(parts)
+
+
+def failed(router: Router, path: str, route: Route, exc: Exception) -> Response:
+    """The answer when a backend failed while it handled the request. It is not sent to
+    another backend: a request that kills a backend (a poison request) would kill them
+    all. A read timeout is a 504 (backend_timeout), anything else a 502 (backend_failed)."""
+    timeout = isinstance(exc, httpx.TimeoutException)
+    code = "backend_timeout" if timeout else "backend_failed"
+    if not timeout and not isinstance(exc, BadBackendAnswer):
+        router.lost(route)  # its connection broke: no new requests until it is healthy
+    router.reject(code)
+    message = (f"backend {route.backend} sent nothing for --backend-read-timeout seconds"
+               if timeout else f"backend {route.backend} failed while handling the request "
+               f"({type(exc).__name__}: {exc}); it is not retried elsewhere")
+    log.warning("%s: %s", path, message)
+    return error_response(path, 504 if timeout else 502, message, code)
+
+
+class _Sse:
+    """Splits a byte stream into whole SSE events; BadBackendAnswer when more than
+    `limit` bytes come without an event's end (a stream with no delimiters)."""
+
+    def __init__(self, limit: int) -> None:
         self._buf = b""
+        self._limit = limit
 
     def feed(self, data: bytes) -> list[bytes]:
         self._buf += data
         *events, self._buf = self._buf.split(b"\n\n")
+        if len(self._buf) > self._limit:
+            raise BadBackendAnswer(f"its event stream sent {len(self._buf)} bytes without "
+                                   f"an event's end (--max-backend-bytes)")
         return [e + b"\n\n" for e in events]
 
 
@@ -144,22 +199,20 @@ def register(app: QuartTrio, router: Router) -> None:
         except ValueError:
             fields = None
         keys = router.keys(fields) if isinstance(fields, dict) else ()
-        headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARD_HEADERS}
-        if router.config.backend_api_key is not None:  # the router's key for the backends
-            headers = {k: v for k, v in headers.items()
-                       if k.lower() not in ("authorization", "x-api-key")}
-            headers["Authorization"] = f"Bearer {router.config.backend_api_key}"
+        headers = backend_headers(router, request.headers)
         tried: list[str] = []
         try:
             while True:
                 route = router.begin(keys, tried)
                 try:
                     return await forward(path, route.backend, body, headers, route)
-                except httpx.TransportError as exc:
-                    router.lost(route)
-                    log.warning("%s: backend %s lost before its first token (%s); retrying "
+                except (httpx.ConnectError, httpx.ConnectTimeout, GoingAway) as exc:
+                    router.lost(route)  # never handled there: the next backend may
+                    log.warning("%s: backend %s unreachable or stopping (%s); retrying "
                                 "elsewhere", path, route.backend, exc)
                     tried.append(route.backend)
+                except (httpx.TransportError, BadBackendAnswer) as exc:
+                    return failed(router, path, route, exc)
                 finally:
                     router.end(route)
         except ShuttingDown as exc:
@@ -177,21 +230,21 @@ def register(app: QuartTrio, router: Router) -> None:
         out_headers = {k: v for k, v in response.headers.items() if k.lower() in REPLY_HEADERS}
         if not response.headers.get("content-type", "").startswith("text/event-stream"):
             try:
-                content = await response.aread()
+                content = await read_bounded(response, router.config.max_backend_bytes)
             finally:
                 await response.aclose()
             if response.status_code == 503:  # shutting down: the request can run elsewhere
-                raise httpx.RemoteProtocolError(f"{backend} answered 503: {content[:200]!r}")
+                raise GoingAway(f"{backend} answered 503: {content[:200]!r}")
             return Response(content, status=response.status_code, headers=out_headers)
         chunks = response.aiter_raw()
-        sse = _Sse()
+        sse = _Sse(router.config.max_backend_bytes)
         held: list[bytes] = []
         try:
             while all(is_preamble(e) for e in held):
                 try:
                     held.extend(sse.feed(await chunks.__anext__()))
                 except StopAsyncIteration:
-                    raise httpx.ReadError("the stream ended before its first token") from None
+                    raise BadBackendAnswer("its stream ended before its first token") from None
         except BaseException:
             await response.aclose()
             raise

@@ -22,6 +22,7 @@ import attrs
 import httpx
 import trio
 
+from tqserve.api.httpconn import HttpLimits
 from tqserve.api.router.backends import BackendLink, LinkPool, PoolStatistics, check_health
 from tqserve.api.router.core import (NoHealthyBackend, Route, RouterStatistics, RouteTable,
                                      RoutingConfig, prefix_keys)
@@ -51,7 +52,16 @@ class RouterConfig:
     api_key: str | None = None
     backend_api_key: str | None = None
     admin_key: str | None = None
+    # browser origins allowed besides the router's own and loopback ones (api.auth; * = any)
+    allowed_origins: tuple[str, ...] = attrs.field(
+        default=(), converter=lambda v: tuple(o.strip().rstrip("/") for o in (
+            v.split(",") if isinstance(v, str) else v) if o.strip()))
     shutdown_timeout: float = attrs.field(default=10.0, validator=attrs.validators.ge(0))
+    http: HttpLimits = HttpLimits()  # client connections: timeouts, --max-connections
+    # the backends' answers: seconds without a byte (then 504 / an error event), and the
+    # bytes of a whole answer or of one SSE event the router holds (then 502)
+    backend_read_timeout: float = attrs.field(default=600.0, validator=attrs.validators.gt(0))
+    max_backend_bytes: int = attrs.field(default=64 << 20, validator=attrs.validators.ge(1))
 
     @backends.validator
     def _check_backends(self, _: Any, value: tuple[str, ...]) -> None:

@@ -6,11 +6,13 @@ connection) with the server's own error codes; every other field goes to the bac
 untouched, and the backend's frames (its `error` frames for bad fields too) come back
 with the client's id, in the frame kind the client used.
 
-Fail-over: when a backend's socket breaks under a request that has not sent a `token`
-yet, or the backend ends it only because it is stopping (`shutting_down`,
-`engine_closed`, finish_reason `shutdown`), the request goes to the next backend (a
-`queued` frame is sent once); after a token it ends with an `error` frame, code
-`backend_lost`. No backend left: code
+Fail-over: when a backend's socket breaks under a request that it had queued but not
+sent a `token` for yet, or the backend ends it only because it is stopping
+(`shutting_down`, `engine_closed`, finish_reason `shutdown`), the request goes to the
+next backend (a `queued` frame is sent once); after a token it ends with an `error`
+frame, code `backend_lost`. A backend whose socket breaks after the request reached it
+and before it queued it (it died handling it: maybe a poison request that would kill
+every backend) ends it with code `backend_failed`, never resent. No backend left: code
 `no_healthy_backend`; draining: `shutting_down`.
 """
 
@@ -138,6 +140,7 @@ class ClientConnection:
         try:
             while True:
                 route = router.begin(keys, tried)
+                queued_here = False
                 try:
                     link = await router.link(route.backend)
                     active.link, active.backend_id = link, frame["id"]
@@ -148,6 +151,7 @@ class ClientConnection:
                             kind = reply.get("type")
                             if not sent_token and going_away(reply):
                                 raise BackendLost(f"backend is going away: {reply}")
+                            queued_here = queued_here or kind == "queued"
                             if kind == "queued" and sent_queued:
                                 continue
                             sent_queued = sent_queued or kind == "queued"
@@ -161,6 +165,12 @@ class ClientConnection:
                     if sent_token or active.cancelled:
                         await self.error(rid, "backend_lost", f"backend {route.backend} was "
                                          f"lost after the stream started: {exc}", binary)
+                        return
+                    if exc.sent and not queued_here:  # it died handling it: a poison?
+                        router.reject("backend_failed")
+                        await self.error(rid, "backend_failed", f"backend {route.backend} "
+                                         f"failed while handling the request ({exc}); it is "
+                                         "not retried elsewhere", binary)
                         return
                     log.warning("request %s: backend %s lost before its first token; "
                                 "retrying elsewhere", rid, route.backend)

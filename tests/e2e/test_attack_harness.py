@@ -15,7 +15,9 @@ def test_attack_harness_invariants(tmp_path):
     out = tmp_path / "attack.json"
     code = main(["--fuzz", "150", "--cancels", "30", "--pings", "50", "--slowloris", "10",
                  "--random", "20", "--connections", "50", "--bombs", "100", "--oversize", "100",
-                 "--overload", "30", "--ws-message-timeout", "2", "--out", str(out)])
+                 "--overload", "30", "--ws-message-timeout", "2", "--idle", "60",
+                 "--trickle", "10", "--oversize-bodies", "10", "--http-timeout", "2",
+                 "--out", str(out)])
     result = json.loads(out.read_text())
     assert result["invariants"] == {k: True for k in result["invariants"]}, result
     assert code == 0
@@ -27,3 +29,5 @@ def test_attack_harness_invariants(tmp_path):
     assert result["overload"]["replies"].get("overloaded", 0) > 0
     assert result["slow"]["rows_active_after"] == 0
     assert result["stall"]["victim_tokens_during"] > 0
+    web = result["http"]
+    assert (web["idle_closed"], web["trickle_408"], web["oversize_413"]) == (60, 10, 10)

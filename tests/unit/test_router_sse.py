@@ -1,6 +1,8 @@
 """The router's SSE hold-back rule (api.router.http): which events carry no token yet."""
 
-from tqserve.api.router.http import _Sse, is_preamble
+import pytest
+
+from tqserve.api.router.http import BadBackendAnswer, _Sse, is_preamble
 
 
 def test_preamble_events_are_held_and_token_events_release():
@@ -16,7 +18,14 @@ def test_preamble_events_are_held_and_token_events_release():
 
 
 def test_events_are_split_whole_across_chunks():
-    sse = _Sse()
+    sse = _Sse(1 << 20)
     assert sse.feed(b"data: 1\n") == []
     assert sse.feed(b"\ndata: 2\n\nda") == [b"data: 1\n\n", b"data: 2\n\n"]
     assert sse.feed(b"ta: 3\n\n") == [b"data: 3\n\n"]
+
+
+def test_an_event_with_no_end_past_the_limit_is_refused():
+    sse = _Sse(16)
+    assert sse.feed(b"data: 1234567890") == []  # 16 bytes held: at the limit
+    with pytest.raises(BadBackendAnswer, match="--max-backend-bytes"):
+        sse.feed(b"1")
