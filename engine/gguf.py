@@ -35,7 +35,8 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
-from tqserve.engine.gguf_file import QUANT_GROUP_SIZE, GGUFError, GGUFHeader, read_header
+from tqserve.engine.gguf_file import (QUANT_GROUP_SIZE, GGUFError, GGUFHeader, check_types,
+                                      read_header)
 
 ARCHITECTURES = ("llama",)
 # GGUF tensor name parts -> mlx-lm llama module paths
@@ -114,17 +115,23 @@ def build_tokenizer(meta: dict[str, Any], context_length: int) -> TokenizerWrapp
         return load_tokenizer(Path(tmp), eos_token_ids=None if eos is None else [int(eos)])
 
 
-def model_args(header: GGUFHeader) -> llama.ModelArgs:
-    """mlx-lm llama arguments from the `llama.*` metadata; refuses what does not map."""
-    meta = header.metadata
-    arch = meta.get("general.architecture")
+def check_supported(header: GGUFHeader) -> None:
+    """Refuse, in this order, an architecture, RoPE scaling or tensor type not served."""
+    arch = header.metadata.get("general.architecture")
     if arch not in ARCHITECTURES:
         raise GGUFError(f"architecture {arch!r} is not supported; tqserve loads GGUF "
                         f"files of architecture {', '.join(ARCHITECTURES)}")
-    scaling = meta.get(f"{arch}.rope.scaling.type", "none")
+    scaling = header.metadata.get(f"{arch}.rope.scaling.type", "none")
     if scaling != "none" or "rope_freqs.weight" in header.tensors:
         raise GGUFError(f"RoPE scaling ({scaling if scaling != 'none' else 'rope_freqs'}) "
                         "is not supported in GGUF files yet")
+    check_types(header)
+
+
+def model_args(header: GGUFHeader) -> llama.ModelArgs:
+    """mlx-lm llama arguments from the `llama.*` metadata (of a checked header)."""
+    meta = header.metadata
+    arch = meta["general.architecture"]
 
     def get(key: str, default: Any = None) -> Any:
         value = meta.get(f"{arch}.{key}", default)
@@ -157,7 +164,8 @@ def module_path(name: str) -> str:
 
 
 def build_model(header: GGUFHeader, weights: dict[str, mx.array]) -> nn.Module:
-    """The llama model with the file's weights; quantized layers stay packed here."""
+    """The llama model with the file's weights (of a checked header); quantized layers stay
+    packed here."""
     net = llama.Model(model_args(header))
     bits = {module_path(t.name).rpartition(".")[0]: t.bits
             for t in header.tensors.values() if t.bits}
@@ -174,6 +182,7 @@ def build_model(header: GGUFHeader, weights: dict[str, mx.array]) -> nn.Module:
 def load_gguf(path: Path) -> tuple[nn.Module, TokenizerWrapper, dict[str, Any]]:
     """Model (weights as stored), tokenizer and a config-like dict of a GGUF file."""
     header = read_header(path)
+    check_supported(header)
     args = model_args(header)
     tokenizer = build_tokenizer(header.metadata, int(args.max_position_embeddings or 4096))
     try:

@@ -2,9 +2,10 @@
 
 A GGUF file (llama.cpp's format, version 2 or 3, little-endian) is a header of typed
 key/value metadata and a table of tensors (name, shape, ggml type, offset), then the
-aligned tensor data. `read_header` parses all of it with bounds checks, so that a
-truncated or corrupt file, or a tensor type tqserve does not load, is refused with one
-line naming the problem before `mx.load` (whose reader maps the file and trusts it) runs.
+aligned tensor data. `read_header` parses all of it with bounds checks and
+`check_types` looks at the tensor types, so that a truncated or corrupt file, or a tensor
+type tqserve does not load, is refused with one line naming the problem before `mx.load`
+(whose reader maps the file and trusts it) runs.
 
 Tensor types loaded (`SUPPORTED_TYPES`): F32, F16, BF16 and the block quantizations that
 MLX reads into its own affine layout, Q4_0, Q4_1 (4 bits) and Q8_0 (8 bits), 32 weights
@@ -122,10 +123,19 @@ def _tensor(r: _Reader) -> TensorInfo:
     return TensorInfo(name=name, shape=shape, ggml_type=r.scalar("<I"), offset=r.scalar("<Q"))
 
 
-def _check_tensor(t: TensorInfo, data_bytes: int) -> None:
+def check_types(header: GGUFHeader) -> None:
+    """Refuse the first tensor whose ggml type tqserve does not load."""
+    for t in header.tensors.values():
+        if t.ggml_type not in SUPPORTED_TYPES:
+            raise GGUFError(f"tensor {t.name!r} has ggml type {t.type_name}; tqserve loads "
+                            f"F32, F16, BF16, Q4_0, Q4_1 and Q8_0 weights")
+
+
+def _check_extent(t: TensorInfo, data_bytes: int) -> None:
+    if t.offset > data_bytes:
+        raise GGUFError(f"tensor {t.name!r} starts past the end of the file (truncated)")
     if t.ggml_type not in SUPPORTED_TYPES:
-        raise GGUFError(f"tensor {t.name!r} has ggml type {t.type_name}; tqserve loads "
-                        f"F32, F16, BF16, Q4_0, Q4_1 and Q8_0 weights")
+        return  # size unknown here; check_types refuses the type
     block, block_bytes, _ = SUPPORTED_TYPES[t.ggml_type]
     if t.shape[0] % block:
         raise GGUFError(f"tensor {t.name!r}: row of {t.shape[0]} is not a whole number of "
@@ -170,5 +180,5 @@ def _parse(r: _Reader, size: int) -> GGUFHeader:
         raise GGUFError(f"general.alignment {align} is not positive")
     start = -(-r.pos // align) * align
     for t in tensors:
-        _check_tensor(t, size - start)
+        _check_extent(t, size - start)
     return GGUFHeader(version=version, metadata=metadata, tensors={t.name: t for t in tensors})
