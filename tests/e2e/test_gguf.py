@@ -20,7 +20,9 @@ import httpx
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
+from mlx.utils import tree_flatten
 from mlx_lm.generate import generate_step
+from mlx_lm.models import llama
 from mlx_lm.utils import dequantize_model
 from mlx_lm.utils import load as mlx_lm_load
 
@@ -167,16 +169,68 @@ def test_keep_leaves_weights_packed(checkpoint):
     assert abs(ce - 1.32) < 0.03, ce
 
 
+async def test_float16_gguf_matches_the_mlx_lm_model_it_was_written_from(tmp_path,
+                                                                         instruct_model):
+    """A tiny random llama written by mx.save_gguf (F16 matrices, F32 norms, SmolLM2's
+    tokenizer metadata): its greedy tokens through the engine equal mlx-lm's."""
+    _, meta = mx.load(str(_gguf()), return_metadata=True)
+    args = llama.ModelArgs(model_type="llama", hidden_size=64, num_hidden_layers=2,
+                           intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                           rms_norm_eps=1e-5, vocab_size=49152, rope_theta=1e5,
+                           rope_traditional=True)
+    mx.random.seed(7)
+    reference = llama.Model(args)
+    reference.set_dtype(mx.float16)
+    back = {v: k for k, v in _LAYER.items()}
+    weights = {}
+    for name, w in tree_flatten(reference.parameters()):
+        if name.startswith("model.layers."):
+            _, _, layer, *module, leaf = name.split(".")
+            key = f"blk.{layer}.{back['.'.join(module)]}.{leaf}"
+        else:
+            key = {"model.embed_tokens.weight": "token_embd.weight",
+                   "model.norm.weight": "output_norm.weight"}[name]
+        weights[key] = w.astype(mx.float32) if w.ndim == 1 else w
+    tokenizer_meta = {k: v for k, v in meta.items() if k.startswith("tokenizer.")}
+    path = tmp_path / "tiny.gguf"
+    mx.save_gguf(str(path), weights, tokenizer_meta | {
+        "general.architecture": "llama", "llama.embedding_length": mx.array(64),
+        "llama.block_count": mx.array(2), "llama.feed_forward_length": mx.array(128),
+        "llama.attention.head_count": mx.array(4), "llama.attention.head_count_kv": mx.array(2),
+        "llama.rope.freq_base": mx.array(1e5), "llama.context_length": mx.array(256),
+        "llama.attention.layer_norm_rms_epsilon": mx.array(1e-5)})
+    loaded = load_model(path, "float32")
+    assert loaded.quantized_weights == "none" and loaded.context_length == 256
+    reference.set_dtype(mx.float32)
+    ids = loaded.tokenizer.encode(CAPITALS)
+    assert ids == instruct_model.tokenizer.encode(CAPITALS)  # the same tokenizer metadata
+    x = mx.array(ids)[None]
+    want_logits, got_logits = reference(x), loaded.model(x)
+    assert mx.abs(want_logits - got_logits).max().item() < 1e-4
+    assert mx.abs(want_logits[0, 1:] - want_logits[0, :-1]).max().item() > 1e-2  # not flat
+    want = _greedy_mlx_lm(reference, ids, loaded.eos_token_ids)
+    assert await _greedy_engine(loaded, ids) == want
+
+
 def _string(text: str) -> bytes:
     raw = text.encode()
     return struct.pack("<Q", len(raw)) + raw
 
 
-def write_gguf(path: Path, metadata: dict[str, str], tensors: list[tuple[str, int, int]]) -> Path:
-    """A GGUF v3 file: string metadata, 1-D tensors (name, length, ggml type) of zeros."""
+def _value(value) -> bytes:
+    if isinstance(value, str):
+        return struct.pack("<I", 8) + _string(value)
+    if isinstance(value, list):  # of strings
+        return struct.pack("<IIQ", 9, 8, len(value)) + b"".join(map(_string, value))
+    return struct.pack("<Ii", 5, value) if isinstance(value, int) else struct.pack("<If", 6, value)
+
+
+def write_gguf(path: Path, metadata: dict, tensors: list[tuple[str, int, int]]) -> Path:
+    """A GGUF v3 file: metadata (str, int, float, list of str) and 1-D tensors (name,
+    length, ggml type) of zeros."""
     out = bytearray(b"GGUF" + struct.pack("<IQQ", 3, len(tensors), len(metadata)))
     for key, value in metadata.items():
-        out += _string(key) + struct.pack("<I", 8) + _string(value)
+        out += _string(key) + _value(value)
     offset = 0
     for name, length, kind in tensors:
         out += _string(name) + struct.pack("<IQIQ", 1, length, kind, offset)
@@ -193,6 +247,30 @@ def write_gguf(path: Path, metadata: dict[str, str], tensors: list[tuple[str, in
 ])
 def test_refused_architecture_and_tensor_type(tmp_path, metadata, tensor_type, needle):
     path = write_gguf(tmp_path / "m.gguf", metadata, [("blk.0.ffn_up.weight", 64, tensor_type)])
+    with pytest.raises(ModelLoadError, match=needle):
+        load_model(path, "float32")
+
+
+LLAMA = {"general.architecture": "llama", "llama.embedding_length": 64,
+         "llama.attention.head_count": 4, "llama.block_count": 1,
+         "llama.feed_forward_length": 128, "tokenizer.ggml.tokens": ["a", "b", "ab"],
+         "tokenizer.ggml.merges": ["a b"]}
+
+
+@pytest.mark.parametrize("extra, tensor, needle", [
+    ({"tokenizer.ggml.model": "llama"}, "output_norm.weight",
+     r"tokenizer model 'llama' \(tokenizer.ggml.model\) is not supported"),
+    ({"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "qwen2"}, "output_norm.weight",
+     r"pre-tokenizer 'qwen2' \(tokenizer.ggml.pre\) is not supported"),
+    ({"tokenizer.ggml.model": "gpt2"}, "rope_freqs.weight",
+     r"RoPE scaling \(rope_freqs\) is not supported"),
+    ({"tokenizer.ggml.model": "gpt2", "llama.rope.scaling.type": "yarn"}, "output_norm.weight",
+     r"RoPE scaling \(yarn\) is not supported"),
+    ({"tokenizer.ggml.model": "gpt2"}, "blk.0.attn_sinks.weight",
+     "tensor 'blk.0.attn_sinks.weight' is not part of a llama model"),
+])
+def test_refused_tokenizer_rope_and_tensor_names(tmp_path, extra, tensor, needle):
+    path = write_gguf(tmp_path / "m.gguf", LLAMA | extra, [(tensor, 64, 0)])
     with pytest.raises(ModelLoadError, match=needle):
         load_model(path, "float32")
 
