@@ -12,8 +12,10 @@ tensors; engine.gguf loads the latter) follow `quantized_weights`: `keep` leaves
 packed (MLX's quantized matmuls, a quarter of the memory at 4 bits), `dequantize` turns
 every quantized layer into a plain one in the resolved dtype at load, and `auto` (the
 default) dequantizes on MLX's CPU backend, where its quantized matmuls are slower than
-float32 ones (SmolLM2-135M Q4_1: decode 8.5 tok/s packed, 12.2 dequantized to float32;
-prefill 11 vs 129 tok/s), and keeps them packed on a GPU. The choice is in the fingerprint.
+float32 ones (2 idle cores, OpenBLAS: SmolLM2-135M Q4_1 decodes 7.3 tok/s packed, 9.8
+dequantized to float32, prefill 10 vs 187 tok/s; a 4-bit pycoder-29m dequantized decodes
+at 0.96x the float32 checkpoint, packed at 0.66x: docs/models.md), and keeps them packed
+on a GPU. The choice is in the fingerprint.
 
 float32 on MLX's CUDA backend: MLX runs float32 matmuls as TF32 unless the environment
 variable MLX_ENABLE_TF32 is 0, which it reads once, at its first float32 matmul. TF32
