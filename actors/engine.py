@@ -411,7 +411,8 @@ async def open_engine(config: Config, *, loaded: LoadedModel | None = None,
     runner: Runner | None = None
     try:
         if loaded is None:
-            loaded = await thread.call(load_model, config.model, config.dtype)
+            loaded = await thread.call(load_model, config.model, config.dtype,
+                                     config.quantized_weights)
         channel = None
         group_failed = GroupFailed()
         # a row's KV size per position, probed with one forward: under --distributed before
@@ -428,7 +429,8 @@ async def open_engine(config: Config, *, loaded: LoadedModel | None = None,
         tokenizer = loaded.tokenizer
         draft = None
         if config.draft_model is not None:
-            draft = await thread.call(load_model, config.draft_model, config.dtype)
+            draft = await thread.call(load_model, config.draft_model, config.dtype,
+                                    config.quantized_weights)
         speculator = await thread.call(build_speculator, config, loaded, draft)
         budget = await thread.call(functools.partial(
             kv_budget, loaded, make_cache, draft, per_position=per_position,

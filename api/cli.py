@@ -76,16 +76,22 @@ def _config_flags(p: argparse.ArgumentParser, *, server: bool) -> None:
     from tqserve.api.httpconn import add_timeout_flags
     from tqserve.engine.config import Config
     from tqserve.engine.kv.affine import KV_BITS, KV_GROUP_SIZES
-    from tqserve.engine.model import DTYPES
+    from tqserve.engine.model import DTYPES, QUANTIZED_WEIGHTS
 
     defaults = Config()
     p.add_argument("--model", default=defaults.model,
-                   help="mlx-lm model directory or hub id (default: the bundled pycoder-draft-4m)")
+                   help="mlx-lm model directory, hub id or llama-family GGUF file "
+                        "(default: the bundled pycoder-draft-4m)")
     p.add_argument("--blas", default="auto", metavar="{auto,none,PATH}",
                    help="Linux CPU: optimized BLAS loaded before MLX (auto: the system's "
                         "OpenBLAS if installed, else MLX's slow reference BLAS and a hint)")
     p.add_argument("--dtype", choices=DTYPES, default="auto",
                    help="auto = float32 on MLX's CPU backend, the model's dtype on a GPU")
+    p.add_argument("--quantized-weights", choices=QUANTIZED_WEIGHTS,
+                   default=defaults.quantized_weights,
+                   help="4/8-bit weights (quantized checkpoints, GGUF files): keep them packed "
+                        "(less memory), dequantize them at load, or auto = dequantize on the "
+                        "CPU backend (faster there), keep on a GPU")
     for name, text in _INT_FLAGS.items():
         if not server and name in _SERVER_ONLY:
             continue

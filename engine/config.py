@@ -11,7 +11,7 @@ import attrs
 
 from tqserve.engine.kv.affine import KV_BITS, KV_GROUP_SIZES
 from tqserve.engine.kv.factory import parse_turboquant
-from tqserve.engine.model import DEFAULT_MODEL, DTYPES
+from tqserve.engine.model import DEFAULT_MODEL, DTYPES, QUANTIZED_WEIGHTS
 
 
 def _flag(attr: attrs.Attribute) -> str:
@@ -22,6 +22,12 @@ def _flag(attr: attrs.Attribute) -> str:
 def _dtype(inst: object, attr: attrs.Attribute, value: str) -> None:
     if value not in DTYPES:
         raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {value!r}")
+
+
+def _quantized_weights(inst: object, attr: attrs.Attribute, value: str) -> None:
+    if value not in QUANTIZED_WEIGHTS:
+        raise ValueError(f"--quantized-weights must be one of {', '.join(QUANTIZED_WEIGHTS)}, "
+                         f"got {value!r}")
 
 
 def _positive(inst: object, attr: attrs.Attribute, value: int) -> None:
@@ -118,6 +124,9 @@ class Config:
 
     model: str = str(DEFAULT_MODEL)
     dtype: str = attrs.field(default="auto", validator=_dtype)
+    # Quantized layers (4/8-bit checkpoints, GGUF Q4_0/Q4_1/Q8_0): keep packed, dequantize
+    # at load, or auto = dequantize on the CPU backend, where that decodes faster.
+    quantized_weights: str = attrs.field(default="auto", validator=_quantized_weights)
     max_batch: int = attrs.field(default=32, validator=_positive)
     prefill_chunk: int = attrs.field(default=512, validator=_positive)
     # Tokens one engine step processes: decoding rows one each, prefill (padding included)

@@ -116,7 +116,7 @@ def run_follower(config: Any, group: Any,
     from tqserve.engine.model import load_model
     from tqserve.engine.structured import GrammarMasks
 
-    loaded = load_model(config.model, config.dtype)
+    loaded = load_model(config.model, config.dtype, config.quantized_weights)
     shard_model(loaded.model, group)
     make_cache = cache_factory_for(loaded.model, config.turboquant, config.quantized_kv_start,
                                    config.kv_quant, config.kv_group_size)

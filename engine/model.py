@@ -1,4 +1,4 @@
-"""Model loading: local directory or hub id, dtype policy, fingerprint, limits.
+"""Model loading: local directory, hub id or GGUF file; dtype policy, fingerprint, limits.
 
 `load_model` is the one way every path (serving, generate, bench, tests) loads a
 model, so that the fingerprint and the dtype policy are the same everywhere.
@@ -6,6 +6,16 @@ model, so that the fingerprint and the dtype policy are the same everywhere.
 dtype `auto` resolves to float32 on MLX's CPU backend (its bf16/fp16 and quantized
 matmuls are several times slower than float32 there) and to the model's own
 dtype on a GPU (Metal or CUDA).
+
+Quantized weights (an mlx-community 4/8-bit checkpoint, a GGUF file's Q4_0/Q4_1/Q8_0
+tensors; engine.gguf loads the latter) follow `quantized_weights`: `keep` leaves them
+packed (MLX's quantized matmuls, a quarter of the memory at 4 bits), `dequantize` turns
+every quantized layer into a plain one in the resolved dtype at load, and `auto` (the
+default) dequantizes on MLX's CPU backend, where its quantized matmuls are slower than
+float32 ones (2 idle cores, OpenBLAS: SmolLM2-135M Q4_1 decodes 7.3 tok/s packed, 9.8
+dequantized to float32, prefill 10 vs 187 tok/s; a 4-bit pycoder-29m dequantized decodes
+at 0.96x the float32 checkpoint, packed at 0.66x: docs/models.md), and keeps them packed
+on a GPU. The choice is in the fingerprint.
 
 float32 on MLX's CUDA backend: MLX runs float32 matmuls as TF32 unless the environment
 variable MLX_ENABLE_TF32 is 0, which it reads once, at its first float32 matmul. TF32
@@ -27,11 +37,13 @@ from typing import Any
 import attrs
 import mlx.core as mx
 from mlx.utils import tree_flatten
+from mlx_lm.utils import dequantize_model
 from mlx_lm.utils import load as mlx_lm_load
 
 from tqserve import blas
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+QUANTIZED_WEIGHTS = ("auto", "keep", "dequantize")
 DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "models" / "pycoder-draft-4m"
 _CHUNK = 1 << 20
 TF32_ENV = "MLX_ENABLE_TF32"
@@ -56,6 +68,8 @@ class LoadedModel:
     context_length: int
     eos_token_ids: frozenset[int]
     vocab_size: int
+    # "packed" (quantized layers kept), "dequantized" (they were quantized) or "none"
+    quantized_weights: str = "none"
 
 
 def resolve_dtype(requested: str) -> str:
@@ -82,8 +96,13 @@ def _file_digest(path: Path) -> str:
 
 
 def fingerprint(path: Path, dtype: str) -> str:
-    """sha256 over config, every weight file, the tokenizer files and the dtype."""
+    """sha256 over config, every weight file, the tokenizer files and the dtype (of a GGUF
+    file: the file and the dtype)."""
     h = hashlib.sha256()
+    if path.is_file():
+        h.update(_file_digest(path).encode())
+        h.update(dtype.encode())
+        return h.hexdigest()[:32]
     names = sorted(p.name for p in path.iterdir() if p.is_file())
     for name in names:
         if name.endswith((".json", ".safetensors", ".model", ".txt", ".jinja")):
@@ -95,6 +114,8 @@ def fingerprint(path: Path, dtype: str) -> str:
 
 def _resolve_path(model: str | Path) -> Path:
     path = Path(model)
+    if path.is_file():  # a GGUF file (engine.gguf says so where it is not one)
+        return path.resolve()
     if path.exists():
         if not (path / "config.json").is_file():
             raise ModelLoadError(f"model directory {str(model)!r} has no config.json")
@@ -147,25 +168,63 @@ def _private_arrays(net: Any) -> list[mx.array]:
             if k.startswith("_") and isinstance(v, mx.array)]
 
 
-def load_model(model: str | Path = DEFAULT_MODEL, dtype: str = "auto") -> LoadedModel:
-    """Load a model directory or hub id and apply the dtype policy."""
-    path = _resolve_path(model)
-    resolved = resolve_dtype(dtype)
+def _is_quantized(module: Any) -> bool:
+    return hasattr(module, "scales") and hasattr(module, "group_size")
+
+
+def apply_quantized_weights(net: Any, choice: str) -> tuple[Any, str]:
+    """Keep or dequantize the quantized layers of `net` (module doc); returns the model
+    and what was done: "packed", "dequantized" or "none" (no quantized layer)."""
+    if choice not in QUANTIZED_WEIGHTS:
+        raise ValueError(f"quantized_weights must be one of {', '.join(QUANTIZED_WEIGHTS)}, "
+                         f"got {choice!r}")
+    if not any(_is_quantized(m) for _, m in net.named_modules()):
+        return net, "none"
+    if choice == "keep" or (choice == "auto" and mx.default_device() != mx.cpu):
+        return net, "packed"
+    return dequantize_model(net), "dequantized"
+
+
+def _load(path: Path, model: str | Path) -> tuple[Any, Any, dict[str, Any]]:
+    """(model, tokenizer, config dict) of a GGUF file or an mlx-lm directory."""
+    if path.is_file():
+        from tqserve.engine.gguf import load_gguf
+        from tqserve.engine.gguf_file import GGUFError
+
+        try:
+            return load_gguf(path)
+        except GGUFError as exc:
+            raise ModelLoadError(f"GGUF file {str(model)!r}: {exc}") from None
     try:
         net, tokenizer = mlx_lm_load(str(path))[:2]
     except Exception as exc:
         raise ModelLoadError(f"cannot load model at {str(model)!r}: {exc}") from exc
+    return net, tokenizer, json.loads((path / "config.json").read_text())
+
+
+def _float_dtype(net: Any) -> str:
+    floats = [v for _, v in tree_flatten(net.parameters()) if mx.issubdtype(v.dtype, mx.floating)]
+    return str(floats[0].dtype).split(".")[-1]
+
+
+def load_model(model: str | Path = DEFAULT_MODEL, dtype: str = "auto",
+               quantized_weights: str = "auto") -> LoadedModel:
+    """Load a model directory, hub id or GGUF file; apply the dtype and quantized-weights
+    policies (module doc)."""
+    path = _resolve_path(model)
+    resolved = resolve_dtype(dtype)
+    net, tokenizer, config = _load(path, model)
     if resolved == "model":
-        first_weight = tree_flatten(net.parameters())[0][1]  # type: ignore[index]
-        resolved = str(first_weight.dtype).split(".")[-1]
-    else:
+        resolved = _float_dtype(net)
+    else:  # floating parameters only: packed weights stay packed, their scales convert
         net.set_dtype(getattr(mx, resolved))
+    net, weights = apply_quantized_weights(net, quantized_weights)
+    scheme = resolved + ("+packed" if weights == "packed" else "")  # different numerics
     if resolved == "float32":
         keep_float32_exact()
     if mx.default_device() == mx.cpu:
         blas.warn_if_slow()  # once per process: the embedded API says it too (tqserve.blas)
     mx.eval(net.parameters(), _private_arrays(net))
-    config = json.loads((path / "config.json").read_text())
     eos = set(tokenizer.eos_token_ids or [])
     if tokenizer.eos_token_id is not None:
         eos.add(int(tokenizer.eos_token_id))
@@ -175,10 +234,11 @@ def load_model(model: str | Path = DEFAULT_MODEL, dtype: str = "auto") -> Loaded
         tokenizer=tokenizer,
         path=path,
         dtype=resolved,
-        fingerprint=fingerprint(path, resolved),
+        fingerprint=fingerprint(path, scheme),
         num_layers=len(net.layers),
         head_dims=_head_dims(net),
         context_length=context,
         eos_token_ids=frozenset(int(e) for e in eos),
         vocab_size=int(config.get("vocab_size", len(tokenizer.vocab))),
+        quantized_weights=weights,
     )

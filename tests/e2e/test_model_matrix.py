@@ -40,7 +40,10 @@ def matrix_dir(tmp_path_factory) -> Path:
 def loaded_model(matrix_dir: Path, family: str, weights: str = "float"):
     key = f"{family}-{weights}"
     if key not in _LOADED:
-        _LOADED[key] = load_model(matrix.build(matrix_dir, family, weights), "float32")
+        # quantized weights stay packed (the default on the CPU dequantizes them at load:
+        # tests/e2e/test_gguf.py and tools/bench_quant cover that path)
+        _LOADED[key] = load_model(matrix.build(matrix_dir, family, weights), "float32",
+                                  quantized_weights="keep")
     return _LOADED[key]
 
 

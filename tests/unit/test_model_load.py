@@ -24,3 +24,20 @@ def test_float32_is_exact_off_cuda_and_the_environment_is_left_alone(monkeypatch
 def test_a_missing_model_is_a_load_error(tmp_path):
     with pytest.raises(ValueError, match="model"):
         load_model(tmp_path / "nothing-here", "float32")
+
+
+def test_quantized_weights_choices_are_checked_and_named():
+    from tqserve.engine.config import Config
+
+    assert Config().quantized_weights == "auto"
+    with pytest.raises(ValueError, match="--quantized-weights must be one of auto, keep, "
+                                         "dequantize, got 'packed'"):
+        Config(quantized_weights="packed")
+
+
+def test_a_float_model_has_nothing_to_dequantize():
+    from tqserve.engine.model import DEFAULT_MODEL
+
+    loaded = load_model(DEFAULT_MODEL, "float32", "dequantize")
+    assert loaded.quantized_weights == "none"
+    assert loaded.fingerprint == load_model(DEFAULT_MODEL, "float32", "keep").fingerprint
