@@ -14,8 +14,10 @@ client raises APIError on it) instead of a chunk with a finish_reason.
 
 Errors are OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`: 400 names
 the field, 401 a missing or wrong key, 429 (with Retry-After) a full admission queue.
-Unknown fields are refused (a typo must not silently fall back to a default). The
-`model` field is optional and not checked: one model is served, and answers name it.
+Unknown fields are ignored with a logged warning, as vLLM and mlx-lm do (--strict-fields
+refuses them: a typo must not silently fall back to a default). `model` is checked
+against --served-model-name where it is given (api.served). Chat requests may carry
+tools (api.chattools) and get reasoning split out (api.chatout); docs/agents.md.
 """
 
 from __future__ import annotations
@@ -28,9 +30,11 @@ from quart_trio import QuartTrio
 
 from tqserve.actors.engine import Engine
 from tqserve.actors.messages import Token
+from tqserve.api.chatout import ChatOutput, Delta
+from tqserve.api.chattools import ToolPlan, chat_messages, tool_plan
 from tqserve.api.httpcommon import (SSE_HEADERS, ApiError, Body, Run, build_request,
-                            new_id, sse, start_run, text_of_content,
-                            token_text)
+                            new_id, sse, start_run, token_text)
+from tqserve.api.served import ServedNames, model_card
 from tqserve.api.ending import complete
 from tqserve.api.metrics import Metrics
 from tqserve.engine.sampling import MAX_TOP_LOGPROBS
@@ -45,9 +49,8 @@ _COMMON = ("model", "stream", "stream_options", "max_tokens", "temperature", "to
            "stop_token_ids", "speculative")
 COMPLETION_FIELDS = frozenset(_COMMON + ("prompt", "echo", "best_of", "suffix"))
 CHAT_FIELDS = frozenset(_COMMON + ("messages", "max_completion_tokens", "top_logprobs",
-                                   "tools", "tool_choice", "parallel_tool_calls"))
-CHAT_ROLES = {"system": "system", "developer": "system", "user": "user",
-              "assistant": "assistant", "tool": "tool"}
+                                   "tools", "tool_choice", "parallel_tool_calls", "store",
+                                   "reasoning_effort", "metadata"))
 
 
 def error_body(status: int, message: str, param: str | None = None,
@@ -75,7 +78,6 @@ def _sampling(body: Body, default_max_tokens: int, max_tokens_field: str = "max_
     if body.get("logit_bias", dict, {}):
         raise ApiError(400, "logit_bias is not supported", "logit_bias")
     body.get("user", str)
-    body.get("model", str)
     max_tokens = body.get(max_tokens_field, int, None)
     if max_tokens is None:
         max_tokens = body.get("max_tokens", int, default_max_tokens)
@@ -103,6 +105,31 @@ def _stream_options(body: Body) -> bool:
     if not isinstance(include, bool):
         raise ApiError(400, "stream_options.include_usage must be a boolean", "stream_options")
     return include
+
+
+def tool_call_json(call: Any, index: int | None = None) -> dict[str, Any]:
+    """A parsed call in OpenAI's shape (with its index in a streamed delta)."""
+    out = {"id": call.id, "type": "function",
+           "function": {"name": call.name, "arguments": call.arguments}}
+    return out if index is None else {"index": index, **out}
+
+
+def _chat_delta(delta: Delta, index: int) -> dict[str, Any]:
+    if delta.kind == "call":
+        return {"tool_calls": [tool_call_json(delta.call, index)]}
+    if delta.kind == "reasoning":
+        return {"reasoning_content": delta.text, "reasoning": delta.text}
+    return {"content": delta.text}
+
+
+def _chat_message(out: ChatOutput) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant",
+                               "content": out.content if out.content or not out.calls else None}
+    if out.reasoning:
+        message["reasoning_content"] = message["reasoning"] = out.reasoning
+    if out.calls:
+        message["tool_calls"] = [tool_call_json(c) for c in out.calls]
+    return message
 
 
 def _usage(run: Run) -> dict[str, Any]:
@@ -148,18 +175,26 @@ def register(app: QuartTrio, engine: Engine, metrics: Metrics) -> None:
     """Add the OpenAI routes to the app."""
     config = engine.config
     text_of = token_text(engine.model.tokenizer)
-    model_name = engine.model.path.name
+    served = ServedNames(engine)
+    template = engine.chat_template or getattr(engine.model.tokenizer, "chat_template", None)
+    thinks = bool(template) and "<think>" in template
 
     async def read_body(fields: frozenset[str]) -> Body:
         body = Body(await request.get_data(cache=False), config.max_message_bytes)
-        body.refuse_unknown(fields)
+        body.refuse_unknown(fields, config.strict_fields)
+        served.check(body.get("model", str))
         return body
 
-    async def respond(body: Body, chat: bool, prompt: dict[str, Any],
-                      params: dict[str, Any]) -> Response:
+    async def respond(body: Body, chat: bool, prompt: dict[str, Any], params: dict[str, Any],
+                      plan: ToolPlan | None = None) -> Response:
         include_usage = _stream_options(body)
         stream = body.get("stream", bool, False)
         response_format = body.get("response_format", dict)
+        if plan is not None and plan.forced is not None:
+            if response_format is not None:
+                raise ApiError(400, "response_format cannot be combined with a forced "
+                                    "tool_choice", "response_format")
+            response_format = {"type": "grammar", "lark": plan.forced}
         gen = build_request(params, response_format=response_format,
                             speculative=body.get("speculative", (dict, bool)), **prompt)
         rid = new_id("chatcmpl-" if chat else "cmpl-")
@@ -169,9 +204,16 @@ def register(app: QuartTrio, engine: Engine, metrics: Metrics) -> None:
         run = await start_run(metrics.track(engine.generate(gen, rid), rid, route))
         want_logprobs = params.get("logprobs", False)
         lp = _Logprobs(chat, text_of)
+        out = ChatOutput(think=thinks, family=plan.family if plan else None,
+                         schemas=plan.schemas if plan else None)
         created = int(time.time())
         base = {"id": rid, "object": "chat.completion" if chat else "text_completion",
-                "created": created, "model": model_name}
+                "created": created, "model": served.primary}
+
+        def finish_reason(done: Any) -> str:
+            return "tool_calls" if out.calls and done.finish_reason == "stop" \
+                else done.finish_reason
+
         if not stream:
             entries = []
             async for tok in run.tokens():
@@ -180,22 +222,37 @@ def register(app: QuartTrio, engine: Engine, metrics: Metrics) -> None:
                     lp.offset += len(tok.text)
             done = complete(run.outcome)  # a cut output is an error status
             logprobs = lp.block(entries) if want_logprobs else None
-            choice: dict[str, Any] = {"index": 0, "logprobs": logprobs,
-                                      "finish_reason": done.finish_reason}
+            choice: dict[str, Any] = {"index": 0, "logprobs": logprobs}
             if chat:
-                choice["message"] = {"role": "assistant", "content": run.outcome.text}
+                out.feed(run.outcome.text)
+                out.finish()
+                choice["message"] = _chat_message(out)
             else:
                 choice["text"] = run.outcome.text
+            choice["finish_reason"] = finish_reason(done)
             return jsonify({**base, "choices": [choice], "usage": _usage(run)})
         chunk_base = {**base, "object": "chat.completion.chunk" if chat else "text_completion"}
 
         def chunk(delta: Any, logprobs: Any = None, finish: str | None = None) -> bytes:
             choice = {"index": 0, ("delta" if chat else "text"): delta, "logprobs": logprobs,
                       "finish_reason": finish}
-            out = {**chunk_base, "choices": [choice]}
+            body = {**chunk_base, "choices": [choice]}
             if include_usage:
-                out["usage"] = None
-            return sse(out)
+                body["usage"] = None
+            return sse(body)
+
+        num_calls = 0  # tool calls streamed so far: the next one's index
+
+        def chat_chunks(deltas: list[Delta], logprobs: Any = None) -> list[bytes]:
+            nonlocal num_calls
+            chunks = []
+            for d in deltas:
+                chunks.append(chunk(_chat_delta(d, num_calls), logprobs))
+                num_calls += d.kind == "call"
+                logprobs = None
+            if logprobs is not None:
+                chunks.append(chunk({"content": ""}, logprobs))
+            return chunks
 
         async def events() -> AsyncIterator[bytes]:
             try:
@@ -208,13 +265,20 @@ def register(app: QuartTrio, engine: Engine, metrics: Metrics) -> None:
                     if want_logprobs:
                         logprobs = lp.block([lp.entry(tok)])
                         lp.offset += len(tok.text)
-                    yield chunk({"content": tok.text} if chat else tok.text, logprobs)
+                    if chat:
+                        for piece in chat_chunks(out.feed(tok.text), logprobs):
+                            yield piece
+                    else:
+                        yield chunk(tok.text, logprobs)
                 try:
                     done = complete(run.outcome)
                 except ApiError as cut:  # no finish_reason: the client raises APIError
                     yield sse(error_body(cut.status, cut.message, cut.param, cut.code))
                 else:
-                    yield chunk({} if chat else "", None, done.finish_reason)
+                    if chat:
+                        for piece in chat_chunks(out.finish()):
+                            yield piece
+                    yield chunk({} if chat else "", None, finish_reason(done))
                     if include_usage:
                         yield sse({**chunk_base, "choices": [], "usage": _usage(run)})
                 yield sse("[DONE]")
@@ -255,24 +319,24 @@ def register(app: QuartTrio, engine: Engine, metrics: Metrics) -> None:
     @app.post("/v1/chat/completions")
     async def chat_completions() -> Response:
         body = await read_body(CHAT_FIELDS)
-        if body.get("tools", list):
-            raise ApiError(400, "tools are not supported", "tools")
-        raw = body.get("messages", list, required=True)
-        messages = []
-        for i, m in enumerate(raw):
-            if not isinstance(m, dict) or m.get("role") not in CHAT_ROLES:
-                raise ApiError(400, f"messages[{i}].role must be one of "
-                                    f"{', '.join(CHAT_ROLES)}", "messages")
-            content = text_of_content(m.get("content"), f"messages[{i}].content")
-            messages.append({"role": CHAT_ROLES[m["role"]], "content": content})
+        plan = tool_plan(body, template)
+        body.get("reasoning_effort", str)  # accepted; the chat template decides on thinking
+        messages = chat_messages(body.get("messages", list, required=True))
         params = _sampling(body, config.default_max_tokens, "max_completion_tokens")
         if body.get("logprobs", bool, False):
             params.update(logprobs=True, top_logprobs=body.get("top_logprobs", int, 0))
         elif body.get("top_logprobs", int) is not None:
             raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
-        return await respond(body, True, {"messages": messages}, params)
+        return await respond(body, True, {"messages": messages, "tools": plan.tools}, params,
+                             plan)
 
     @app.get("/v1/models")
     async def models() -> Response:
-        return jsonify({"object": "list", "data": [
-            {"id": model_name, "object": "model", "created": 0, "owned_by": "tqserve"}]})
+        return jsonify({"object": "list", "data": [model_card(n) for n in served.names]})
+
+    @app.get("/v1/models/<path:model_id>")
+    async def model(model_id: str) -> Response:
+        if model_id not in served.names:
+            raise ApiError(404, f"The model {model_id!r} does not exist; this server serves "
+                                f"{', '.join(served.names)}", "model", "model_not_found")
+        return jsonify(model_card(model_id))

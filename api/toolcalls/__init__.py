@@ -11,13 +11,12 @@ chunks of any size, into text and calls, returning a malformed call as text.
 
 from __future__ import annotations
 
-import json
 from types import ModuleType
-from typing import Any
-
-import attrs
 
 from tqserve.api.toolcalls import gemma, hermes, llama3, mistral, qwen3_coder
+from tqserve.api.toolcalls.schema import ToolCall, arguments_json, schemas_of
+
+__all__ = ["FAMILIES", "ToolCall", "arguments_json", "family_of", "schemas_of"]
 
 FAMILIES: dict[str, ModuleType] = {m.NAME: m for m in (hermes, qwen3_coder, llama3,
                                                        mistral, gemma)}
@@ -28,15 +27,6 @@ _SIGNS = (("<start_function_call>", "gemma"), ("<function=", "qwen3_coder"),
 DEFAULT_FAMILY = "hermes"  # templates that show no format of their own
 
 
-@attrs.frozen(kw_only=True)
-class ToolCall:
-    """One parsed call: its id, the function's name, the arguments as JSON text."""
-
-    id: str
-    name: str
-    arguments: str
-
-
 def family_of(template: str | None) -> ModuleType:
     """The family whose markers the chat template writes (hermes where it shows none)."""
     for sign, name in _SIGNS:
@@ -45,17 +35,3 @@ def family_of(template: str | None) -> ModuleType:
     return FAMILIES[DEFAULT_FAMILY]
 
 
-def schemas_of(tools: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Function name -> its parameters' JSON schema (an open object where none is given)."""
-    return {t["function"]["name"]: t["function"].get("parameters") or {"type": "object"}
-            for t in tools}
-
-
-def arguments_json(arguments: Any) -> str:
-    """Arguments as the compact JSON text the APIs carry; a string is kept if it is JSON."""
-    if isinstance(arguments, str):
-        json.loads(arguments)  # ValueError: not JSON, the call is malformed
-        return arguments
-    if not isinstance(arguments, dict):
-        raise ValueError("arguments must be an object")
-    return json.dumps(arguments, ensure_ascii=False)

@@ -7,6 +7,8 @@ import json
 import re
 from typing import Any
 
+from tqserve.api.toolcalls.schema import compact
+
 NAME = "gemma"
 START = "<start_function_call>"
 END: str | None = "<end_function_call>"
@@ -57,7 +59,7 @@ def grammar(schemas: dict[str, dict[str, Any]]) -> str:
             if schema.get("type") == "string":
                 value = f'"{ESCAPE}" TEXT "{ESCAPE}"'
             else:
-                lines.append(f"f{i}v{j}: %json {json.dumps(schema)}")
+                lines.append(f"f{i}v{j}: %json {json.dumps(compact(schema))}")
                 value = f"f{i}v{j}"
             items.append(f'{json.dumps(key + ":")} {value}')
         body = ' "," '.join(items)  # every property, in order (optional ones too)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from tqserve.api.toolcalls.schema import compact
+
 NAME = "hermes"
 START = "<tool_call>"
 END: str | None = "</tool_call>"
@@ -21,9 +23,9 @@ def parse(body: str, schemas: dict[str, dict[str, Any]]) -> list[tuple[str, Any]
 
 def call_schema(schemas: dict[str, dict[str, Any]], key: str = ARGUMENTS_KEY) -> dict[str, Any]:
     """JSON schema of one call object {name, <key>} to any of the functions."""
-    return {"anyOf": [{"type": "object", "properties": {"name": {"const": name}, key: params},
+    return compact({"anyOf": [{"type": "object", "properties": {"name": {"const": name}, key: params},
                        "required": ["name", key], "additionalProperties": False}
-                      for name, params in schemas.items()]}
+                      for name, params in schemas.items()]})
 
 
 def grammar(schemas: dict[str, dict[str, Any]]) -> str:

@@ -8,6 +8,8 @@ import json
 import re
 from typing import Any
 
+from tqserve.api.toolcalls.schema import compact
+
 NAME = "qwen3_coder"
 START = "<tool_call>"
 END: str | None = "</tool_call>"
@@ -54,7 +56,7 @@ def grammar(schemas: dict[str, dict[str, Any]]) -> str:
         for j, (key, schema) in enumerate((params.get("properties") or {}).items()):
             value = "TEXT" if schema.get("type") == "string" else f"f{i}v{j}"
             if value != "TEXT":
-                lines.append(f"f{i}v{j}: %json {json.dumps(schema)}")
+                lines.append(f"f{i}v{j}: %json {json.dumps(compact(schema))}")
             lines.append(f'f{i}p{j}: {_lark_string(f"<parameter={key}>")} "\\n" {value} '
                          '"\\n</parameter>\\n"')
             parts.append(f"f{i}p{j}" + ("" if key in required else "?"))

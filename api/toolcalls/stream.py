@@ -14,12 +14,12 @@ import uuid
 from types import ModuleType
 from typing import Any
 
-from tqserve.api.toolcalls import ToolCall, arguments_json
+from tqserve.api.toolcalls.schema import ToolCall, arguments_json
 
 Piece = str | ToolCall
 
 
-def _held(text: str, marker: str) -> int:
+def held_back(text: str, marker: str) -> int:
     """Length of the longest end of `text` that is a proper prefix of `marker`."""
     for n in range(min(len(marker) - 1, len(text)), 0, -1):
         if marker.startswith(text[-n:]):
@@ -78,7 +78,7 @@ class ToolCallStream:
         self._started = self._started or bool(self._buffer.strip())
         index = self._buffer.find(start)
         if index < 0:
-            keep = _held(self._buffer, start)
+            keep = held_back(self._buffer, start)
             cut = len(self._buffer) - keep
             if cut:
                 out.append(self._buffer[:cut])
