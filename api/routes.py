@@ -12,7 +12,7 @@ from quart_trio import QuartTrio
 from werkzeug.exceptions import MethodNotAllowed, NotFound
 
 from tqserve.actors.engine import Engine
-from tqserve.api import anthropic, auth, openai
+from tqserve.api import anthropic, auth, extras, openai, responses
 from tqserve.api.httpcommon import ApiError
 from tqserve.api.metrics import Metrics
 
@@ -35,6 +35,8 @@ def register_http_apis(app: QuartTrio, engine: Engine) -> Metrics:
                  lambda path, status, message: api_error(path, status, message))
     openai.register(app, engine, metrics)
     anthropic.register(app, engine, metrics)
+    responses.register(app, engine, metrics)
+    extras.register(app, engine)
 
     @app.get("/metrics")
     async def prometheus() -> Response:

@@ -1,0 +1,165 @@
+"""OpenAI's Responses API: POST /v1/responses (streamed or not), GET /v1/responses/{id}.
+
+A request is `input` (api.responses_input) with optional `instructions`, function
+`tools` and `tool_choice` (parsed and forced as for chat: api.chattools),
+`max_output_tokens`, `temperature`, `top_p`, `text.format` (json_schema / json_object,
+enforced as response_format), `previous_response_id` (continue a stored response's
+conversation) and `store` (default true: keep this one for previous_response_id, in this
+process, bounded). The answer is a `response` object whose `output` holds reasoning,
+message and function_call items (api.responses_output); `status` is "completed", or
+"incomplete" with `incomplete_details.reason` "max_output_tokens". Streamed, its events
+are response.created, response.in_progress, the items' events, and response.completed
+(or response.incomplete); an output cut short (a shutdown, a cancel) ends with
+response.failed instead, carrying the error.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, AsyncIterator
+
+from quart import Response, g, jsonify, request
+from quart_trio import QuartTrio
+
+from tqserve.actors.engine import Engine
+from tqserve.api.chatout import ChatOutput
+from tqserve.api.ending import complete
+from tqserve.api.httpcommon import (SSE_HEADERS, ApiError, Body, Run, build_request, new_id,
+                                    start_run)
+from tqserve.api.metrics import Metrics
+from tqserve.api.responses_input import (ResponseStore, input_messages, responses_tool_plan,
+                                         text_format)
+from tqserve.api.responses_output import OutputItems
+from tqserve.api.served import ServedNames
+
+FIELDS = frozenset(("model", "input", "instructions", "tools", "tool_choice", "stream",
+                    "store", "previous_response_id", "max_output_tokens", "temperature",
+                    "top_p", "parallel_tool_calls", "metadata", "reasoning", "text", "user",
+                    "include", "truncation", "stream_options", "prompt_cache_key",
+                    "service_tier", "safety_identifier", "background", "seed", "top_k"))
+
+
+def _usage(run: Run) -> dict[str, Any]:
+    done = run.outcome.done
+    prompt = done.prompt_tokens if done is not None else 0
+    output = len(run.outcome.token_ids)
+    return {"input_tokens": prompt,
+            "input_tokens_details": {"cached_tokens": done.cached_tokens if done else 0},
+            "output_tokens": output, "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": prompt + output}
+
+
+def _assistant_turn(out: ChatOutput) -> dict[str, Any]:
+    """The output as the next request's history holds it."""
+    import json
+
+    turn: dict[str, Any] = {"role": "assistant", "content": out.content or None}
+    if out.calls:
+        turn["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+            "name": c.name, "arguments": json.loads(c.arguments)}} for c in out.calls]
+    elif turn["content"] is None:
+        turn["content"] = ""
+    return turn
+
+
+def register(app: QuartTrio, engine: Engine, metrics: Metrics) -> None:
+    """Add the Responses API routes to the app."""
+    config = engine.config
+    served = ServedNames(engine)
+    store = ResponseStore()
+    template = engine.chat_template or getattr(engine.model.tokenizer, "chat_template", None)
+    thinks = bool(template) and "<think>" in template
+
+    @app.get("/v1/responses/<rid>")
+    async def get_response(rid: str) -> Response:
+        found = store.response(rid)
+        if found is None:
+            raise ApiError(404, f"Response with id {rid!r} not found", "response_id",
+                           "not_found")
+        return jsonify(found)
+
+    @app.post("/v1/responses")
+    async def create() -> Response:
+        body = Body(await request.get_data(cache=False), config.max_message_bytes)
+        body.refuse_unknown(FIELDS, config.strict_fields)
+        served.check(body.get("model", str))
+        plan = responses_tool_plan(body, template)
+        previous = body.get("previous_response_id", str)
+        history = store.conversation(previous) if previous else []
+        new = input_messages(body.get("input", (str, list), required=True))
+        instructions = body.get("instructions", str)
+        system = [{"role": "system", "content": instructions}] if instructions else []
+        messages = system + history + new
+        response_format = text_format(body)
+        if plan.forced is not None:
+            response_format = {"type": "grammar", "lark": plan.forced}
+        params: dict[str, Any] = {"max_tokens": body.get("max_output_tokens", int,
+                                                         config.default_max_tokens)}
+        for name, kind in (("temperature", float), ("top_p", float), ("top_k", int),
+                           ("seed", int)):
+            if body.get(name, kind) is not None:
+                params[name] = body.get(name, kind)
+        gen = build_request(params, messages=messages, tools=plan.tools,
+                            response_format=response_format)
+        rid = new_id("resp_")
+        g.tracked = True
+        g.request_id = rid
+        run = await start_run(metrics.track(engine.generate(gen, rid), rid,
+                                            "POST /v1/responses"))
+        out = ChatOutput(think=thinks, family=plan.family, schemas=plan.schemas)
+        items = OutputItems()
+        keep = body.get("store", bool, True)
+        base = {"id": rid, "object": "response", "created_at": int(time.time()),
+                "model": served.primary, "instructions": instructions,
+                "previous_response_id": previous, "store": keep,
+                "tools": body.get("tools", list, []), "tool_choice":
+                    body.get("tool_choice", (str, dict), "auto"),
+                "parallel_tool_calls": body.get("parallel_tool_calls", bool, True),
+                "temperature": params.get("temperature", 1.0), "top_p":
+                    params.get("top_p", 1.0), "max_output_tokens":
+                    body.get("max_output_tokens", int), "metadata":
+                    body.get("metadata", dict, {}), "text": {"format": {"type": "text"}},
+                "truncation": "disabled", "error": None, "incomplete_details": None,
+                "usage": None, "output": [], "status": "in_progress"}
+
+        def finished() -> dict[str, Any]:
+            done = complete(run.outcome)  # a cut output raises ApiError
+            whole = {**base, "output": items.items, "usage": _usage(run),
+                     "status": "completed"}
+            if done.finish_reason == "length" and not out.calls:
+                whole.update(status="incomplete",
+                             incomplete_details={"reason": "max_output_tokens"})
+            if keep:
+                store.put(rid, messages[len(system):] + [_assistant_turn(out)], whole)
+            return whole
+
+        if not body.get("stream", bool, False):
+            async for _ in run.tokens():
+                pass
+            items.close(out.feed(run.outcome.text) + out.finish())
+            return jsonify(finished())
+
+        async def events() -> AsyncIterator[bytes]:
+            try:
+                yield items.event("response.created", response=base)
+                yield items.event("response.in_progress", response=base)
+                async for tok in run.tokens():
+                    for event in items.deltas(out.feed(tok.text)):
+                        yield event
+                try:
+                    ended = items.close(out.finish())
+                    whole = finished()
+                except ApiError as cut:
+                    yield items.event("response.failed", response={
+                        **base, "status": "failed", "output": items.items,
+                        "error": {"code": cut.code or "server_error", "message": cut.message}})
+                    return
+                for event in ended:
+                    yield event
+                yield items.event(f"response.{whole['status']}", response=whole)
+            finally:
+                await run.aclose()
+
+        response = Response(events(), headers=SSE_HEADERS)
+        response.timeout = None
+        return response
