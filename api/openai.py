@@ -94,13 +94,11 @@ def _sampling(body: Body, default_max_tokens: int, max_tokens_field: str = "max_
 
 
 def _stream_options(body: Body) -> bool:
-    """include_usage from stream_options (only with stream: true, as OpenAI)."""
+    """include_usage from stream_options (ignored without stream: true, as vLLM)."""
     stream = body.get("stream", bool, False)
     options = body.get("stream_options", dict)
-    if options is None:
+    if options is None or not stream:
         return False
-    if not stream:
-        raise ApiError(400, "stream_options is only allowed with stream: true", "stream_options")
     include = options.get("include_usage", False)
     if not isinstance(include, bool):
         raise ApiError(400, "stream_options.include_usage must be a boolean", "stream_options")
