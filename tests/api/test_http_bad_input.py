@@ -19,7 +19,7 @@ CASES = [
     ("/v1/completions", {"prompt": "a", "logprobs": 50}, "logprobs must be in [0, 20]"),
     ("/v1/completions", {"prompt": "a", "stream": "yes"}, "stream"),
     ("/v1/completions", {"prompt": "a", "stream_options": {"include_usage": True}},
-     "stream_options"),
+     None),  # accepted without streaming, as vLLM
     ("/v1/completions", {"prompt": "a", "stop": [1]}, "stop"),
     ("/v1/completions", {"prompt": "a", "seed": -1}, "seed"),
     ("/v1/completions", {"prompt": "a", "temperature": "hot"}, "temperature"),
@@ -35,6 +35,10 @@ CASES = [
     ("/v1/chat/completions", {"messages": USER, "logprobs": True, "top_logprobs": 21},
      "top_logprobs"),
     ("/v1/chat/completions", {"messages": USER, "tools": [{"type": "function"}]}, "tools"),
+    ("/v1/chat/completions", {"messages": USER, "tools": [{"type": "function", "function": {
+        "name": "f"}}], "tool_choice": {"type": "function"}}, "tool_choice"),
+    ("/v1/responses", {"input": [{"type": "image"}]}, "input"),
+    ("/v1/responses", {"input": "x", "max_output_tokens": 0}, "max_tokens"),
     ("/v1/chat/completions", {"messages": USER, "response_format": {"type": "xml"}},
      "response_format"),
     ("/v1/chat/completions", {"messages": USER, "response_format": {
