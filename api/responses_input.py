@@ -104,14 +104,15 @@ def responses_tool_plan(body: Body, template: str | None) -> ToolPlan:
 
 
 def text_format(body: Body) -> dict[str, Any] | None:
-    """`text.format` as a response_format (json_schema, json_object, text)."""
+    """`text.format` as a response_format: json_schema, json_object, text, or our regex
+    and grammar forms (engine.structured.formats), passed through."""
     fmt = (body.get("text", dict) or {}).get("format")
     if fmt is None or not isinstance(fmt, dict) or fmt.get("type") == "text":
         return None
     if fmt.get("type") == "json_schema":
         spec = {k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}
         return {"type": "json_schema", "json_schema": spec}
-    return {"type": fmt.get("type")}
+    return dict(fmt)
 
 
 class ResponseStore:
