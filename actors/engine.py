@@ -202,6 +202,9 @@ class Engine:
         if bad is not None:
             raise ValueError(f"stop_token_ids holds id {bad}, outside the vocabulary "
                              f"(size {vocab})")
+        bad = next((t for t, _ in request.params.logit_bias if t >= vocab), None)
+        if bad is not None:
+            raise ValueError(f"logit_bias holds id {bad}, outside the vocabulary (size {vocab})")
         self._core.check_speculative(request.speculative)
         try:
             if request.num_chars <= TOKENIZE_INLINE_CHARS:

@@ -30,7 +30,8 @@ SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                "X-Accel-Buffering": "no"}
 _FIELD_PREFIXES = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed",
                    "repetition_penalty", "top_logprobs", "logprobs", "stop", "prompt_tokens",
-                   "prompt", "messages", "response_format", "speculative")
+                   "prompt", "messages", "response_format", "speculative", "presence_penalty",
+                   "frequency_penalty", "logit_bias", "tools")
 
 
 def param_of(message: str) -> str | None:

@@ -72,18 +72,15 @@ def error_response(status: int, message: str, param: str | None = None,
 def _sampling(body: Body, default_max_tokens: int, max_tokens_field: str = "max_tokens",
               ) -> dict[str, Any]:
     body.n_is_one()
-    for name in ("presence_penalty", "frequency_penalty"):
-        if body.get(name, float, 0.0) != 0.0:
-            raise ApiError(400, f"{name} is not supported (use repetition_penalty)", name)
-    if body.get("logit_bias", dict, {}):
-        raise ApiError(400, "logit_bias is not supported", "logit_bias")
     body.get("user", str)
     max_tokens = body.get(max_tokens_field, int, None)
     if max_tokens is None:
         max_tokens = body.get("max_tokens", int, default_max_tokens)
     params: dict[str, Any] = {"max_tokens": max_tokens, "stop": body.stop("stop")}
     for name, kind in (("temperature", float), ("top_p", float), ("top_k", int),
-                       ("min_p", float), ("repetition_penalty", float), ("seed", int)):
+                       ("min_p", float), ("repetition_penalty", float), ("seed", int),
+                       ("presence_penalty", float), ("frequency_penalty", float),
+                       ("logit_bias", dict)):
         value = body.get(name, kind)
         if value is not None:
             params[name] = value
