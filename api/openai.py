@@ -22,20 +22,17 @@ tools (api.chattools) and get reasoning split out (api.chatout); docs/agents.md.
 
 from __future__ import annotations
 
-import time
-from typing import Any, AsyncIterator, Callable
+from typing import Any
 
 from quart import Response, g, jsonify, request
 from quart_trio import QuartTrio
 
 from tqserve.actors.engine import Engine
-from tqserve.actors.messages import Token
-from tqserve.api.chatout import ChatOutput, Delta
+from tqserve.api.chatout import ChatOutput
 from tqserve.api.chattools import ToolPlan, chat_messages, tool_plan
-from tqserve.api.httpcommon import (SSE_HEADERS, ApiError, Body, Run, build_request,
-                            new_id, sse, start_run, token_text)
+from tqserve.api.httpcommon import ApiError, Body, build_request, new_id, token_text
+from tqserve.api.openai_choices import Choice, admit, base_of, streamed, whole
 from tqserve.api.served import ServedNames, model_card
-from tqserve.api.ending import complete
 from tqserve.api.metrics import Metrics
 from tqserve.engine.sampling import MAX_TOP_LOGPROBS
 
@@ -69,9 +66,11 @@ def error_response(status: int, message: str, param: str | None = None,
     return response
 
 
+MAX_CHOICES = 16  # choices one request may ask for (n x prompts): rows of one batch
+
+
 def _sampling(body: Body, default_max_tokens: int, max_tokens_field: str = "max_tokens",
               ) -> dict[str, Any]:
-    body.n_is_one()
     body.get("user", str)
     max_tokens = body.get(max_tokens_field, int, None)
     if max_tokens is None:
@@ -102,68 +101,19 @@ def _stream_options(body: Body) -> bool:
     return include
 
 
-def tool_call_json(call: Any, index: int | None = None) -> dict[str, Any]:
-    """A parsed call in OpenAI's shape (with its index in a streamed delta)."""
-    out = {"id": call.id, "type": "function",
-           "function": {"name": call.name, "arguments": call.arguments}}
-    return out if index is None else {"index": index, **out}
+def _is_ids(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in value)
 
 
-def _chat_delta(delta: Delta, index: int) -> dict[str, Any]:
-    if delta.kind == "call":
-        return {"tool_calls": [tool_call_json(delta.call, index)]}
-    if delta.kind == "reasoning":
-        return {"reasoning_content": delta.text, "reasoning": delta.text}
-    return {"content": delta.text}
-
-
-def _chat_message(out: ChatOutput) -> dict[str, Any]:
-    message: dict[str, Any] = {"role": "assistant",
-                               "content": out.content if out.content or not out.calls else None}
-    if out.reasoning:
-        message["reasoning_content"] = message["reasoning"] = out.reasoning
-    if out.calls:
-        message["tool_calls"] = [tool_call_json(c) for c in out.calls]
-    return message
-
-
-def _usage(run: Run) -> dict[str, Any]:
-    done = run.outcome.done
-    prompt = done.prompt_tokens if done is not None else 0
-    completion = len(run.outcome.token_ids)
-    cached = done.cached_tokens if done is not None else 0
-    return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": cached},
-            **(done.speculative_usage() if done is not None else {})}
-
-
-class _Logprobs:
-    """Token logprobs in the completions shape or the chat shape."""
-
-    def __init__(self, chat: bool, text_of: Callable[[int], str]) -> None:
-        self.chat = chat
-        self.text_of = text_of
-        self.offset = 0
-
-    def entry(self, tok: Token) -> dict[str, Any]:
-        text = self.text_of(tok.token_id)
-        top = tok.top_logprobs or ()
-        if self.chat:
-            return {"token": text, "logprob": tok.logprob, "bytes": list(text.encode("utf-8")),
-                    "top_logprobs": [{"token": self.text_of(t), "logprob": lp,
-                                      "bytes": list(self.text_of(t).encode("utf-8"))}
-                                     for t, lp in top]}
-        return {"token": text, "logprob": tok.logprob, "offset": self.offset,
-                "top": {self.text_of(t): lp for t, lp in top}}
-
-    def block(self, entries: list[dict[str, Any]]) -> dict[str, Any]:
-        if self.chat:
-            return {"content": entries}
-        return {"tokens": [e["token"] for e in entries],
-                "token_logprobs": [e["logprob"] for e in entries],
-                "top_logprobs": [e["top"] for e in entries],
-                "text_offset": [e["offset"] for e in entries]}
+def _prompts(prompt: str | list[Any]) -> list[dict[str, Any]]:
+    """`prompt` as one request field per prompt: a string, token ids, or a list of those."""
+    if isinstance(prompt, str) or _is_ids(prompt):
+        return [{"prompt" if isinstance(prompt, str) else "prompt_tokens": prompt}]
+    if prompt and all(isinstance(p, str) or _is_ids(p) for p in prompt):
+        return [{"prompt" if isinstance(p, str) else "prompt_tokens": p} for p in prompt]
+    raise ApiError(400, "prompt must be a string, a list of token ids, or a list of those",
+                   "prompt")
 
 
 def register(app: QuartTrio, engine: Engine, metrics: Metrics) -> None:
@@ -180,127 +130,61 @@ def register(app: QuartTrio, engine: Engine, metrics: Metrics) -> None:
         served.check(body.get("model", str))
         return body
 
-    async def respond(body: Body, chat: bool, prompt: dict[str, Any], params: dict[str, Any],
-                      plan: ToolPlan | None = None) -> Response:
+    async def respond(body: Body, chat: bool, prompts: list[dict[str, Any]],
+                      params: dict[str, Any], plan: ToolPlan | None = None,
+                      echoes: list[str] | None = None) -> Response:
+        """Admit one request per choice (each prompt n times), then answer them."""
         include_usage = _stream_options(body)
-        stream = body.get("stream", bool, False)
+        n = body.get("n", int, 1)
+        if not 1 <= n <= MAX_CHOICES:
+            raise ApiError(400, f"n must be in [1, {MAX_CHOICES}], got {n}", "n")
         response_format = body.get("response_format", dict)
         if plan is not None and plan.forced is not None:
             if response_format is not None:
                 raise ApiError(400, "response_format cannot be combined with a forced "
                                     "tool_choice", "response_format")
             response_format = {"type": "grammar", "lark": plan.forced}
-        gen = build_request(params, response_format=response_format,
-                            speculative=body.get("speculative", (dict, bool)), **prompt)
+        if len(prompts) * n > MAX_CHOICES:
+            raise ApiError(400, f"{len(prompts)} prompts x n={n} choices exceed the limit of "
+                                f"{MAX_CHOICES}", "n")
+        gens = []
+        for prompt in prompts:
+            for j in range(n):
+                seeded = {**params, "seed": params["seed"] + j} if j and "seed" in params \
+                    else params
+                gens.append(build_request(seeded, response_format=response_format,
+                                          speculative=body.get("speculative", (dict, bool)),
+                                          **prompt))
         rid = new_id("chatcmpl-" if chat else "cmpl-")
         g.tracked = True
         g.request_id = rid
         route = f"POST {request.path}"
-        run = await start_run(metrics.track(engine.generate(gen, rid), rid, route))
+        ids = [rid if i == 0 else f"{rid}-{i}" for i in range(len(gens))]
+        runs = await admit([metrics.track(engine.generate(gen, cid), cid, route)
+                            for gen, cid in zip(gens, ids)])
+
+        def output() -> ChatOutput:
+            return ChatOutput(think=thinks, family=plan.family if plan else None,
+                              schemas=plan.schemas if plan else None)
+
+        choices = [Choice(i, run, chat, text_of, output, (echoes or [""] * len(runs))[i // n])
+                   for i, run in enumerate(runs)]
+        base = base_of(rid, chat, served.primary)
+        firsts = list(range(0, len(runs), n))
         want_logprobs = params.get("logprobs", False)
-        lp = _Logprobs(chat, text_of)
-        out = ChatOutput(think=thinks, family=plan.family if plan else None,
-                         schemas=plan.schemas if plan else None)
-        created = int(time.time())
-        base = {"id": rid, "object": "chat.completion" if chat else "text_completion",
-                "created": created, "model": served.primary}
-
-        def finish_reason(done: Any) -> str:
-            return "tool_calls" if out.calls and done.finish_reason == "stop" \
-                else done.finish_reason
-
-        if not stream:
-            entries = []
-            async for tok in run.tokens():
-                if want_logprobs:
-                    entries.append(lp.entry(tok))
-                    lp.offset += len(tok.text)
-            done = complete(run.outcome)  # a cut output is an error status
-            logprobs = lp.block(entries) if want_logprobs else None
-            choice: dict[str, Any] = {"index": 0, "logprobs": logprobs}
-            if chat:
-                out.feed(run.outcome.text)
-                out.finish()
-                choice["message"] = _chat_message(out)
-            else:
-                choice["text"] = run.outcome.text
-            choice["finish_reason"] = finish_reason(done)
-            return jsonify({**base, "choices": [choice], "usage": _usage(run)})
-        chunk_base = {**base, "object": "chat.completion.chunk" if chat else "text_completion"}
-
-        def chunk(delta: Any, logprobs: Any = None, finish: str | None = None) -> bytes:
-            choice = {"index": 0, ("delta" if chat else "text"): delta, "logprobs": logprobs,
-                      "finish_reason": finish}
-            body = {**chunk_base, "choices": [choice]}
-            if include_usage:
-                body["usage"] = None
-            return sse(body)
-
-        num_calls = 0  # tool calls streamed so far: the next one's index
-
-        def chat_chunks(deltas: list[Delta], logprobs: Any = None) -> list[bytes]:
-            nonlocal num_calls
-            chunks = []
-            for d in deltas:
-                chunks.append(chunk(_chat_delta(d, num_calls), logprobs))
-                num_calls += d.kind == "call"
-                logprobs = None
-            if logprobs is not None:
-                chunks.append(chunk({"content": ""}, logprobs))
-            return chunks
-
-        async def events() -> AsyncIterator[bytes]:
-            try:
-                if chat:
-                    yield chunk({"role": "assistant", "content": ""})
-                async for tok in run.tokens():
-                    if not tok.text and not want_logprobs:
-                        continue
-                    logprobs = None
-                    if want_logprobs:
-                        logprobs = lp.block([lp.entry(tok)])
-                        lp.offset += len(tok.text)
-                    if chat:
-                        for piece in chat_chunks(out.feed(tok.text), logprobs):
-                            yield piece
-                    else:
-                        yield chunk(tok.text, logprobs)
-                try:
-                    done = complete(run.outcome)
-                except ApiError as cut:  # no finish_reason: the client raises APIError
-                    yield sse(error_body(cut.status, cut.message, cut.param, cut.code))
-                else:
-                    if chat:
-                        for piece in chat_chunks(out.finish()):
-                            yield piece
-                    yield chunk({} if chat else "", None, finish_reason(done))
-                    if include_usage:
-                        yield sse({**chunk_base, "choices": [], "usage": _usage(run)})
-                yield sse("[DONE]")
-            finally:
-                await run.aclose()
-
-        response = Response(events(), headers=SSE_HEADERS)
-        response.timeout = None  # a long generation is not a stuck response
-        return response
+        if body.get("stream", bool, False):
+            return streamed(choices, base, want_logprobs, include_usage, firsts, error_body)
+        return await whole(choices, base, want_logprobs, firsts)
 
     @app.post("/v1/completions")
     async def completions() -> Response:
         body = await read_body(COMPLETION_FIELDS)
-        if body.get("echo", bool, False):
-            raise ApiError(400, "echo is not supported", "echo")
         if body.get("best_of", int, 1) != 1:
             raise ApiError(400, "best_of must be 1", "best_of")
         if body.get("suffix", str):
-            raise ApiError(400, "suffix is not supported", "suffix")
-        prompt = body.get("prompt", (str, list), required=True)
-        if isinstance(prompt, list):
-            if len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-                prompt = prompt[0]  # a batch of one prompt
-            elif prompt and not all(isinstance(t, int) and not isinstance(t, bool)
-                                    for t in prompt):
-                raise ApiError(400, "prompt must be a string, a list of token ids, or a list "
-                                    "of one of those (one prompt per request)", "prompt")
+            raise ApiError(400, "suffix is not supported (no fill-in-the-middle template)",
+                           "suffix")
+        prompts = _prompts(body.get("prompt", (str, list), required=True))
         params = _sampling(body, config.default_max_tokens)
         logprobs = body.get("logprobs", int)
         if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
@@ -308,8 +192,14 @@ def register(app: QuartTrio, engine: Engine, metrics: Metrics) -> None:
                            "logprobs")
         if logprobs is not None:
             params.update(logprobs=True, top_logprobs=logprobs)
-        key = "prompt" if isinstance(prompt, str) else "prompt_tokens"
-        return await respond(body, False, {key: prompt}, params)
+        echoes = None
+        if body.get("echo", bool, False):
+            if logprobs is not None:
+                raise ApiError(400, "echo with logprobs is not supported: the prompt's "
+                                    "logprobs are not computed", "echo")
+            echoes = [p.get("prompt") or engine.model.tokenizer.decode(
+                list(p["prompt_tokens"])) for p in prompts]
+        return await respond(body, False, prompts, params, echoes=echoes)
 
     @app.post("/v1/chat/completions")
     async def chat_completions() -> Response:
@@ -322,7 +212,7 @@ def register(app: QuartTrio, engine: Engine, metrics: Metrics) -> None:
             params.update(logprobs=True, top_logprobs=body.get("top_logprobs", int, 0))
         elif body.get("top_logprobs", int) is not None:
             raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
-        return await respond(body, True, {"messages": messages, "tools": plan.tools}, params,
+        return await respond(body, True, [{"messages": messages, "tools": plan.tools}], params,
                              plan)
 
     @app.get("/v1/models")
