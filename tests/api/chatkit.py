@@ -24,11 +24,12 @@ TOOLS = [WEATHER_TOOL, TIME_TOOL]
 
 @pytest.fixture(params=["bundled", "instruct"])
 def chat_model(request, draft_model):
-    """(loaded model, server config fields) for each chat model this machine has."""
+    """(loaded model, server config fields) for each chat model this machine has. Both
+    get the ChatML template with tools (SmolLM2's own ChatML template shows no tools)."""
     if request.param == "bundled":
         return draft_model, {"chat_template": str(TEMPLATE)}
     try:
-        return request.getfixturevalue("instruct_model"), {}
+        return request.getfixturevalue("instruct_model"), {"chat_template": str(TEMPLATE)}
     except pytest.FixtureLookupError:
         pytest.skip(f"the instruct model needs the instruct_model fixture (PyPI package "
                     f"{INSTRUCT_PACKAGE})")
