@@ -92,6 +92,9 @@ def register(app: QuartTrio, engine: Engine, metrics: Metrics) -> None:
         messages = system + history + new
         response_format = text_format(body)
         if plan.forced is not None:
+            if response_format is not None:
+                raise ApiError(400, "text.format cannot be combined with a forced "
+                                    "tool_choice", "text")
             response_format = {"type": "grammar", "lark": plan.forced}
         params: dict[str, Any] = {"max_tokens": body.get("max_output_tokens", int,
                                                          config.default_max_tokens)}

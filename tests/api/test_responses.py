@@ -101,7 +101,9 @@ async def test_responses_bad_input(nursery, draft_model):
                               {"type": "input_image", "image_url": "data:,"}]}]), "input"),
                           (dict(input="x", tools=[{"type": "web_search"}]), "tools"),
                           (dict(input="x", previous_response_id="resp_nope"),
-                           "previous_response_id")):
+                           "previous_response_id"),
+                          (dict(input="x", tools=FUNCTIONS, tool_choice="required",
+                                text={"format": {"type": "json_object"}}), "text")):
         with pytest.raises(openai.BadRequestError) as info:
             await api.responses.create(model="m", max_output_tokens=4, **kwargs)
         assert info.value.body["param"] == field, info.value.message
