@@ -27,7 +27,8 @@ from tqserve.api.ending import complete
 from tqserve.api.httpcommon import (SSE_HEADERS, ApiError, Body, Run, build_request, new_id,
                                     start_run)
 from tqserve.api.metrics import Metrics
-from tqserve.api.responses_input import (ResponseStore, input_messages, responses_tool_plan,
+from tqserve.api.responses_input import (ResponseStore, input_messages,
+                                         merge_leading_system, responses_tool_plan,
                                          text_format)
 from tqserve.api.responses_output import OutputItems
 from tqserve.api.served import ServedNames
@@ -83,13 +84,13 @@ def register(app: QuartTrio, engine: Engine, metrics: Metrics) -> None:
         body = Body(await request.get_data(cache=False), config.max_message_bytes)
         body.refuse_unknown(FIELDS, config.strict_fields)
         served.check(body.get("model", str))
-        plan = responses_tool_plan(body, template)
+        plan = responses_tool_plan(body, template, config.strict_fields)
         previous = body.get("previous_response_id", str)
         history = store.conversation(previous) if previous else []
         new = input_messages(body.get("input", (str, list), required=True))
         instructions = body.get("instructions", str)
         system = [{"role": "system", "content": instructions}] if instructions else []
-        messages = system + history + new
+        messages = merge_leading_system(system + history + new)
         response_format = text_format(body)
         if plan.forced is not None:
             if response_format is not None:
@@ -133,7 +134,7 @@ def register(app: QuartTrio, engine: Engine, metrics: Metrics) -> None:
                 whole.update(status="incomplete",
                              incomplete_details={"reason": "max_output_tokens"})
             if keep:
-                store.put(rid, messages[len(system):] + [_assistant_turn(out)], whole)
+                store.put(rid, history + new + [_assistant_turn(out)], whole)
             return whole
 
         if not body.get("stream", bool, False):

@@ -17,12 +17,14 @@ this process only. `store: false` keeps nothing.
 from __future__ import annotations
 
 import json
+import logging
 from collections import OrderedDict
 from typing import Any
 
 from tqserve.api.chattools import ToolPlan, plan_tools
 from tqserve.api.httpcommon import IMAGE_PARTS, ApiError, Body
 
+log = logging.getLogger("tqserve.api")
 MAX_STORED = 512  # responses kept for previous_response_id: a working set of agent sessions
 _TEXT_PARTS = ("input_text", "output_text", "text", "summary_text", "reasoning_text")
 ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
@@ -88,19 +90,48 @@ def _arguments(value: Any) -> Any:
     return value
 
 
-def responses_tool_plan(body: Body, template: str | None) -> ToolPlan:
-    tools = []
-    for i, tool in enumerate(body.get("tools", list, [])):
-        if not isinstance(tool, dict) or tool.get("type") != "function":
-            kind = tool.get("type") if isinstance(tool, dict) else None
-            raise ApiError(400, f"tools[{i}] is of type {kind!r}: only function tools are "
-                                "served", "tools")
+def responses_tool_plan(body: Body, template: str | None, strict: bool) -> ToolPlan:
+    """Function tools (a `namespace` tool's functions too); other tool types (web_search,
+    custom, local_shell, ...) are skipped with a warning, or refused under strict."""
+    tools, skipped = [], []
+    for i, tool in enumerate(_flat(body.get("tools", list, []))):
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        if kind != "function":
+            if strict or not isinstance(kind, str):
+                raise ApiError(400, f"tools[{i}] is of type {kind!r}: only function tools "
+                                    "are served", "tools")
+            skipped.append(kind)
+            continue
         tools.append({"type": "function", "function": {
             k: tool[k] for k in ("name", "description", "parameters") if k in tool}})
+    if skipped:
+        log.warning("skipping tools this server does not run: %s", ", ".join(skipped))
     choice = body.get("tool_choice", (str, dict))
     if isinstance(choice, dict) and choice.get("type") == "function":
         choice = {"type": "function", "function": {"name": choice.get("name")}}
     return plan_tools(tools, choice, template)
+
+
+def _flat(tools: list[Any]) -> list[Any]:
+    out = []
+    for tool in tools:
+        if isinstance(tool, dict) and tool.get("type") == "namespace":
+            out.extend(tool.get("tools") or [])
+        else:
+            out.append(tool)
+    return out
+
+
+def merge_leading_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The system messages ahead of the first other one, joined into one (instructions and
+    developer items: many chat templates take a single system message, first)."""
+    n = 0
+    while n < len(messages) and messages[n]["role"] == "system":
+        n += 1
+    if n < 2:
+        return messages
+    joined = "\n\n".join(m["content"] for m in messages[:n])
+    return [{"role": "system", "content": joined}] + messages[n:]
 
 
 def text_format(body: Body) -> dict[str, Any] | None:

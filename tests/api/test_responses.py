@@ -18,7 +18,7 @@ STREAM_ORDER = ["response.created", "response.in_progress", "response.output_ite
 
 def client(server) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0,
-                              timeout=120)
+                              timeout=600)  # a hang guard: the instruct model on a busy CPU
 
 
 async def test_text_streamed_and_not(nursery, chat_model):
@@ -99,7 +99,7 @@ async def test_responses_bad_input(nursery, draft_model):
     for kwargs, field in ((dict(input=[{"type": "nonsense"}]), "input"),
                           (dict(input=[{"role": "user", "content": [
                               {"type": "input_image", "image_url": "data:,"}]}]), "input"),
-                          (dict(input="x", tools=[{"type": "web_search"}]), "tools"),
+                          (dict(input="x", tools=[{"type": "function"}]), "tools"),
                           (dict(input="x", previous_response_id="resp_nope"),
                            "previous_response_id"),
                           (dict(input="x", tools=FUNCTIONS, tool_choice="required",
@@ -107,3 +107,17 @@ async def test_responses_bad_input(nursery, draft_model):
         with pytest.raises(openai.BadRequestError) as info:
             await api.responses.create(model="m", max_output_tokens=4, **kwargs)
         assert info.value.body["param"] == field, info.value.message
+    # what Codex sends: developer messages, namespaced functions, a web_search tool (skipped)
+    got = await api.responses.create(model="m", max_output_tokens=120, input=[
+        {"type": "message", "role": "developer", "content": [
+            {"type": "input_text", "text": "You are a coding agent."}]},
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]}],
+        tools=[{"type": "web_search"}, {"type": "namespace", "name": "ns", "tools": FUNCTIONS}],
+        tool_choice={"type": "function", "name": "get_time"}, store=False,
+        extra_body={"client_metadata": {"turn_id": "t"}})
+    assert [o.name for o in got.output if o.type == "function_call"] == ["get_time"]
+    strict = await start_server(nursery, draft_model, chat_template=str(TEMPLATE),
+                                strict_fields=True)
+    with pytest.raises(openai.BadRequestError, match="web_search"):
+        await client(strict).responses.create(model="m", input="x", max_output_tokens=2,
+                                              tools=[{"type": "web_search"}])
