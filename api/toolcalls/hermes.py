@@ -23,9 +23,10 @@ def parse(body: str, schemas: dict[str, dict[str, Any]]) -> list[tuple[str, Any]
 
 def call_schema(schemas: dict[str, dict[str, Any]], key: str = ARGUMENTS_KEY) -> dict[str, Any]:
     """JSON schema of one call object {name, <key>} to any of the functions."""
-    return compact({"anyOf": [{"type": "object", "properties": {"name": {"const": name}, key: params},
-                       "required": ["name", key], "additionalProperties": False}
-                      for name, params in schemas.items()]})
+    return compact({"anyOf": [
+        {"type": "object", "properties": {"name": {"const": name}, key: params},
+         "required": ["name", key], "additionalProperties": False}
+        for name, params in schemas.items()]})
 
 
 def grammar(schemas: dict[str, dict[str, Any]]) -> str:

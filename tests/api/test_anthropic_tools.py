@@ -16,7 +16,7 @@ GREEDY = {"extra_body": {"temperature": 0}}
 
 def client(server) -> anthropic.AsyncAnthropic:
     return anthropic.AsyncAnthropic(base_url=server.url, api_key="unused", max_retries=0,
-                                    timeout=600)  # a hang guard: the instruct model on a busy CPU
+                                    timeout=600)  # a hang guard (the instruct model, a busy CPU)
 
 
 async def test_tool_use_round_trip(nursery, chat_model):

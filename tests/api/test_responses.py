@@ -18,7 +18,7 @@ STREAM_ORDER = ["response.created", "response.in_progress", "response.output_ite
 
 def client(server) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0,
-                              timeout=600)  # a hang guard: the instruct model on a busy CPU
+                              timeout=600)  # a hang guard (the instruct model, a busy CPU)
 
 
 async def test_text_streamed_and_not(nursery, chat_model):

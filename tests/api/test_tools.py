@@ -17,7 +17,7 @@ ASK = [{"role": "system", "content": "You are a helpful assistant."},
 
 def client(server) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0,
-                              timeout=600)  # a hang guard: the instruct model on a busy CPU
+                              timeout=600)  # a hang guard (the instruct model, a busy CPU)
 
 
 def check_call(call, name: str | None = None) -> dict:
