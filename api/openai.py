@@ -1,4 +1,5 @@
-"""OpenAI-compatible HTTP: POST /v1/completions, POST /v1/chat/completions, GET /v1/models.
+"""OpenAI-compatible HTTP: POST /v1/completions, POST /v1/chat/completions, GET /v1/models
+and /v1/models/{id}. `n` choices and lists of prompts are answered by api.openai_choices.
 
 Non-streaming answers one JSON object; `"stream": true` answers server-sent events
 (`data: {chunk}` ... `data: [DONE]`), with a final usage chunk when
@@ -7,7 +8,7 @@ streamed chunks too: completions take `logprobs: N` (0..20 alternatives) and ans
 `{tokens, token_logprobs, top_logprobs, text_offset}`; chat takes `logprobs: true` plus
 `top_logprobs: N` and answers `{content: [{token, logprob, bytes, top_logprobs}]}`.
 Every generated token is reported, the end-of-text token too (its text is empty).
-finish_reason is "stop" or "length" only when true: an output cut short (the server's
+finish_reason is "stop", "length" (or "tool_calls") only when true: an output cut short (the server's
 shutdown, a cancel, an error: api.ending) is an error status when not streamed, and a
 stream's last event before `[DONE]` is then `data: {"error": {...}}` (the official
 client raises APIError on it) instead of a chunk with a finish_reason.
