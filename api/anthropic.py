@@ -30,6 +30,7 @@ from tqserve.actors.messages import Done
 from tqserve.api.anthropic_stream import BlockStream, content_blocks
 from tqserve.api.anthropic_tools import prompt_messages, tool_plan
 from tqserve.api.chatout import ChatOutput
+from tqserve.api.chattools import tools_error
 from tqserve.api.ending import complete
 from tqserve.api.httpcommon import (SSE_HEADERS, ApiError, Body, Run, build_request, new_id,
                             param_of, sse, start_run)
@@ -123,8 +124,11 @@ def register(app: QuartTrio, engine: Engine, metrics: Metrics) -> None:
         rid = new_id("msg_")
         g.tracked = True
         g.request_id = rid
-        run = await start_run(metrics.track(engine.generate(gen, rid), rid,
-                                            "POST /v1/messages"))
+        try:
+            run = await start_run(metrics.track(engine.generate(gen, rid), rid,
+                                                "POST /v1/messages"))
+        except ApiError as exc:
+            raise tools_error(exc, plan) from None
         message = {"id": rid, "type": "message", "role": "assistant", "model": served.primary}
         out = ChatOutput(think=thinks, family=plan.family, schemas=plan.schemas)
 

@@ -95,6 +95,16 @@ def plan_tools(raw_tools: list[Any] | None, raw_choice: Any, template: str | Non
     return ToolPlan(tools=tuple(tools), family=family, schemas=schemas, forced=forced)
 
 
+def tools_error(exc: ApiError, plan: ToolPlan | None) -> ApiError:
+    """A refusal of a forced call's grammar names `tools` (their schemas are at fault),
+    not the response_format the client never sent."""
+    if plan is None or plan.forced is None or exc.param != "response_format":
+        return exc
+    reason = exc.message.split(" is rejected by the grammar library: ", 1)[-1]
+    return ApiError(exc.status, f"tools: a function's parameters schema is rejected by the "
+                                f"grammar library: {reason}", "tools", exc.code)
+
+
 def tool_plan(body: Body, template: str | None) -> ToolPlan:
     return plan_tools(body.get("tools", list), body.get("tool_choice", (str, dict)), template)
 

@@ -30,7 +30,7 @@ from quart_trio import QuartTrio
 
 from tqserve.actors.engine import Engine
 from tqserve.api.chatout import ChatOutput
-from tqserve.api.chattools import ToolPlan, chat_messages, tool_plan
+from tqserve.api.chattools import ToolPlan, chat_messages, tool_plan, tools_error
 from tqserve.api.httpcommon import ApiError, Body, build_request, new_id, token_text
 from tqserve.api.openai_choices import Choice, admit, base_of, streamed, whole
 from tqserve.api.served import ServedNames, model_card
@@ -161,8 +161,11 @@ def register(app: QuartTrio, engine: Engine, metrics: Metrics) -> None:
         g.request_id = rid
         route = f"POST {request.path}"
         ids = [rid if i == 0 else f"{rid}-{i}" for i in range(len(gens))]
-        runs = await admit([metrics.track(engine.generate(gen, cid), cid, route)
-                            for gen, cid in zip(gens, ids)])
+        try:
+            runs = await admit([metrics.track(engine.generate(gen, cid), cid, route)
+                                for gen, cid in zip(gens, ids)])
+        except ApiError as exc:
+            raise tools_error(exc, plan) from None
 
         def output() -> ChatOutput:
             return ChatOutput(think=thinks, family=plan.family if plan else None,

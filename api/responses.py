@@ -23,6 +23,7 @@ from quart_trio import QuartTrio
 
 from tqserve.actors.engine import Engine
 from tqserve.api.chatout import ChatOutput
+from tqserve.api.chattools import tools_error
 from tqserve.api.ending import complete
 from tqserve.api.httpcommon import (SSE_HEADERS, ApiError, Body, Run, build_request, new_id,
                                     start_run)
@@ -108,8 +109,11 @@ def register(app: QuartTrio, engine: Engine, metrics: Metrics) -> None:
         rid = new_id("resp_")
         g.tracked = True
         g.request_id = rid
-        run = await start_run(metrics.track(engine.generate(gen, rid), rid,
-                                            "POST /v1/responses"))
+        try:
+            run = await start_run(metrics.track(engine.generate(gen, rid), rid,
+                                                "POST /v1/responses"))
+        except ApiError as exc:
+            raise tools_error(exc, plan) from None
         out = ChatOutput(think=thinks, family=plan.family, schemas=plan.schemas)
         items = OutputItems()
         keep = body.get("store", bool, True)

@@ -129,6 +129,9 @@ async def test_bad_tools_name_the_field(nursery, draft_model):
              (dict(tools=TOOLS, tool_choice="sometimes"), "tool_choice"),
              (dict(tool_choice="required"), "tool_choice"),
              (dict(tools=[{"type": "function", "function": {}}]), "tools"),
+             (dict(tools=[{"type": "function", "function": {
+                 "name": "f", "parameters": {"type": "strin"}}}], tool_choice="required"),
+              "tools"),
              (dict(tools=TOOLS, tool_choice="required",
                    response_format={"type": "json_object"}), "response_format")]
     for kwargs, field in cases:
