@@ -3,7 +3,8 @@
 Items, in the order the model wrote them: `reasoning` (a `<think>` span, as
 `reasoning_text` content), `message` (the text, one `output_text` part) and
 `function_call` (one per call, `call_id` the id a later `function_call_output` names).
-`OutputItems.deltas` returns the stream's events for new deltas: output_item.added, then
+`OutputItems.deltas` returns the stream's events (objects: SSE or WebSocket frames carry
+them) for new deltas: output_item.added, then
 content_part.added and output_text.delta / reasoning_text.delta for text, or
 function_call_arguments.delta and .done for a call, then content_part.done and
 output_item.done when the item ends. Every event has the next `sequence_number`.
@@ -14,7 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from tqserve.api.chatout import Delta
-from tqserve.api.httpcommon import new_id, sse
+from tqserve.api.httpcommon import new_id
 
 
 class OutputItems:
@@ -26,9 +27,9 @@ class OutputItems:
         self._open: dict[str, Any] | None = None  # a message or reasoning item in progress
         self._text = ""
 
-    def event(self, kind: str, **fields: Any) -> bytes:
+    def event(self, kind: str, **fields: Any) -> dict[str, Any]:
         self.sequence += 1
-        return sse({"type": kind, "sequence_number": self.sequence, **fields}, kind)
+        return {"type": kind, "sequence_number": self.sequence, **fields}
 
     def _where(self) -> dict[str, Any]:
         return {"item_id": self._open["id"], "output_index": len(self.items) - 1,
@@ -40,7 +41,7 @@ class OutputItems:
                     "logprobs": []}
         return {"type": "reasoning_text", "text": self._text}
 
-    def _start(self, kind: str) -> list[bytes]:
+    def _start(self, kind: str) -> list[dict[str, Any]]:
         if kind == "message":
             item = {"id": new_id("msg_"), "type": "message", "role": "assistant",
                     "status": "in_progress", "content": []}
@@ -53,7 +54,7 @@ class OutputItems:
         return out + [self.event("response.content_part.added", **self._where(),
                                  part=self._part())]
 
-    def _stop(self) -> list[bytes]:
+    def _stop(self) -> list[dict[str, Any]]:
         if self._open is None:
             return []
         item, where, part = self._open, self._where(), self._part()
@@ -68,7 +69,7 @@ class OutputItems:
         return out + [self.event("response.output_item.done", output_index=where[
             "output_index"], item=item)]
 
-    def _call(self, d: Delta) -> list[bytes]:
+    def _call(self, d: Delta) -> list[dict[str, Any]]:
         call = d.call
         item = {"id": new_id("fc_"), "type": "function_call", "call_id": call.id,
                 "name": call.name, "arguments": "", "status": "in_progress"}
@@ -82,8 +83,8 @@ class OutputItems:
         item.update(arguments=call.arguments, status="completed")
         return out + [self.event("response.output_item.done", output_index=index, item=item)]
 
-    def deltas(self, deltas: list[Delta]) -> list[bytes]:
-        out: list[bytes] = []
+    def deltas(self, deltas: list[Delta]) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
         for d in deltas:
             if d.kind == "call":
                 out += self._stop() + self._call(d)
@@ -98,7 +99,7 @@ class OutputItems:
                                   delta=d.text, **extra))
         return out
 
-    def close(self, deltas: list[Delta]) -> list[bytes]:
+    def close(self, deltas: list[Delta]) -> list[dict[str, Any]]:
         """The last deltas and the open item's end; an empty message if nothing came."""
         out = self.deltas(deltas)
         if not self.items:

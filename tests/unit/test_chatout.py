@@ -59,7 +59,7 @@ def test_anthropic_blocks_and_responses_items():
     assert [b["type"] for b in content_blocks(out)] == ["thinking", "text", "tool_use"]
     out = ChatOutput(think=True, family=FAMILIES["hermes"], schemas={})
     items = OutputItems()
-    events = sse_events(items.deltas(out.feed(TEXT)) + items.close(out.finish()))
+    events = items.deltas(out.feed(TEXT)) + items.close(out.finish())
     assert [e["sequence_number"] for e in events] == list(range(len(events)))
     assert [i["type"] for i in items.items] == ["reasoning", "message", "function_call"]
     assert items.items[1]["content"][0]["text"] == "Checking."
