@@ -7,6 +7,7 @@ the other /v1/ paths, `{"error": {...}}` elsewhere.
 
 from __future__ import annotations
 
+import attrs
 from quart import Response, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import MethodNotAllowed, NotFound
@@ -15,6 +16,7 @@ from tqserve.actors.engine import Engine
 from tqserve.api import anthropic, auth, extras, openai, responses
 from tqserve.api.httpcommon import ApiError
 from tqserve.api.metrics import Metrics
+from tqserve.api.responses import Responder
 
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -27,15 +29,21 @@ def api_error(path: str, status: int, message: str, param: str | None = None,
     return openai.error_response(status, message, param, code)
 
 
-def register_http_apis(app: QuartTrio, engine: Engine) -> Metrics:
-    """Add the HTTP APIs, /metrics and auth to `app`; returns its Metrics (for the WS)."""
+@attrs.frozen
+class HttpApis:
+    metrics: Metrics        # shared with the WebSocket
+    responder: Responder    # the Responses API's, for its WebSocket mode
+
+
+def register_http_apis(app: QuartTrio, engine: Engine) -> HttpApis:
+    """Add the HTTP APIs, /metrics and auth to `app`; what the WebSockets share."""
     metrics = Metrics(engine)
     config = engine.config
     auth.install(app, config.api_key, config.allowed_origins, metrics,
                  lambda path, status, message: api_error(path, status, message))
     openai.register(app, engine, metrics)
     anthropic.register(app, engine, metrics)
-    responses.register(app, engine, metrics)
+    responder = responses.register(app, engine, metrics)
     extras.register(app, engine)
 
     @app.get("/metrics")
@@ -58,4 +66,4 @@ def register_http_apis(app: QuartTrio, engine: Engine) -> Metrics:
         response.headers["Allow"] = ", ".join(sorted(exc.valid_methods or ()))
         return response
 
-    return metrics
+    return HttpApis(metrics, responder)
