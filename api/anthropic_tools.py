@@ -90,17 +90,27 @@ def _message(i: int, m: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def prompt_messages(body: Body) -> list[dict[str, Any]]:
+    """`system` and `messages` as engine messages. A `system` message inside `messages`
+    (Claude Code sends them) joins the system prompt: chat templates take one, first."""
     messages = []
+    systems = []
     system = body.get("system", (str, list))
     if system is not None:
-        messages.append({"role": "system", "content": text_of_content(system, "system")})
+        systems.append(text_of_content(system, "system"))
     raw = body.get("messages", list, required=True)
     if not raw:
         raise ApiError(400, "messages must not be empty", "messages")
     for i, m in enumerate(raw):
-        if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
-            raise ApiError(400, f"messages[{i}].role must be 'user' or 'assistant'", "messages")
+        role = m.get("role") if isinstance(m, dict) else None
+        if role == "system":
+            systems.append(text_of_content(m.get("content"), f"messages.{i}.content"))
+            continue
+        if role not in ("user", "assistant"):
+            raise ApiError(400, f"messages[{i}].role must be 'user', 'assistant' or "
+                                "'system'", "messages")
         messages.extend(_message(i, m))
+    if systems:
+        messages.insert(0, {"role": "system", "content": "\n\n".join(systems)})
     thinking = body.get("thinking", dict)
     if thinking is not None and thinking.get("type") not in ("enabled", "disabled", "adaptive"):
         raise ApiError(400, "thinking.type must be enabled or disabled", "thinking")

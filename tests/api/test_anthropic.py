@@ -85,7 +85,7 @@ async def test_errors_are_anthropic_exceptions(nursery, draft_model):
         await api.messages.create(model="m", max_tokens=0, messages=USER)
     with pytest.raises(anthropic.BadRequestError, match="role"):
         await api.messages.create(model="m", max_tokens=4,
-                                  messages=[{"role": "system", "content": "x"}])
+                                  messages=[{"role": "tool", "content": "x"}])
     with pytest.raises(anthropic.BadRequestError, match="bogus") as info:
         await api.messages.create(model="m", max_tokens=4, messages=USER,
                                   extra_body={"bogus": True})

@@ -49,6 +49,14 @@ async def test_tool_use_round_trip(nursery, chat_model):
     usage = answer.usage
     assert count.input_tokens == usage.input_tokens + usage.cache_read_input_tokens
     assert count.input_tokens > first.usage.input_tokens + first.usage.cache_read_input_tokens
+    # Claude Code's shape: a system message inside messages joins the system prompt
+    inline = await api.messages.create(model="m", max_tokens=2, **GREEDY, tools=TOOLS_A,
+                                       messages=[ASK[0], {"role": "system",
+                                                          "content": "You are helpful."}])
+    placed = await api.messages.count_tokens(model="m", messages=ASK, tools=TOOLS_A,
+                                             system="You are helpful.")
+    assert inline.usage.input_tokens + inline.usage.cache_read_input_tokens \
+        == placed.input_tokens
     beta = await api.beta.messages.create(messages=ASK, betas=["token-efficient-tools-2025-02-19"],
                                           **{**common, "max_tokens": 4})
     assert beta.stop_reason == "max_tokens"
