@@ -72,6 +72,7 @@ from contextlib import asynccontextmanager
 from typing import AsyncIterator, Callable, Mapping
 
 import attrs
+import jinja2
 import trio
 
 from tqserve.actors.admission import SHUTTING_DOWN, AdmissionControl, run_admission
@@ -172,6 +173,11 @@ class Engine:
         self.config = config
         self.runner = runner  # its statistics and `step_hook` (fault injection in tests)
         self.model = loaded
+        # --chat-template's text, else the tokenizer's own template (None: "role: content")
+        self.chat_template: str | None = None
+        if config.chat_template is not None:
+            with open(config.chat_template, encoding="utf-8") as f:
+                self.chat_template = f.read()
         self._admission = admission
         self._hub = hub
         self._control = control
@@ -200,14 +206,21 @@ class Engine:
         if bad is not None:
             raise ValueError(f"stop_token_ids holds id {bad}, outside the vocabulary "
                              f"(size {vocab})")
+        bad = next((t for t, _ in request.params.logit_bias if t >= vocab), None)
+        if bad is not None:
+            raise ValueError(f"logit_bias holds id {bad}, outside the vocabulary (size {vocab})")
         self._core.check_speculative(request.speculative)
         try:
             if request.num_chars <= TOKENIZE_INLINE_CHARS:
-                tokens = request.token_ids(self.model.tokenizer)
+                tokens = request.token_ids(self.model.tokenizer, self.chat_template)
             else:
-                tokens = await trio.to_thread.run_sync(request.token_ids, self.model.tokenizer)
+                tokens = await trio.to_thread.run_sync(request.token_ids, self.model.tokenizer,
+                                                    self.chat_template)
         except (TypeError, UnicodeError) as exc:
             raise ValueError(f"prompt cannot be tokenized: {exc}") from None
+        except jinja2.TemplateError as exc:  # e.g. a template's raise_exception()
+            raise ValueError(f"messages cannot be rendered by the chat template: {exc}") \
+                from None
         if not tokens:
             raise ValueError("prompt encodes to zero tokens")
         bad = next((t for t in tokens if t >= vocab), None)

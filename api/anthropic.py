@@ -27,9 +27,14 @@ from quart_trio import QuartTrio
 
 from tqserve.actors.engine import Engine
 from tqserve.actors.messages import Done
+from tqserve.api.anthropic_stream import BlockStream, content_blocks
+from tqserve.api.anthropic_tools import prompt_messages, tool_plan
+from tqserve.api.chatout import ChatOutput
+from tqserve.api.chattools import tools_error
 from tqserve.api.ending import complete
 from tqserve.api.httpcommon import (SSE_HEADERS, ApiError, Body, Run, build_request, new_id,
-                            param_of, sse, start_run, text_of_content)
+                            param_of, sse, start_run)
+from tqserve.api.served import ServedNames
 from tqserve.api.metrics import Metrics
 
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
@@ -38,7 +43,8 @@ _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
                 503: "overloaded_error"}
 FIELDS = frozenset(("model", "max_tokens", "messages", "system", "stop_sequences", "stream",
                     "temperature", "top_p", "top_k", "metadata", "tools", "tool_choice",
-                    "speculative"))
+                    "speculative", "thinking", "service_tier"))
+COUNT_FIELDS = frozenset(("model", "messages", "system", "tools", "tool_choice", "thinking"))
 
 
 def error_response(status: int, message: str) -> Response:
@@ -50,28 +56,14 @@ def error_response(status: int, message: str) -> Response:
     return response
 
 
-def _prompt(body: Body) -> list[dict[str, str]]:
-    messages = []
-    system = body.get("system", (str, list))
-    if system is not None:
-        messages.append({"role": "system", "content": text_of_content(system, "system")})
-    raw = body.get("messages", list, required=True)
-    if not raw:
-        raise ApiError(400, "messages must not be empty", "messages")
-    for i, m in enumerate(raw):
-        if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
-            raise ApiError(400, f"messages[{i}].role must be 'user' or 'assistant'", "messages")
-        messages.append({"role": m["role"],
-                         "content": text_of_content(m.get("content"), f"messages[{i}].content")})
-    return messages
-
-
 def register(app: QuartTrio, engine: Engine, metrics: Metrics) -> None:
     """Add POST /v1/messages to the app."""
     config = engine.config
     tokenizer = engine.model.tokenizer
-    model_name = engine.model.path.name
+    served = ServedNames(engine)
     end_ids = set(engine.model.eos_token_ids)
+    template = engine.chat_template or getattr(tokenizer, "chat_template", None)
+    thinks = bool(template) and "<think>" in template
 
     def stop_reason(run: Run, done: Done, stops: tuple[str, ...],
                     stop_ids: tuple[int, ...]) -> tuple[str, str | None]:
@@ -92,14 +84,30 @@ def register(app: QuartTrio, engine: Engine, metrics: Metrics) -> None:
                 len(run.outcome.token_ids), "cache_creation_input_tokens": 0,
                 "cache_read_input_tokens": cached}
 
+    async def read(fields: frozenset[str]) -> Body:
+        body = Body(await request.get_data(cache=False), config.max_message_bytes)
+        body.refuse_unknown(fields, config.strict_fields)
+        served.check(body.get("model", str))
+        return body
+
+    async def prompt_tokens_of(gen: Any) -> int:
+        try:
+            return len(await engine.validate(gen))
+        except ValueError as exc:
+            raise ApiError(400, str(exc), param_of(str(exc)) or "messages") from None
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens() -> Response:
+        body = await read(COUNT_FIELDS)
+        plan = tool_plan(body, template)
+        gen = build_request({"max_tokens": 1}, messages=prompt_messages(body), tools=plan.tools)
+        return jsonify({"input_tokens": await prompt_tokens_of(gen)})
+
     @app.post("/v1/messages")
     async def messages() -> Response:
-        body = Body(await request.get_data(cache=False), config.max_message_bytes)
-        body.refuse_unknown(FIELDS)
-        if body.get("tools", list):
-            raise ApiError(400, "tools are not supported", "tools")
-        body.get("model", str)
+        body = await read(FIELDS)
         body.get("metadata", dict)
+        plan = tool_plan(body, template)
         params: dict[str, Any] = {"max_tokens": body.get("max_tokens", int, required=True)}
         stops = body.stop("stop_sequences")
         params["stop"] = stops
@@ -107,43 +115,50 @@ def register(app: QuartTrio, engine: Engine, metrics: Metrics) -> None:
             value = body.get(name, kind)
             if value is not None:
                 params[name] = value
-        gen = build_request(params, messages=_prompt(body),
+        forced = {"type": "grammar", "lark": plan.forced} if plan.forced else None
+        gen = build_request(params, messages=prompt_messages(body), tools=plan.tools,
+                            response_format=forced,
                             speculative=body.get("speculative", (dict, bool)))
-        try:
-            prompt_tokens = len(await engine.validate(gen))
-        except ValueError as exc:
-            raise ApiError(400, str(exc), param_of(str(exc)) or "messages") from None
+        prompt_tokens = await prompt_tokens_of(gen)
         stream = body.get("stream", bool, False)
         rid = new_id("msg_")
         g.tracked = True
         g.request_id = rid
-        run = await start_run(metrics.track(engine.generate(gen, rid), rid,
-                                            "POST /v1/messages"))
-        message = {"id": rid, "type": "message", "role": "assistant", "model": model_name}
+        try:
+            run = await start_run(metrics.track(engine.generate(gen, rid), rid,
+                                                "POST /v1/messages"))
+        except ApiError as exc:
+            raise tools_error(exc, plan) from None
+        message = {"id": rid, "type": "message", "role": "assistant", "model": served.primary}
+        out = ChatOutput(think=thinks, family=plan.family, schemas=plan.schemas)
+
+        def reason_of(done: Done) -> tuple[str, str | None]:
+            if out.calls and done.finish_reason == "stop":
+                return "tool_use", None
+            return stop_reason(run, done, stops, gen.params.stop_token_ids)
+
         if not stream:
             async for _ in run.tokens():
                 pass
             done = complete(run.outcome)  # a cut output is an error status
-            reason, sequence = stop_reason(run, done, stops, gen.params.stop_token_ids)
-            return jsonify({**message, "content": [{"type": "text", "text": run.outcome.text}],
+            out.feed(run.outcome.text)
+            out.finish()
+            reason, sequence = reason_of(done)
+            return jsonify({**message, "content": content_blocks(out),
                             "stop_reason": reason, "stop_sequence": sequence,
                             "usage": usage(run, prompt_tokens)})
 
         async def events() -> AsyncIterator[bytes]:
+            blocks = BlockStream()
             try:
                 start = {**message, "content": [], "stop_reason": None, "stop_sequence": None,
                          "usage": {"input_tokens": prompt_tokens, "output_tokens": 0,
                                    "cache_creation_input_tokens": 0,
                                    "cache_read_input_tokens": 0}}
                 yield sse({"type": "message_start", "message": start}, "message_start")
-                yield sse({"type": "content_block_start", "index": 0,
-                           "content_block": {"type": "text", "text": ""}}, "content_block_start")
-                yield sse({"type": "ping"}, "ping")
                 async for tok in run.tokens():
-                    if tok.text:
-                        yield sse({"type": "content_block_delta", "index": 0,
-                                   "delta": {"type": "text_delta", "text": tok.text}},
-                                  "content_block_delta")
+                    for event in blocks.deltas(out.feed(tok.text)):
+                        yield event
                 try:
                     done = complete(run.outcome)
                 except ApiError as cut:  # no stop_reason: the client raises
@@ -151,8 +166,9 @@ def register(app: QuartTrio, engine: Engine, metrics: Metrics) -> None:
                         "type": _ERROR_TYPES.get(cut.status, "api_error"),
                         "message": cut.message}}, "error")
                     return
-                yield sse({"type": "content_block_stop", "index": 0}, "content_block_stop")
-                reason, sequence = stop_reason(run, done, stops, gen.params.stop_token_ids)
+                for event in blocks.close(out.finish()):
+                    yield event
+                reason, sequence = reason_of(done)
                 yield sse({"type": "message_delta",
                            "delta": {"stop_reason": reason, "stop_sequence": sequence},
                            "usage": usage(run, prompt_tokens)}, "message_delta")

@@ -35,6 +35,7 @@ from tqserve.api.playground import add_playground
 from tqserve.api.metrics import Metrics
 from tqserve.api.protocol import (CancelCommand, GenerateCommand, ProtocolError, decode_frame,
                           encode_frame, parse_command)
+from tqserve.api.responses_ws import serve_responses_socket
 from tqserve.api.routes import register_http_apis
 
 log = logging.getLogger("tqserve.api")
@@ -170,7 +171,8 @@ def create_app(engine: Engine, connections: Connections | None = None) -> QuartT
         code = (exc.name or "error").lower().replace(" ", "_")
         return jsonify({"error": {"code": code, "message": exc.description}}), exc.code
 
-    metrics = register_http_apis(app, engine)  # after: its 404/405 are more specific
+    apis = register_http_apis(app, engine)  # after: its 404/405 are more specific
+    metrics = apis.metrics
 
     @app.get("/health")
     async def health() -> Any:
@@ -184,8 +186,8 @@ def create_app(engine: Engine, connections: Connections | None = None) -> QuartT
 
     add_playground(app, engine)  # GET /, its static files, the vocabulary it shows
 
-    @app.websocket("/v1/stream")
-    async def stream() -> Any:
+    def refused() -> Any:
+        """Why a WebSocket upgrade is refused now (a 503), or None."""
         if engine.shutting_down or connections.closing.is_set():
             return jsonify({"error": {"code": "shutting_down",
                                       "message": "the server is shutting down"}}), 503
@@ -196,9 +198,26 @@ def create_app(engine: Engine, connections: Connections | None = None) -> QuartT
                                       "message": f"the server holds {limit} WebSocket "
                                                  "connections already (--max-connections)"}}
                            ), 503, {"Retry-After": "1"}
+        return None
+
+    @app.websocket("/v1/stream")
+    async def stream() -> Any:
+        if (answer := refused()) is not None:
+            return answer
         connections.opened()
         try:
             await _serve_socket(engine, connections, metrics)
+        finally:
+            connections.closed()
+        return None
+
+    @app.websocket("/v1/responses")
+    async def responses_socket() -> Any:
+        if (answer := refused()) is not None:
+            return answer
+        connections.opened()
+        try:
+            await serve_responses_socket(apis.responder, connections.closing)
         finally:
             connections.closed()
         return None

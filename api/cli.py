@@ -165,6 +165,14 @@ def _config_flags(p: argparse.ArgumentParser, *, server: bool) -> None:
         p.add_argument("--ws-message-timeout", type=float, default=defaults.ws_message_timeout,
                        help="seconds a WebSocket message may take to arrive (then close 1008)")
         add_timeout_flags(p, defaults)
+        p.add_argument("--chat-template", default=None, metavar="FILE",
+                       help="Jinja chat template used instead of the model's (docs/agents.md)")
+        p.add_argument("--served-model-name", nargs="+", default=(), metavar="NAME",
+                       help="names answered as `model`; others get 404 model_not_found "
+                            "(default: the model directory's name, any `model` accepted)")
+        p.add_argument("--strict-fields", action="store_true",
+                       help="refuse unknown request fields with a 400 (default: ignored, "
+                            "with a logged warning)")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -10,15 +10,16 @@ becomes a 400 / 429 in the API's own error shape, never a 200 with an error insi
 from __future__ import annotations
 
 import json
+import logging
 import uuid
 from typing import Any, AsyncIterator, Callable
 
 import attrs
 
-from tqserve.actors.engine import Engine
 from tqserve.actors.messages import Done, Error, Event, Queued, Token
 from tqserve.engine.request import GenerateRequest
 
+log = logging.getLogger("tqserve.api")
 RETRY_AFTER_SECONDS = 1  # what a 429 tells clients to wait: admission frees within a step or so
 # engine error codes -> HTTP status (anything else is our fault: 500)
 STATUS_BY_CODE = {"invalid_request": 400, "overloaded": 429, "engine_closed": 503,
@@ -28,7 +29,8 @@ SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                "X-Accel-Buffering": "no"}
 _FIELD_PREFIXES = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed",
                    "repetition_penalty", "top_logprobs", "logprobs", "stop", "prompt_tokens",
-                   "prompt", "messages", "response_format", "speculative")
+                   "prompt", "messages", "response_format", "speculative", "presence_penalty",
+                   "frequency_penalty", "logit_bias", "tools")
 
 
 def param_of(message: str) -> str | None:
@@ -60,6 +62,7 @@ class ApiError(Exception):
 
 
 _MISSING = object()
+IMAGE_PARTS = ("image_url", "image", "input_image", "input_audio", "document")
 _TYPE_NAMES = {str: "a string", int: "an integer", float: "a number", bool: "a boolean",
                list: "an array", dict: "an object"}
 
@@ -79,10 +82,15 @@ class Body:
             raise ApiError(400, "request body must be a JSON object")
         self.obj: dict[str, Any] = obj
 
-    def refuse_unknown(self, known: frozenset[str]) -> None:
+    def refuse_unknown(self, known: frozenset[str], strict: bool = True) -> None:
+        """Unknown fields: refused (strict, --strict-fields), else ignored with a warning."""
         extra = sorted(set(self.obj) - known)
-        if extra:
+        if extra and strict:
             raise ApiError(400, f"unknown field {extra[0]!r}", extra[0])
+        if extra:
+            log.warning("ignoring unknown request fields: %s", ", ".join(extra))
+            for name in extra:
+                del self.obj[name]
 
     def get(self, name: str, kind: type | tuple[type, ...], default: Any = None, *,
             required: bool = False) -> Any:
@@ -124,6 +132,9 @@ def text_of_content(content: Any, where: str) -> str:
     if isinstance(content, list):
         parts = []
         for i, part in enumerate(content):
+            if isinstance(part, dict) and part.get("type") in IMAGE_PARTS:
+                raise ApiError(400, f"{where}[{i}] is an image ({part['type']}): this server "
+                                    "serves a text-only model", where)
             if not (isinstance(part, dict) and part.get("type") == "text"
                     and isinstance(part.get("text"), str)):
                 raise ApiError(400, f"{where}[{i}] must be a text part "

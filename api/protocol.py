@@ -6,8 +6,9 @@ server answers each request in the frame kind the client used for it.
 Client -> server:
     {"type": "generate", "id": str, "prompt": str | "prompt_tokens": [int] |
      "messages": [{"role", "content"}], "max_tokens", "temperature", "top_p",
-     "top_k", "min_p", "repetition_penalty", "seed", "logprobs", "top_logprobs",
-     "stop", "stop_token_ids", "response_format", "speculative"}
+     "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
+     "logit_bias", "seed", "logprobs", "top_logprobs", "stop", "stop_token_ids",
+     "response_format", "speculative"}
     {"type": "cancel", "id": str}
 Server -> client: queued, token, done, error (see actors.messages).
 
@@ -29,7 +30,7 @@ from tqserve.engine.sampling import SamplingParams
 MAX_ID_LENGTH = 128
 _SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p",
                     "repetition_penalty", "seed", "logprobs", "top_logprobs", "stop",
-                    "stop_token_ids")
+                    "stop_token_ids", "presence_penalty", "frequency_penalty", "logit_bias")
 _PROMPT_FIELDS = ("prompt", "prompt_tokens", "messages")
 _GENERATE_FIELDS = frozenset(("type", "id", "response_format", "speculative") + _PROMPT_FIELDS
                              + _SAMPLING_FIELDS)

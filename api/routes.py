@@ -7,15 +7,17 @@ the other /v1/ paths, `{"error": {...}}` elsewhere.
 
 from __future__ import annotations
 
+import attrs
 from quart import Response, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import MethodNotAllowed, NotFound, RequestEntityTooLarge
 
 from tqserve.actors.engine import Engine
-from tqserve.api import anthropic, auth, openai
+from tqserve.api import anthropic, auth, extras, openai, responses
 from tqserve.api.httpcommon import ApiError
 from tqserve.api.httpconn import too_large_message
 from tqserve.api.metrics import Metrics
+from tqserve.api.responses import Responder
 
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -28,14 +30,22 @@ def api_error(path: str, status: int, message: str, param: str | None = None,
     return openai.error_response(status, message, param, code)
 
 
-def register_http_apis(app: QuartTrio, engine: Engine) -> Metrics:
-    """Add the HTTP APIs, /metrics and auth to `app`; returns its Metrics (for the WS)."""
+@attrs.frozen
+class HttpApis:
+    metrics: Metrics        # shared with the WebSocket
+    responder: Responder    # the Responses API's, for its WebSocket mode
+
+
+def register_http_apis(app: QuartTrio, engine: Engine) -> HttpApis:
+    """Add the HTTP APIs, /metrics and auth to `app`; what the WebSockets share."""
     metrics = Metrics(engine)
     config = engine.config
     auth.install(app, config.api_key, config.allowed_origins, metrics,
                  lambda path, status, message: api_error(path, status, message))
     openai.register(app, engine, metrics)
     anthropic.register(app, engine, metrics)
+    responder = responses.register(app, engine, metrics)
+    extras.register(app, engine)
 
     @app.get("/metrics")
     async def prometheus() -> Response:
@@ -62,4 +72,4 @@ def register_http_apis(app: QuartTrio, engine: Engine) -> Metrics:
         return api_error(request.path, 413, too_large_message(exc, config.max_message_bytes)
                          or "request body too large", code="too_large")
 
-    return metrics
+    return HttpApis(metrics, responder)

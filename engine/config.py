@@ -7,6 +7,8 @@ field as it is spelled on the wire (`max_tokens`).
 
 from __future__ import annotations
 
+import os
+
 import attrs
 
 from tqserve.engine.kv.affine import KV_BITS, KV_GROUP_SIZES
@@ -55,6 +57,22 @@ def _positive_seconds(inst: object, attr: attrs.Attribute, value: float) -> None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1e6:
         raise ValueError(f"{attr.name.replace('_', '-')} must be a number of seconds > 0, "
                          f"got {value!r}")
+
+
+def _chat_template(inst: object, attr: attrs.Attribute, value: str | None) -> None:
+    if value is not None and not os.path.isfile(value):
+        raise ValueError(f"--chat-template {value!r} is not a file")
+
+
+def _names(value: str | tuple[str, ...] | list[str]) -> tuple[str, ...]:
+    """--served-model-name: names, comma-separated or a sequence; empty: the directory's."""
+    if value == "":
+        return ()
+    items = value.split(",") if isinstance(value, str) else list(value)
+    names = tuple(n.strip() for n in items if isinstance(n, str) and n.strip())
+    if len(names) != len(items):
+        raise ValueError(f"--served-model-name must be non-empty names, got {value!r}")
+    return names
 
 
 def _turboquant(inst: object, attr: attrs.Attribute, value: str | None) -> None:
@@ -194,6 +212,13 @@ class Config:
     distributed: bool = False
     # Seconds one group operation (a step, a broadcast) may take before the rank exits 1.
     distributed_timeout: float = attrs.field(default=60.0, validator=_positive_seconds)
+
+    # Chat and tools (docs/agents.md): a Jinja chat template file overriding the model's;
+    # the names requests may give as `model` (the first one answers; empty: the
+    # directory's name); strict_fields refuses unknown request fields instead of ignoring.
+    chat_template: str | None = attrs.field(default=None, validator=_chat_template)
+    served_model_name: tuple[str, ...] = attrs.field(default=(), converter=_names)
+    strict_fields: bool = False
 
     def __attrs_post_init__(self) -> None:
         if self.quantized_kv_start > 0 and self.kv_quant is not None and self.turboquant is None:

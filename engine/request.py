@@ -24,6 +24,9 @@ from tqserve.engine.speculative.policy import SpecChoice, parse_speculative
 from tqserve.engine.structured import FormatSource, check_response_format
 
 ROLES = ("system", "user", "assistant", "tool")
+# what a message may carry besides role and content: the template renders them
+MESSAGE_KEYS = frozenset(("role", "content", "name", "tool_calls", "tool_call_id",
+                          "reasoning_content"))
 
 
 def _messages(inst: object, attr: attrs.Attribute, value: tuple | None) -> None:
@@ -32,12 +35,24 @@ def _messages(inst: object, attr: attrs.Attribute, value: tuple | None) -> None:
     if not value:
         raise ValueError("messages must not be empty")
     for i, m in enumerate(value):
-        if not isinstance(m, dict) or set(m) - {"role", "content", "name"}:
+        if not isinstance(m, dict) or set(m) - MESSAGE_KEYS:
             raise ValueError(f"messages[{i}] must be an object with role and content")
         if m.get("role") not in ROLES:
             raise ValueError(f"messages[{i}].role must be one of {', '.join(ROLES)}")
-        if not isinstance(m.get("content"), str):
+        calls = m.get("tool_calls")
+        if calls is not None and not (m["role"] == "assistant" and isinstance(calls, list)):
+            raise ValueError(f"messages[{i}].tool_calls must be a list on an assistant message")
+        if not isinstance(m.get("content"), str) and not (calls and m.get("content") is None):
             raise ValueError(f"messages[{i}].content must be a string")
+
+
+def _tools(inst: object, attr: attrs.Attribute, value: tuple | None) -> None:
+    if value is None:
+        return
+    for i, tool in enumerate(value):
+        if not (isinstance(tool, dict) and isinstance(tool.get("function"), dict)
+                and isinstance(tool["function"].get("name"), str)):
+            raise ValueError(f"tools[{i}] must be an object with function.name")
 
 
 def _optional_tuple(value: Iterable[Any] | None) -> tuple[Any, ...] | None:
@@ -63,6 +78,9 @@ class GenerateRequest:
         default=None, converter=_optional_tuple, validator=_tokens)
     messages: tuple[dict[str, Any], ...] | None = attrs.field(
         default=None, converter=_optional_tuple, validator=_messages)
+    # OpenAI-shaped function tools the chat template renders (messages only)
+    tools: tuple[dict[str, Any], ...] | None = attrs.field(
+        default=None, converter=_optional_tuple, validator=_tools)
     params: SamplingParams = attrs.field(factory=SamplingParams)
     response_format: dict[str, Any] | None = None
     # speculation: {"method", "num_tokens"}, false, or null (the server's default)
@@ -76,6 +94,8 @@ class GenerateRequest:
             raise ValueError("give exactly one of prompt, prompt_tokens or messages")
         if self.prompt == "":
             raise ValueError("prompt must not be empty")
+        if self.tools is not None and self.messages is None:
+            raise ValueError("tools need messages (a chat prompt)")
         object.__setattr__(self, "constraint", check_response_format(self.response_format))
 
     @property
@@ -83,7 +103,7 @@ class GenerateRequest:
         """Characters of prompt text (the prompt, or every message's content)."""
         if self.prompt is not None:
             return len(self.prompt)
-        return sum(len(m["content"]) for m in self.messages or ())
+        return sum(len(m["content"] or "") for m in self.messages or ())
 
     def check_limits(self, *, max_prompt_chars: int, max_messages: int,
                      max_prompt_tokens: int) -> None:
@@ -99,14 +119,19 @@ class GenerateRequest:
             raise ValueError(f"prompt_tokens holds {len(self.prompt_tokens)} ids, more than "
                              f"the model's context of {max_prompt_tokens} tokens")
 
-    def token_ids(self, tokenizer: Any) -> tuple[int, ...]:
-        """The prompt as token ids."""
+    def token_ids(self, tokenizer: Any, chat_template: str | None = None) -> tuple[int, ...]:
+        """The prompt as token ids; `chat_template` (--chat-template) overrides the
+        tokenizer's own template."""
         if self.prompt_tokens is not None:
             return self.prompt_tokens
         if self.prompt is not None:
             return tuple(tokenizer.encode(self.prompt))
         messages = [dict(m) for m in self.messages or ()]
-        if getattr(tokenizer, "chat_template", None):
-            return tuple(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
-        text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
-        return tuple(tokenizer.encode(text))
+        if chat_template or getattr(tokenizer, "chat_template", None):
+            extra: dict[str, Any] = {"chat_template": chat_template} if chat_template else {}
+            if self.tools:
+                extra["tools"] = [dict(t) for t in self.tools]
+            return tuple(tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                       **extra))
+        text = "".join(f"{m['role']}: {m['content'] or ''}\n" for m in messages)
+        return tuple(tokenizer.encode(text + "assistant: "))

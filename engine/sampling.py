@@ -12,7 +12,10 @@ uint32 arithmetic and one log pair per draw). Rows without a seed get a fresh ra
 one. `temperature == 0` is greedy.
 
 Processing order (as vLLM): repetition penalty (over prompt and output tokens, each seen
-token once: a per-row presence mask kept on the host, stacked per step),
+token once: a per-row presence mask kept on the host, stacked per step), then OpenAI's
+presence and frequency penalties (over output tokens: a token's logit less
+presence_penalty once it appeared, less frequency_penalty per appearance) and logit_bias
+(added to the named tokens' logits), one additive (B, V) array built on the host,
 the row's grammar mask (structured output: disallowed tokens get -inf), temperature,
 top-k, top-p, min-p. Logprobs are always the raw model distribution's log-softmax,
 before any processing -- the grammar mask included: a constrained row reports the
@@ -28,6 +31,8 @@ from typing import Any, Sequence
 import attrs
 import mlx.core as mx
 import numpy as np
+
+from tqserve.engine.penalties import additive, bias_pairs, check_bias
 
 MAX_TOP_LOGPROBS = 20
 # What one request may carry in its stop lists (each is checked against every new token).
@@ -111,10 +116,23 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = attrs.field(
         default=(), converter=tuple, validator=_int_tuple
     )
+    presence_penalty: float = attrs.field(default=0.0, validator=_in_range(-2.0, 2.0))
+    frequency_penalty: float = attrs.field(default=0.0, validator=_in_range(-2.0, 2.0))
+    logit_bias: tuple[tuple[int, float], ...] = attrs.field(default=(), converter=bias_pairs,
+                                                           validator=check_bias)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def counts_output(self) -> bool:
+        """Presence or frequency penalties: the row counts its output tokens."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
+    def adds_to_logits(self) -> bool:
+        return self.counts_output or bool(self.logit_bias)
 
 
 @attrs.define
@@ -127,6 +145,7 @@ class RowSampler:
     num_sampled: int = 0
     _unseen: list[int] = attrs.Factory(list)  # ids to mark once the vocabulary is known
     _seen: np.ndarray | None = None
+    counts: dict[int, int] = attrs.Factory(dict)  # output token -> times (counts_output)
 
     @classmethod
     def create(cls, params: SamplingParams, prompt: Sequence[int]) -> "RowSampler":
@@ -152,6 +171,8 @@ class RowSampler:
         self.num_sampled += 1
         if self.penalized:
             self._unseen.append(token)
+        if self.params.counts_output:
+            self.counts[token] = self.counts.get(token, 0) + 1
 
     def advanced(self, tokens: Sequence[int]) -> "RowSampler":
         """A copy as it would be after recording `tokens` (this sampler is unchanged): the
@@ -159,8 +180,13 @@ class RowSampler:
         the same token index in plain decoding."""
         seen = None if self._seen is None else self._seen.copy()
         unseen = [*self._unseen, *tokens] if self.penalized else []
+        counts = dict(self.counts)
+        if self.params.counts_output:
+            for t in tokens:
+                counts[t] = counts.get(t, 0) + 1
         return RowSampler(params=self.params, seed=self.seed,
-                          num_sampled=self.num_sampled + len(tokens), unseen=unseen, seen=seen)
+                          num_sampled=self.num_sampled + len(tokens), unseen=unseen, seen=seen,
+                          counts=counts)
 
 
 @attrs.frozen
@@ -298,6 +324,8 @@ def build_sample(logits: mx.array, rows: Sequence[RowSampler],
         processed = _penalize(logits, rows)
     else:
         processed = logits
+    if any(r.params.adds_to_logits for r in rows):
+        processed = additive(processed, rows)
     if masks is not None:
         processed = apply_token_masks(processed, masks)
     greedy_tok = mx.argmax(processed, axis=-1)

@@ -78,13 +78,14 @@ async def test_streaming_events_in_anthropic_order(server):
 
 
 async def test_errors_are_anthropic_exceptions(nursery, draft_model):
-    server = await start_server(nursery, draft_model, max_queued_requests=1, max_batch=1)
+    server = await start_server(nursery, draft_model, max_queued_requests=1, max_batch=1,
+                                strict_fields=True)
     api = client(server)
     with pytest.raises(anthropic.BadRequestError, match="max_tokens"):
         await api.messages.create(model="m", max_tokens=0, messages=USER)
     with pytest.raises(anthropic.BadRequestError, match="role"):
         await api.messages.create(model="m", max_tokens=4,
-                                  messages=[{"role": "system", "content": "x"}])
+                                  messages=[{"role": "tool", "content": "x"}])
     with pytest.raises(anthropic.BadRequestError, match="bogus") as info:
         await api.messages.create(model="m", max_tokens=4, messages=USER,
                                   extra_body={"bogus": True})

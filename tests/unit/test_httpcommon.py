@@ -57,7 +57,10 @@ def test_content_parts_and_sse_framing():
     assert text_of_content([{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
                            "c") == "ab"
     with pytest.raises(ApiError, match=r"c\[0\] must be a text part"):
-        text_of_content([{"type": "image"}], "c")
+        text_of_content([{"type": "video"}], "c")
+    with pytest.raises(ApiError, match=r"c\[1\] is an image \(image_url\): this server "
+                                       "serves a text-only model"):
+        text_of_content([{"type": "text", "text": "a"}, {"type": "image_url"}], "c")
     with pytest.raises(ApiError, match="c must be"):
         text_of_content(5, "c")
     assert sse({"a": "é"}) == 'data: {"a": "é"}\n\n'.encode()
