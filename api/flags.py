@@ -1,0 +1,185 @@
+"""The flags of `serve` and `generate`, in groups, each mapping 1:1 onto a field of
+engine.config.Config (api.cli builds the Config from them). docs/serving.md has the same
+groups. Flags only a server has (network, auth, HTTP API, tensor parallel) are added for
+`serve` alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any
+
+INT_FLAGS = {  # Config field -> help; every one maps 1:1 onto engine.config.Config
+    "max_batch": "rows decoding together in one batched forward",
+    "prefill_chunk": "prompt positions one prefill group advances per engine step (at most)",
+    "max_step_tokens": "tokens one engine step processes: one per decoding row, prefill "
+                       "(left padding included) the rest; >= --max-batch",
+    "max_queued_requests": "admission bound: requests waiting for a row (more are refused "
+                           "at once with code overloaded)",
+    "max_queued_tokens": "admission bound: prompt tokens of the waiting requests",
+    "max_tokens_cap": "largest max_tokens a request may ask for",
+    "default_max_tokens": "max_tokens of a request that does not set it",
+    "stream_buffer": "events a request's consumer may fall behind before it is cut off "
+                     "(code slow_consumer)",
+    "port": "TCP port to listen on (0: any free port)",
+    "max_message_bytes": "largest WebSocket frame a client may send",
+    "max_streams_per_connection": "concurrent requests on one WebSocket",
+    "max_connections": "open connections (HTTP and WebSocket) the server holds at once (a "
+                       "request beyond it is refused with HTTP 503, code too_many_connections)",
+    "kv_budget_bytes": "KV bytes the admitted rows may hold together; rows beyond it wait "
+                       "in the queue (0: half the free RAM at start, 80%% of free GPU memory)",
+    "ram_cache_bytes": "byte budget of the prefix cache's RAM tier",
+    "ssd_cache_bytes": "byte budget of the prefix cache's SSD tier (--cache-dir)",
+    "max_prompt_chars": "characters of prompt text one request may carry (docs/limits.md)",
+    "max_messages": "entries of a chat messages array one request may carry",
+}
+SERVER_ONLY = ("port", "max_message_bytes", "max_streams_per_connection", "max_connections")
+
+
+def add_config_flags(p: argparse.ArgumentParser, *, server: bool) -> None:
+    """Every Config flag of `serve` (server=True) or `generate`, in help groups."""
+    # engine imports MLX: imported here, so that `tqserve bench --blas` can preload a BLAS
+    from tqserve.engine.config import Config
+
+    defaults = Config()
+    _model(p.add_argument_group("model and backend"), defaults)
+    _ints(p.add_argument_group("batching and memory"), defaults, server,
+          ("max_batch", "prefill_chunk", "max_step_tokens", "kv_budget_bytes"))
+    _ints(p.add_argument_group("admission and request limits (docs/limits.md)"), defaults,
+          server, ("max_queued_requests", "max_queued_tokens", "max_tokens_cap",
+                   "default_max_tokens", "stream_buffer", "max_prompt_chars", "max_messages",
+                   "max_message_bytes", "max_streams_per_connection", "max_connections"))
+    _kv(p.add_argument_group("KV cache (docs/kv-cache.md)"), defaults, server)
+    prefix = p.add_argument_group("prefix cache (docs/prefix-cache.md)")
+    _prefix(prefix, defaults)
+    _ints(prefix, defaults, server, ("ram_cache_bytes", "ssd_cache_bytes"))
+    _speculative(p.add_argument_group("speculative decoding (docs/speculative.md)"), defaults)
+    if server:
+        network = p.add_argument_group("network, auth, lifecycle (docs/serving.md)")
+        _ints(network, defaults, server, ("port",))
+        _network(network, defaults)
+        _http_api(p.add_argument_group("HTTP APIs (docs/agents.md)"))
+        _tensor_parallel(p.add_argument_group("tensor parallel (docs/scale-out.md)"), defaults)
+
+
+def _ints(g: Any, defaults: Any, server: bool, names: tuple[str, ...]) -> None:
+    for name in names:
+        if server or name not in SERVER_ONLY:
+            g.add_argument("--" + name.replace("_", "-"), type=int,
+                           default=getattr(defaults, name), help=INT_FLAGS[name])
+
+
+def _model(g: Any, defaults: Any) -> None:
+    from tqserve.engine.model import DTYPES, QUANTIZED_WEIGHTS
+
+    g.add_argument("--model", default=defaults.model,
+                   help="mlx-lm model directory, hub id or llama-family GGUF file "
+                        "(default: the bundled pycoder-draft-4m)")
+    g.add_argument("--blas", default="auto", metavar="{auto,none,PATH}",
+                   help="Linux CPU: optimized BLAS loaded before MLX (auto: the system's "
+                        "OpenBLAS if installed, else MLX's slow reference BLAS and a hint)")
+    g.add_argument("--dtype", choices=DTYPES, default="auto",
+                   help="auto = float32 on MLX's CPU backend, the model's dtype on a GPU")
+    g.add_argument("--quantized-weights", choices=QUANTIZED_WEIGHTS,
+                   default=defaults.quantized_weights,
+                   help="4/8-bit weights (quantized checkpoints, GGUF files): keep them packed "
+                        "(less memory), dequantize them at load, or auto = dequantize on the "
+                        "CPU backend (faster there), keep on a GPU")
+
+
+def _kv(g: Any, defaults: Any, server: bool) -> None:
+    from tqserve.engine.kv.affine import KV_BITS, KV_GROUP_SIZES
+
+    g.add_argument("--turboquant", default=None, metavar="kXvY",
+                   help="TurboQuant KV cache with X key bits and Y value bits (1..8), e.g. k4v4 "
+                        "(default: off)")
+    g.add_argument("--quantized-kv-start", type=int, default=0,
+                   help="rows stay full precision until this many tokens, then convert")
+    g.add_argument("--kv-quant", type=int, choices=KV_BITS, default=None,
+                   help="affine (mlx-lm kv_bits) KV cache with this many bits; "
+                        "--turboquant wins if both are given (default: off)")
+    g.add_argument("--kv-group-size", type=int, choices=KV_GROUP_SIZES,
+                   default=defaults.kv_group_size, help="elements per scale/bias of --kv-quant")
+    g.add_argument("--warmup", choices=("auto", "on", "off"),
+                   default=defaults.warmup if server else "off",
+                   help="run each decode batch size (1, 2, 4, ... --max-batch) once at start, "
+                        "so first requests do not pay for kernel compiles; auto: on a GPU "
+                        "only" + ("" if server else " (generate runs one request: off)"))
+    g.add_argument("--fast-decode", choices=("auto", "on", "off"), default=defaults.fast_decode,
+                   help="decode fast path: fused q/k/v and gate/up weights and compiled decode "
+                        "layers (engine.fastpath); auto: on a GPU only, off with --distributed")
+
+
+def _prefix(g: Any, defaults: Any) -> None:
+    g.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
+                   help="never reuse KV of earlier requests")
+    g.add_argument("--cache-dir", default=None,
+                   help="directory of the SSD prefix-cache tier (restored at start; "
+                        "default: off)")
+    g.add_argument("--ssd-flush", choices=("sync", "async"), default=defaults.ssd_flush,
+                   help="async: writes go through a bounded queue, a full queue drops the "
+                        "write; sync: a snapshot is published once its file is durable")
+    g.add_argument("--ssd-write", choices=("through", "back"), default=defaults.ssd_write,
+                   help="through: every published snapshot is written to --cache-dir; "
+                        "back: only snapshots evicted from the RAM tier")
+
+
+def _speculative(g: Any, defaults: Any) -> None:
+    g.add_argument("--speculative", choices=("draft", "mtp", "lookup"), default=None,
+                   help="speculative decoding inside the batch: draft model, the target's "
+                        "MTP head, or prompt lookup (default: off; requests may opt out)")
+    g.add_argument("--draft-model", default=None,
+                   help="draft model (same tokenizer) for --speculative draft; with it set, "
+                        "requests may also ask for method draft")
+    g.add_argument("--num-speculative-tokens", type=int,
+                   default=defaults.num_speculative_tokens,
+                   help="tokens proposed per row and step (1..16)")
+    g.add_argument("--speculative-max-batch", type=int, default=defaults.speculative_max_batch,
+                   help="no row proposes while more rows than this decode (0 = no limit)")
+    g.add_argument("--no-speculative-time-policy", dest="speculative_time_policy",
+                   action="store_false",
+                   help="propose whenever a row speculates, even in batch sizes where "
+                        "measured speculative decoding is slower than plain decoding")
+    g.add_argument("--speculative-ngram", type=int, default=defaults.speculative_ngram,
+                   help="longest n-gram prompt lookup matches (1..16)")
+
+
+def _network(g: Any, defaults: Any) -> None:
+    from tqserve.api.httpconn import add_timeout_flags
+
+    g.add_argument("--host", default=defaults.host, help="address to listen on")
+    g.add_argument("--shutdown-timeout", type=float, default=defaults.shutdown_timeout,
+                   metavar="SECONDS",
+                   help="on SIGTERM/SIGINT, seconds in-flight requests get to finish "
+                        "before they end with finish_reason shutdown")
+    g.add_argument("--api-key", default=os.environ.get("TQSERVE_API_KEY") or None,
+                   help="require this key as 'Authorization: Bearer KEY' on every route "
+                        "but /health and on the WebSocket upgrade (default: "
+                        "$TQSERVE_API_KEY; unset = no auth)")
+    g.add_argument("--allowed-origins", default="", metavar="ORIGIN,...",
+                   help="browser origins allowed besides the server's own and loopback "
+                        "ones, comma-separated (e.g. https://app.example.com; * = any)")
+    g.add_argument("--ws-message-timeout", type=float, default=defaults.ws_message_timeout,
+                   help="seconds a WebSocket message may take to arrive (then close 1008)")
+    add_timeout_flags(g, defaults)
+
+
+def _http_api(g: Any) -> None:
+    g.add_argument("--chat-template", default=None, metavar="FILE",
+                   help="Jinja chat template used instead of the model's (docs/agents.md)")
+    g.add_argument("--served-model-name", nargs="+", default=(), metavar="NAME",
+                   help="names answered as `model`; others get 404 model_not_found "
+                        "(default: the model directory's name, any `model` accepted)")
+    g.add_argument("--strict-fields", action="store_true",
+                   help="refuse unknown request fields with a 400 (default: ignored, "
+                        "with a logged warning)")
+
+
+def _tensor_parallel(g: Any, defaults: Any) -> None:
+    g.add_argument("--distributed", action="store_true",
+                   help="tensor parallel: run as one rank of a group started by mlx.launch "
+                        "(rank 0 serves, the other ranks follow; docs/scale-out.md)")
+    g.add_argument("--distributed-timeout", type=float, default=defaults.distributed_timeout,
+                   metavar="SECONDS", help="a rank whose step or broadcast takes longer "
+                   "(a peer died or hangs) ends the group")
