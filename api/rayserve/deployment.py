@@ -30,17 +30,26 @@ HEALTH_PERIOD = 2.0    # seconds between Ray's health checks of a replica
 HEALTH_TIMEOUT = 10.0  # seconds a health check may take before the replica counts as dead
 
 
+def _at_least(low: float, flag: str) -> Any:
+    def check(_inst: Any, _attr: Any, value: float) -> None:
+        if value < low:
+            raise ValueError(f"{flag} must be >= {low:g}, got {value:g}")
+    return check
+
+
 @attrs.frozen(kw_only=True)
 class RayServeConfig:
-    """How many replicas, their resources and Ray Serve's limits (the CLI's flags)."""
+    """How many replicas, their resources and Ray Serve's limits (the CLI's flags 1:1)."""
 
-    num_replicas: int = attrs.field(default=1, validator=attrs.validators.ge(1))
-    # autoscaling between these bounds when max_replicas > num_replicas (min = num_replicas)
-    max_replicas: int = attrs.field(default=0, validator=attrs.validators.ge(0))
-    target_ongoing_requests: int = attrs.field(default=0, validator=attrs.validators.ge(0))
-    num_cpus: float = attrs.field(default=1.0, validator=attrs.validators.ge(0))
-    num_gpus: float = attrs.field(default=0.0, validator=attrs.validators.ge(0))
-    max_ongoing_requests: int = attrs.field(default=0, validator=attrs.validators.ge(0))
+    num_replicas: int = attrs.field(default=1, validator=_at_least(1, "--replicas"))
+    # autoscaling between num_replicas and max_replicas when max_replicas > num_replicas
+    max_replicas: int = attrs.field(default=0, validator=_at_least(0, "--max-replicas"))
+    target_ongoing_requests: int = attrs.field(
+        default=0, validator=_at_least(0, "--target-ongoing-requests"))
+    num_cpus: float = attrs.field(default=1.0, validator=_at_least(0, "--num-cpus"))
+    num_gpus: float = attrs.field(default=0.0, validator=_at_least(0, "--num-gpus"))
+    max_ongoing_requests: int = attrs.field(default=0,
+                                            validator=_at_least(0, "--max-ongoing-requests"))
     route_prefix: str = "/"
 
     def __attrs_post_init__(self) -> None:
