@@ -181,3 +181,19 @@ def test_ray_serve_replicas(proxy: str) -> None:
                           f"replica {rid} holding no rows")
         assert stats["rows_queued"] == 0 and stats["kv_bytes"] == 0
     assert httpx.get(proxy + "/v1/stats", timeout=BOUND).json()["rows_active"] == 0
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--replicas", "0"], "--replicas must be >= 1, got 0"),
+    (["--replicas", "3", "--max-replicas", "2"], "--max-replicas (2) is below --replicas (3)"),
+    (["--distributed"], "--distributed is not supported under ray-serve"),
+    (["--address", "auto", "--cluster-cpus", "2"], "--cluster-cpus sizes a local cluster"),
+    (["--max-batch", "0"], "--max-batch must be a positive integer"),
+])
+def test_ray_serve_cli_refuses_bad_flags(argv: list[str], message: str,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    from tqserve.api.cli import main
+
+    assert main(["ray-serve", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("tqserve: error: ") and message in err and "Traceback" not in err
