@@ -100,9 +100,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         serve.run(build_app(config, ray_config), name=APP_NAME,
                   route_prefix=ray_config.route_prefix)
         url = f"http://{config.host}:{config.port}{ray_config.route_prefix.rstrip('/')}"
-        print(f"tqserve: serving {config.model} on {url} through Ray Serve "
-              f"({ray_config.num_replicas} replicas; WebSocket /v1/stream, HTTP "
-              "/v1/completions, /v1/chat/completions, /v1/messages)", flush=True)
+        scale = (f"replicas {ray_config.num_replicas}..{ray_config.max_replicas}"
+                 if ray_config.max_replicas > ray_config.num_replicas
+                 else f"replicas: {ray_config.num_replicas}")
+        print(f"tqserve: serving {config.model} on {url} through Ray Serve ({scale}; "
+              "WebSocket /v1/stream, HTTP /v1/completions, /v1/chat/completions, "
+              "/v1/messages)", flush=True)
         name = _wait_for_signal()
         serve.delete(APP_NAME)  # each replica: lifespan shutdown, the engine closes
         print(f"tqserve: shut down on {name}", file=sys.stderr, flush=True)
