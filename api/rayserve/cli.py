@@ -46,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--route-prefix", default="/", help="URL prefix of the application")
     p.add_argument("--address", default=None,
                    help="join this Ray cluster (e.g. auto, or ray://head:10001) instead of "
-                        "starting a local one")
+                        "starting a local one (default: start one)")
     p.add_argument("--cluster-cpus", type=int, default=None,
                    help="CPUs of the local cluster this starts (default: all; not with "
                         "--address)")
@@ -82,6 +82,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.address is not None and args.cluster_cpus is not None:
             raise ValueError("--cluster-cpus sizes a local cluster: not with --address")
         config = _config(args)
+        if config.port == 0:
+            raise ValueError("--port 0: Ray Serve's proxy needs a fixed port")
         ray_config = RayServeConfig(
             num_replicas=args.replicas, max_replicas=args.max_replicas,
             target_ongoing_requests=args.target_ongoing_requests, num_cpus=args.num_cpus,

@@ -188,6 +188,7 @@ def test_ray_serve_replicas(proxy: str) -> None:
     (["--replicas", "3", "--max-replicas", "2"], "--max-replicas (2) is below --replicas (3)"),
     (["--distributed"], "--distributed is not supported under ray-serve"),
     (["--address", "auto", "--cluster-cpus", "2"], "--cluster-cpus sizes a local cluster"),
+    (["--port", "0"], "--port 0: Ray Serve's proxy needs a fixed port"),
     (["--max-batch", "0"], "--max-batch must be a positive integer"),
 ])
 def test_ray_serve_cli_refuses_bad_flags(argv: list[str], message: str,
