@@ -15,6 +15,7 @@ running or queued in the engine counts, so `target_ongoing_requests` is a queue 
 from __future__ import annotations
 
 import functools
+import logging
 from typing import Any
 
 import attrs
@@ -24,6 +25,7 @@ from ray.serve.config import AutoscalingConfig
 
 from tqserve.api.rayserve.guest import GuestEnded, GuestRun, Message
 
+log = logging.getLogger("tqserve.rayserve")
 APP_NAME = "tqserve"
 DEPLOYMENT_NAME = "TqserveReplica"
 HEALTH_PERIOD = 2.0    # seconds between Ray's health checks of a replica
@@ -71,7 +73,9 @@ async def _run_engine(config: Any, stop: trio.Event, *,
         connections = Connections()
         task_status.started((engine, create_app(engine, connections)))
         await stop.wait()
-        await close_app(engine, connections, config.shutdown_timeout)
+        report = await close_app(engine, connections, config.shutdown_timeout)
+        log.warning("engine shut down: %d requests in flight, %d ended at the "
+                    "--shutdown-timeout", report.num_in_flight, report.num_ended)
 
 
 @serve.ingress()
