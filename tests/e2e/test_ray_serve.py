@@ -31,7 +31,7 @@ from tqserve.engine.config import Config  # noqa: E402
 pytestmark = pytest.mark.ray
 BOUND = 60.0          # seconds any one wait may take before the test fails (never hangs)
 LONG_TOKENS = 1500    # a streamed request long enough to be in flight at the kill
-NUM_LOAD = 6          # streaming requests in flight when a replica is killed
+NUM_LOAD = 6          # requests in flight when a replica is killed (1 WebSocket, 5 SSE)
 
 
 def _free_port() -> int:
@@ -109,6 +109,30 @@ def _stream(url: str, started: threading.Event) -> str:
         return f"error: {type(exc).__name__}"
 
 
+def _ws_stream(url: str, started: threading.Event) -> str:
+    """One long WebSocket generate: 'complete' or 'error: ...' (never blocks past BOUND)."""
+    async def run() -> str:
+        from trio_websocket import ConnectionClosed
+
+        try:
+            with trio.fail_after(BOUND):
+                async with open_websocket_url(url.replace("http://", "ws://")
+                                              + "/v1/stream") as ws:
+                    await ws.send_message(json.dumps({
+                        "type": "generate", "id": "long", "prompt": "import os\n",
+                        "max_tokens": LONG_TOKENS, "temperature": 0}))
+                    while True:
+                        event = json.loads(await ws.get_message())
+                        started.set()
+                        if event["type"] in ("done", "error"):
+                            return ("complete" if event.get("finish_reason") == "length"
+                                    else f"error: {event}")
+        except ConnectionClosed as exc:
+            return f"error: closed {exc.reason}"
+
+    return trio.run(run)
+
+
 def _completion(url: str) -> str:
     r = httpx.post(url + "/v1/completions", json={"prompt": "def add(a, b):",
                                                    "max_tokens": 8, "temperature": 0},
@@ -156,7 +180,8 @@ def test_ray_serve_replicas(proxy: str) -> None:
     before = _replicas()
     started = [threading.Event() for _ in range(NUM_LOAD)]
     with ThreadPoolExecutor(NUM_LOAD) as pool:
-        futures = [pool.submit(_stream, proxy, ev) for ev in started]
+        futures = [pool.submit(_ws_stream if i == 0 else _stream, proxy, ev)
+                   for i, ev in enumerate(started)]
         _wait_for(lambda: all(ev.is_set() for ev in started), "every stream started")
         victim = _wait_for(lambda: next((rid for rid, h in before.items()
                                          if _stats(h)["rows_active"] > 0), None),
@@ -164,7 +189,8 @@ def test_ray_serve_replicas(proxy: str) -> None:
         ray.kill(before[victim], no_restart=True)
         done, pending = wait(futures, timeout=BOUND * 2)
     assert not pending, "a request hung after the kill"
-    outcomes = [f.result() for f in done]
+    outcomes = [f.result() for f in futures]
+    print("outcomes after the kill:", outcomes)
     assert all(o == "complete" or o.startswith("error") for o in outcomes), outcomes
     assert any(o.startswith("error") for o in outcomes), outcomes  # the victim's requests
 
