@@ -158,8 +158,9 @@ class GuestRun:
             error = asyncio.CancelledError() if scope_.cancelled_caught else None
         except Exception as exc:  # this call fails; the nursery (the engine) goes on
             error = exc
-        finally:
-            loop.call_soon_threadsafe(_resolve, finished, error)
+        finally:  # a caller that went away reads nothing: no error left unretrieved
+            loop.call_soon_threadsafe(_resolve, finished, None if box.get("abandoned")
+                                      else error)
 
     async def _host(self, loop: asyncio.AbstractEventLoop, ctx: contextvars.Context,
                     fn: Callable[[], Awaitable[Any]]) -> Any:
