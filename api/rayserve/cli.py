@@ -72,7 +72,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         from tqserve.api.rayserve.deployment import APP_NAME, RayServeConfig, build_app
-    except ImportError:
+    except ModuleNotFoundError as exc:
+        if exc.name is None or exc.name.split(".")[0] != "ray":
+            raise  # our bug, not a missing extra
         print(f"tqserve: error: {_RAY_MISSING}", file=sys.stderr)
         return 2
     try:

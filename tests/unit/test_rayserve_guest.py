@@ -4,7 +4,7 @@ A small trio ASGI app stands in for quart-trio; the asyncio side plays Ray Serve
 (its own receive/send coroutines). Checked: a call round-trips messages both ways; an
 exception in the app fails that call only (the next one works); the asyncio caller being
 cancelled cancels the trio task; `call` reads trio state; stop ends the run and later
-calls fail with GuestEnded."""
+calls fail with GuestEnded. And `tqserve ray-serve` without Ray names the extra."""
 
 from __future__ import annotations
 
@@ -82,3 +82,16 @@ async def _scenario() -> None:
 
 def test_guest_bridges_asgi_calls_into_trio() -> None:
     asyncio.run(asyncio.wait_for(_scenario(), 30))
+
+
+def test_ray_serve_without_ray_names_the_extra(monkeypatch: pytest.MonkeyPatch,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    import sys
+
+    from tqserve.api.cli import main
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` now fails as if absent
+    monkeypatch.delitem(sys.modules, "tqserve.api.rayserve.deployment", raising=False)
+    assert main(["ray-serve", "--replicas", "2"]) == 2
+    assert capsys.readouterr().err == ("tqserve: error: tqserve ray-serve needs Ray Serve: "
+                                       "pip install 'tqserve[ray]'\n")
