@@ -1,4 +1,4 @@
-"""`tqserve` command line: serve | generate | route | replay | attack | bench | bench-kv |
+"""`tqserve` command line: serve | generate | route | ray-serve | replay | attack | bench | bench-kv |
 bench-prefix | eval-kv | bench-gpu | bench-spec.
 
 serve and generate map their flags 1:1 onto engine.config.Config; bench, bench-kv,
@@ -72,6 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
                        ("eval-kv", "KV-cache quality: perplexity and KL (tools/eval_kv)"),
                        ("replay", "replay, record-verify and A/B traces (tools/replay)"),
                        ("route", "prefix-aware router in front of N servers (api/router)"),
+                       ("ray-serve", "N replicas on Ray Serve, a local or joined Ray cluster "
+                                     "(api/rayserve; pip install 'tqserve[ray]')"),
                        ("route-sim", "predicted prefix reuse for N routed replicas on a "
                                      "Mooncake trace (tools/route_sim)"),
                        ("attack", "bounded attack run on a loopback server (tools/attack)")):
@@ -191,7 +193,8 @@ def _leaves(group: BaseExceptionGroup) -> list[BaseException]:
 _TOOLS = {"replay": "tqserve.tools.replay.cli", "bench": "tqserve.tools.bench", "bench-kv": "tqserve.tools.bench_kv",
           "eval-kv": "tqserve.tools.eval_kv", "bench-prefix": "tqserve.tools.bench_prefix",
           "bench-gpu": "tqserve.tools.bench_gpu", "attack": "tqserve.tools.attack",
-          "route": "tqserve.api.router.cli", "route-sim": "tqserve.tools.route_sim",
+          "route": "tqserve.api.router.cli", "ray-serve": "tqserve.api.rayserve.cli",
+          "route-sim": "tqserve.tools.route_sim",
           "bench-spec": "tqserve.tools.bench_spec", "bench-tp": "tqserve.tools.bench_tp"}
 
 

@@ -20,7 +20,7 @@ from hypercorn.trio.run import worker_serve
 from hypercorn.utils import wrap_app
 import trio
 
-from tqserve.actors.engine import ShutdownReport, open_engine
+from tqserve.actors.engine import Engine, ShutdownReport, open_engine
 from tqserve.api.app import Connections, create_app
 from tqserve.api.hardening import listen_hardened
 from tqserve.api.httpconn import HttpLimits
@@ -53,6 +53,17 @@ def listen(config: Config) -> tuple[HypercornConfig, Sockets]:
     return listen_hardened(config.host, config.port,
                            hard_message_bytes=hard_message_bytes(config), limits=limits,
                            ws_message_timeout=config.ws_message_timeout, app_queue=APP_QUEUE)
+
+
+async def close_app(engine: Engine, connections: Connections, timeout: float
+                    ) -> ShutdownReport:
+    """The app's clean shutdown (also api.rayserve's): stop admitting, give in-flight
+    requests `timeout` seconds, then have every WebSocket flush and close with 1001."""
+    report = await engine.shutdown(timeout)
+    connections.close_all()
+    with trio.move_on_after(CLOSE_GRACE):
+        await connections.wait_closed()
+    return report
 
 
 async def serve(config: Config, *, loaded: LoadedModel | None = None,
@@ -94,10 +105,7 @@ async def serve(config: Config, *, loaded: LoadedModel | None = None,
                 until.start_soon(stop_on, engine.group_failed.event)
                 if shutdown_trigger is not None:
                     until.start_soon(stop_on, shutdown_trigger)
-            report = await engine.shutdown(config.shutdown_timeout)
-            connections.close_all()
-            with trio.move_on_after(CLOSE_GRACE):
-                await connections.wait_closed()
+            report = await close_app(engine, connections, config.shutdown_timeout)
             stop_http.set()
     if engine.group_failed.error is not None:
         raise engine.group_failed.error  # after a clean shutdown: the CLI exits 1

@@ -1,0 +1,226 @@
+"""tqserve on Ray Serve (api/rayserve): a local Ray cluster, 2 CPU replicas of the bundled
+model behind Ray Serve's HTTP proxy. OpenAI, Anthropic and WebSocket requests through the
+proxy; one replica killed under load (its requests end, none hangs; new ones succeed; Ray
+starts a replacement); every replica ends with no row held.
+
+Marked `ray` (tens of seconds: a Ray cluster and three engine starts on 2 cores); skipped
+where Ray is not installed (pip install 'tqserve[ray]')."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor, wait
+from typing import Any, Iterator
+
+import httpx
+import pytest
+import trio
+from trio_websocket import open_websocket_url
+
+ray = pytest.importorskip("ray", reason="Ray Serve is not installed: pip install "
+                                        "'tqserve[ray]'")
+serve = pytest.importorskip("ray.serve", reason="pip install 'tqserve[ray]'")
+
+from tqserve.api.rayserve.deployment import (APP_NAME, DEPLOYMENT_NAME,  # noqa: E402
+                                             RayServeConfig, build_app)
+from tqserve.engine.config import Config  # noqa: E402
+
+pytestmark = pytest.mark.ray
+BOUND = 60.0          # seconds any one wait may take before the test fails (never hangs)
+LONG_TOKENS = 1500    # a streamed request long enough to be in flight at the kill
+NUM_LOAD = 6          # requests in flight when a replica is killed (1 WebSocket, 5 SSE)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def proxy() -> Iterator[str]:
+    """The proxy's URL, with the tqserve app of 2 replicas running behind it."""
+    port = _free_port()
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        config = Config(dtype="float32", max_batch=4, max_queued_requests=16,
+                        max_tokens_cap=2048, warmup="off", shutdown_timeout=2.0)
+        serve.run(build_app(config, RayServeConfig(num_replicas=2, num_cpus=0.5)),
+                  name=APP_NAME, route_prefix="/")
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def _replicas() -> dict[str, Any]:
+    """Replica id -> actor handle of the running tqserve replicas."""
+    out = {}
+    for entry in ray.util.list_named_actors(all_namespaces=True):
+        name = entry["name"]
+        if name.startswith("SERVE_REPLICA::") and f"#{DEPLOYMENT_NAME}#" in name:
+            try:
+                out[name.rsplit("#", 1)[1]] = ray.get_actor(name, namespace=entry["namespace"])
+            except ValueError:  # died between the listing and the lookup
+                pass
+    return out
+
+
+def _running_ids() -> set[str]:
+    """Ids of the replicas that Ray Serve counts as RUNNING."""
+    status = serve.status().applications[APP_NAME].deployments[DEPLOYMENT_NAME]
+    return set() if status.status != "HEALTHY" else set(_replicas())
+
+
+def _stats(handle: Any) -> dict[str, Any]:
+    return ray.get(handle.record_routing_stats.remote(), timeout=BOUND)
+
+
+def _wait_for(condition: Any, what: str) -> Any:
+    deadline = time.monotonic() + BOUND
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.2)
+    raise AssertionError(f"not within {BOUND:g} s: {what}")
+
+
+def _stream(url: str, started: threading.Event) -> str:
+    """One streamed completion: 'complete' or 'error: ...' (never blocks past BOUND)."""
+    body = {"prompt": "import os\n", "max_tokens": LONG_TOKENS, "temperature": 0,
+            "stream": True}
+    try:
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=BOUND) as r:
+            if r.status_code != 200:
+                return f"error: HTTP {r.status_code}"
+            finish = None
+            for line in r.iter_lines():
+                started.set()
+                if line.startswith("data: {"):
+                    choice = json.loads(line[6:])["choices"][0]
+                    finish = choice.get("finish_reason") or finish
+            return "complete" if finish == "length" else f"error: finish {finish}"
+    except httpx.TransportError as exc:
+        return f"error: {type(exc).__name__}"
+
+
+def _ws_stream(url: str, started: threading.Event) -> str:
+    """One long WebSocket generate: 'complete' or 'error: ...' (never blocks past BOUND)."""
+    async def run() -> str:
+        from trio_websocket import ConnectionClosed
+
+        try:
+            with trio.fail_after(BOUND):
+                async with open_websocket_url(url.replace("http://", "ws://")
+                                              + "/v1/stream") as ws:
+                    await ws.send_message(json.dumps({
+                        "type": "generate", "id": "long", "prompt": "import os\n",
+                        "max_tokens": LONG_TOKENS, "temperature": 0}))
+                    while True:
+                        event = json.loads(await ws.get_message())
+                        started.set()
+                        if event["type"] in ("done", "error"):
+                            return ("complete" if event.get("finish_reason") == "length"
+                                    else f"error: {event}")
+        except ConnectionClosed as exc:
+            return f"error: closed {exc.reason}"
+
+    return trio.run(run)
+
+
+def _completion(url: str) -> str:
+    r = httpx.post(url + "/v1/completions", json={"prompt": "def add(a, b):",
+                                                   "max_tokens": 8, "temperature": 0},
+                   timeout=BOUND)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["usage"]["completion_tokens"] == 8 and body["model"] == "pycoder-draft-4m"
+    return body["choices"][0]["text"]
+
+
+async def _ws_generate(url: str) -> list[dict[str, Any]]:
+    async with open_websocket_url(url.replace("http://", "ws://") + "/v1/stream") as ws:
+        await ws.send_message(json.dumps({"type": "generate", "id": "w", "prompt": "x = ",
+                                          "max_tokens": 5, "temperature": 0}))
+        events = []
+        with trio.fail_after(BOUND):
+            while not events or events[-1]["type"] not in ("done", "error"):
+                events.append(json.loads(await ws.get_message()))
+        return events
+
+
+def test_ray_serve_replicas(proxy: str) -> None:
+    # both replicas up, each answering; greedy text is the same whichever replica serves
+    assert len(_wait_for(lambda: len(_running_ids()) == 2 and _running_ids(),
+                         "2 running replicas")) == 2
+    texts = {_completion(proxy) for _ in range(4)}
+    assert len(texts) == 1 and texts.pop().strip()
+    served = [_stats(h)["requests_total"] for h in _replicas().values()]
+    assert sum(served) == 4
+    r = httpx.post(proxy + "/v1/messages", timeout=BOUND, json={
+        "model": "pycoder-draft-4m", "max_tokens": 6,
+        "messages": [{"role": "user", "content": "def main():"}]})
+    assert r.status_code == 200, r.text
+    message = r.json()
+    assert message["type"] == "message" and message["content"][0]["type"] == "text"
+    assert message["usage"]["output_tokens"] <= 6 and message["usage"]["input_tokens"] > 0
+    events = trio.run(_ws_generate, proxy)
+    assert events[-1]["type"] == "done", events
+    assert sum(e["type"] == "token" for e in events) >= 1
+    bad = httpx.post(proxy + "/v1/completions", json={"prompt": "x", "max_tokens": -1},
+                     timeout=BOUND)
+    assert bad.status_code == 400 and "max_tokens" in bad.text
+
+    # load, then kill the replica holding rows; every request ends within BOUND
+    before = _replicas()
+    started = [threading.Event() for _ in range(NUM_LOAD)]
+    with ThreadPoolExecutor(NUM_LOAD) as pool:
+        futures = [pool.submit(_ws_stream if i == 0 else _stream, proxy, ev)
+                   for i, ev in enumerate(started)]
+        _wait_for(lambda: all(ev.is_set() for ev in started), "every stream started")
+        victim = _wait_for(lambda: next((rid for rid, h in before.items()
+                                         if _stats(h)["rows_active"] > 0), None),
+                           "a replica with rows in flight")
+        ray.kill(before[victim], no_restart=True)
+        done, pending = wait(futures, timeout=BOUND * 2)
+    assert not pending, "a request hung after the kill"
+    outcomes = [f.result() for f in futures]
+    print("outcomes after the kill:", outcomes)
+    assert all(o == "complete" or o.startswith("error") for o in outcomes), outcomes
+    assert any(o.startswith("error") for o in outcomes), outcomes  # the victim's requests
+
+    # new requests succeed; Ray replaces the dead replica with a new one
+    assert _completion(proxy)
+    after = _wait_for(lambda: (lambda ids: len(ids) == 2 and victim not in ids and ids)(
+        _running_ids()), "a replacement replica running")
+    assert len(after - set(before)) == 1
+    assert {_completion(proxy) for _ in range(3)}
+
+    # no leaked rows anywhere: each replica, and /v1/stats through the proxy
+    for rid, handle in _replicas().items():
+        stats = _wait_for(lambda: (lambda s: s["rows_active"] == 0 and s)(_stats(handle)),
+                          f"replica {rid} holding no rows")
+        assert stats["rows_queued"] == 0 and stats["kv_bytes"] == 0
+    assert httpx.get(proxy + "/v1/stats", timeout=BOUND).json()["rows_active"] == 0
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--replicas", "0"], "--replicas must be >= 1, got 0"),
+    (["--replicas", "3", "--max-replicas", "2"], "--max-replicas (2) is below --replicas (3)"),
+    (["--distributed"], "--distributed is not supported under ray-serve"),
+    (["--address", "auto", "--cluster-cpus", "2"], "--cluster-cpus sizes a local cluster"),
+    (["--port", "0"], "--port 0: Ray Serve's proxy needs a fixed port"),
+    (["--max-batch", "0"], "--max-batch must be a positive integer"),
+])
+def test_ray_serve_cli_refuses_bad_flags(argv: list[str], message: str,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    from tqserve.api.cli import main
+
+    assert main(["ray-serve", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("tqserve: error: ") and message in err and "Traceback" not in err
