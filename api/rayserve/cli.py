@@ -17,7 +17,8 @@ import sys
 import threading
 from typing import Sequence
 
-from tqserve.api.cli import HelpFormatter, _config, _config_flags, _Parser
+from tqserve.api.cli import HelpFormatter, _config, _Parser
+from tqserve.api.flags import add_config_flags
 
 _RAY_MISSING = "tqserve ray-serve needs Ray Serve: pip install 'tqserve[ray]'"
 
@@ -26,7 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="tqserve ray-serve", formatter_class=HelpFormatter,
                 description="tqserve replicas as a Ray Serve application, behind Ray "
                             "Serve's HTTP proxy (same HTTP and WebSocket APIs as serve).")
-    _config_flags(p, server=True)
+    add_config_flags(p, server=True)
     p.add_argument("--replicas", type=int, default=1,
                    help="replicas (engines) to run; with --max-replicas, the autoscaling "
                         "minimum")
