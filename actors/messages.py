@@ -11,7 +11,7 @@ Client-facing events (`Queued`, `Token`, `Done`, `Error`) are also what
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterable
 
 import attrs
 import msgpack
@@ -19,6 +19,11 @@ import msgpack
 from tqserve.engine.sampling import SamplingParams
 from tqserve.engine.speculative.policy import SpecChoice
 from tqserve.engine.structured import ResponseFormat
+
+
+def _as_tuple(value: Iterable[Any]) -> tuple[Any, ...]:
+    """`tuple` as a named converter (mypy's attrs plugin cannot type the generic class)."""
+    return tuple(value)
 
 
 def _tuple_of_pairs(value: Any) -> tuple[tuple[int, float], ...] | None:
@@ -143,7 +148,7 @@ class StepTokens:
     """scheduler -> hub: every row's new tokens of one step, in one message. The hub
     detokenizes per stream and delivers one `Token` event per token."""
 
-    rows: tuple[RowTokens, ...] = attrs.field(converter=tuple)
+    rows: tuple[RowTokens, ...] = attrs.field(converter=_as_tuple)
 
 
 def _optional_ints(value: Any) -> tuple[int, ...] | None:
@@ -231,9 +236,9 @@ class SpecStep:
     numbers the engine's steps."""
 
     step: int
-    opened: tuple[SpecOpen, ...] = attrs.field(default=(), converter=tuple)
+    opened: tuple[SpecOpen, ...] = attrs.field(default=(), converter=_as_tuple)
     released: tuple[str, ...] = attrs.field(default=(), converter=_tuple_of_strs)
-    verified: tuple[RowVerified, ...] = attrs.field(default=(), converter=tuple)
+    verified: tuple[RowVerified, ...] = attrs.field(default=(), converter=_as_tuple)
     batch: tuple[str, ...] = attrs.field(default=(), converter=_tuple_of_strs)
     decode_seconds: float | None = None
     speculative: bool = False

@@ -33,7 +33,7 @@ from contextlib import nullcontext
 import trio
 
 from tqserve.actors.mailbox import Inbox, Outbox
-from tqserve.actors.prefix_cache import LOADING, PrefixCache
+from tqserve.actors.prefix_cache import LOADING, PrefixCache, Reuse
 from tqserve.actors.messages import (Cancel, Dequeued, Done, Error, KvUsage, Lease, Release,
                                      RowTokens, StepTokens, Submit)
 from tqserve.actors.runner_thread import RunnerThread
@@ -203,11 +203,11 @@ class _Scheduler:
                 found = prefix.lookup(rid, prompt, core.speculative(rid))
                 if found == LOADING:
                     core.hold(rid)
-                elif found is None:
-                    core.set_reuse(rid)
-                else:
+                elif isinstance(found, Reuse):
                     core.set_reuse(rid, reuse=found.key, cached=found.cached,
                                    cached_tier=found.tier)
+                else:  # None: nothing cached
+                    core.set_reuse(rid)
         for key in prefix.loads_to_start():
             loads.start_soon(prefix.load, key)
 

@@ -8,6 +8,7 @@ field as it is spelled on the wire (`max_tokens`).
 from __future__ import annotations
 
 import os
+from typing import Iterable
 
 import attrs
 
@@ -106,10 +107,10 @@ def _api_key(inst: object, attr: attrs.Attribute, value: str | None) -> None:
         raise ValueError("api-key must be a non-empty printable string (or unset)")
 
 
-def _origins(value: object) -> tuple[str, ...]:
+def _origins(value: str | Iterable[object]) -> tuple[str, ...]:
     if isinstance(value, str):
         value = [o for o in value.split(",") if o.strip()]
-    return tuple(str(o).strip().rstrip("/") for o in value)  # type: ignore[union-attr]
+    return tuple(str(o).strip().rstrip("/") for o in value)
 
 
 def _ssd_write(inst: object, attr: attrs.Attribute, value: str) -> None:

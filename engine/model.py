@@ -32,7 +32,7 @@ import json
 import logging
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import attrs
 import mlx.core as mx
@@ -203,7 +203,9 @@ def _load(path: Path, model: str | Path) -> tuple[Any, Any, dict[str, Any]]:
 
 
 def _float_dtype(net: Any) -> str:
-    floats = [v for _, v in tree_flatten(net.parameters()) if mx.issubdtype(v.dtype, mx.floating)]
+    # without `destination`, tree_flatten returns the list of (name, leaf) pairs
+    leaves = cast(list[tuple[str, mx.array]], tree_flatten(net.parameters()))
+    floats = [v for _, v in leaves if mx.issubdtype(v.dtype, mx.floating)]
     return str(floats[0].dtype).split(".")[-1]
 
 

@@ -21,6 +21,7 @@ import attrs
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
+from tqserve.engine.arrays import int_list
 from tqserve.engine.scheduler import PrefillChunk
 from tqserve.engine.snapshot import Snapshot, extract_snapshot, snapshot_kinds
 
@@ -63,8 +64,8 @@ def _keep_rows(cache: Any, keep: list[int]) -> None:
         cache.keys, cache.values = cache.keys[index], cache.values[index]
     cache.offset = cache.offset[index]
     cache.left_padding = cache.left_padding[index]
-    shared = min(min(cache.left_padding.tolist()), cache._idx)
-    if shared > 0:
+    shared = min(min(int_list(cache.left_padding)), cache._idx)
+    if shared > 0 and cache.keys is not None and cache.values is not None:  # _idx 0 if empty
         cache.keys = cache.keys[..., shared:, :]
         cache.values = cache.values[..., shared:, :]
         cache._idx -= shared

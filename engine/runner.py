@@ -60,7 +60,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Mapping
 
 import attrs
 import mlx.core as mx
@@ -77,7 +77,7 @@ from tqserve.engine.snapshot import (Snapshot, describe, extract_snapshot, from_
                                      snapshot_kinds, snapshot_of_row, to_planes)
 from tqserve.engine.snapshot_layout import PlaneLayout, plane_layout
 from tqserve.engine.speculative.mtp import forward_with_hidden
-from tqserve.engine.speculative.speculator import SpecRow, Speculator
+from tqserve.engine.speculative.speculator import Plane, SpecRow, Speculator
 from tqserve.engine.speculative.state import StateLayout
 from tqserve.engine.structured import GrammarMasks, RowGrammar
 
@@ -319,8 +319,8 @@ class Runner:
             wants = row.sampler.params
             outputs.append(RowOutput(
                 request_id=rid, tokens=res.tokens,
-                logprobs=res.logprobs if wants.logprobs or wants.top_logprobs else None,
-                top_logprobs=res.top_logprobs if wants.top_logprobs else None,
+                logprobs=res.asked_logprobs() if wants.logprobs or wants.top_logprobs else None,
+                top_logprobs=res.asked_top_logprobs() if wants.top_logprobs else None,
                 num_proposed=res.num_proposed,
                 num_accepted=res.num_accepted,
                 grammar_done=row.grammar is not None and row.grammar.stopped,
@@ -394,12 +394,12 @@ class Runner:
         return SpillPayload(key=key, header=header, planes=tuple(to_planes(snap)))
 
     def restore(self, key: str, kinds: str, offset: int, boundary: int,
-                planes: dict[str, tuple[bytes, tuple[int, ...], str]], state: str = "") -> int:
+                planes: Mapping[str, Plane], state: str = "") -> int:
         """Hold a snapshot read from the SSD tier under `key`, with its proposer state
         `state` (an identity; "" for none); returns its bytes.
 
         ValueError if it does not fit this engine's caches or proposer."""
-        paired, own = None, {}
+        paired, own = None, dict[str, Plane]()
         if state:  # both parts are checked before either is decoded
             if self.speculator is None:
                 raise ValueError(f"no proposer here holds state {state!r:.80}")
@@ -499,8 +499,7 @@ class Runner:
         self._batch += rows
 
     def _launch(self, ready: tuple[list[str], LazySample] | None) -> None:
-        """Start the batch's next forward: sampled tokens feed their rows, joiners their
-        last prompt token."""
+        """The batch's next forward: sampled tokens feed their rows, joiners their last token."""
         sampled_rows = ready[0] if ready is not None else []
         if ready is not None:  # this step's tokens first, so reading them never waits for
             mx.async_eval(*ready[1].outputs)  # the next forward (issue 9's pipelining defect)
@@ -509,18 +508,19 @@ class Runner:
         if joiners:
             parts.append(mx.array(joiners, dtype=mx.uint32))
         inputs = mx.concatenate(parts) if len(parts) > 1 else parts[0]
+        if (cache := self._batch_cache) is None:
+            raise RuntimeError("a forward launched with no batch cache")
         hidden_rows = [] if self.speculator is None else [
             i for i, rid in enumerate(self._batch) if self.speculator.wants_hidden(rid)]
-        if hidden_rows:  # MTP rows: the head reads the hidden state of every kept position
-            logits, hidden = forward_with_hidden(self._model, inputs[:, None],
-                                                 self._batch_cache)
+        if hidden_rows and self.speculator is not None:  # MTP rows: the head reads the hidden
+            logits, hidden = forward_with_hidden(self._model, inputs[:, None], cache)  # states
             for i in hidden_rows:
                 self.speculator.record_hidden(self._batch[i], hidden[i:i + 1])
             logits = logits[:, -1, :]
         elif self._decode is not None:
-            logits = self._decode(inputs[:, None], self._batch_cache)[:, -1, :]
+            logits = self._decode(inputs[:, None], cache)[:, -1, :]
         else:
-            logits = self._model(inputs[:, None], cache=self._batch_cache)[:, -1, :]
+            logits = self._model(inputs[:, None], cache=cache)[:, -1, :]
         mx.async_eval(logits)
         self._pending = (logits, list(self._batch))
         self._num_forward_tokens += len(self._batch)

@@ -32,6 +32,7 @@ import attrs
 import mlx.core as mx
 import numpy as np
 
+from tqserve.engine.arrays import int_list
 from tqserve.engine.penalties import additive, bias_pairs, check_bias
 
 MAX_TOP_LOGPROBS = 20
@@ -356,7 +357,7 @@ def finalize_sample(lazy: LazySample, rows: Sequence[RowSampler]) -> SampleOutpu
     outputs: tuple[Any, ...] = lazy.outputs
     want_lp, k, tokens = lazy.want_lp, lazy.top_k, lazy.tokens
     mx.eval(*outputs)
-    token_list: list[int] = tokens.tolist()  # type: ignore[assignment]
+    token_list = int_list(tokens)
     lp_list: list[float | None] = [None] * len(rows)
     top_list: list[list[tuple[int, float]] | None] = [None] * len(rows)
     if want_lp:

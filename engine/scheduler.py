@@ -42,6 +42,7 @@ import attrs
 
 from tqserve.engine.kv_budget import KvBudget
 from tqserve.engine.sampling import SamplingParams
+from tqserve.engine.speculative.policy import RequestChoice
 from tqserve.engine.structured import ResponseFormat
 
 
@@ -76,8 +77,7 @@ class NewRow:
     reuse: str | None = None
     cached: int = 0
     response_format: ResponseFormat | None = None
-    # speculation: the request's SpecChoice, False (never) or None (the server's default)
-    speculative: object = None
+    speculative: RequestChoice = None  # the request's SpecChoice, False (never), None (default)
     group: int = 0  # the prefill group (see the module doc)
     pad: int = 0    # padding positions before the row's first prompt token in its group
 
@@ -255,7 +255,7 @@ class _Row:
     num_proposed: int = 0
     num_accepted: int = 0
     num_verify_steps: int = 0
-    speculative: object = None
+    speculative: RequestChoice = None
     group: int = 0           # its prefill group, once started
     pad: int = 0             # its left padding in that group
 
@@ -329,7 +329,7 @@ class SchedulerCore:
 
     def add(self, request_id: str, prompt: tuple[int, ...], params: SamplingParams, *,
             reuse: str | None = None, cached: int = 0, cached_tier: str | None = None,
-            response_format: ResponseFormat | None = None, speculative: object = None) -> None:
+            response_format: ResponseFormat | None = None, speculative: RequestChoice = None) -> None:
         """Queue a request, optionally reusing `cached` positions of snapshot `reuse`,
         optionally constrained by `response_format`; `speculative` goes to its NewRow.
 
@@ -449,7 +449,7 @@ class SchedulerCore:
     def schedule(self) -> tuple[StepPlan, list[Event]]:
         """Decide the next step. Rows released here were finished in earlier calls."""
         events: list[Event] = []
-        started = []
+        started: list[_Row] = []
         for rid in list(self._queue):
             if len(self._prefilling) + len(self._decoding) >= self._max_batch:
                 break

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import attrs
 import mlx.core as mx
@@ -126,7 +126,9 @@ def _offset(layers: Sequence[Any]) -> int:
 def planes_of(cache: Any) -> dict[str, mx.array]:
     """One layer cache's arrays by plane name, cut to its valid positions."""
     if type(cache) is ArraysCache:
-        return {f"s{j}": a for j, a in enumerate(cache.cache) if a is not None}
+        # mlx-lm infers ArraysCache.cache as list[None] ([None] * size); models fill it
+        states = cast(list[mx.array | None], cache.cache)
+        return {f"s{j}": a for j, a in enumerate(states) if a is not None}
     if type(cache) is KVCache:
         if cache.keys is None:
             return {}
@@ -155,8 +157,8 @@ def snapshot_of_row(row_layers: Sequence[Any]) -> Snapshot | None:
     """A prefilling row's own caches as a Snapshot, by reference (new cache objects over
     slices of its valid positions: the row's later appends write past them or reallocate,
     so the snapshot never changes); None if a layer cannot be snapshotted."""
-    kinds = tuple(layer_kind(c) for c in row_layers)
-    if None in kinds:
+    kinds = tuple(k for k in map(layer_kind, row_layers) if k is not None)
+    if len(kinds) != len(row_layers):
         return None
     offset = _offset(row_layers)
     boundary = max((c.minimum_reusable_offset for c in row_layers
@@ -197,7 +199,8 @@ def _layer_from(template: Any, kind: str, planes: Mapping[str, mx.array],
         return affine
     if kind == "state":  # the model replaces state arrays, never writes into them
         state = ArraysCache(len(template.cache))
-        state.cache = [planes.get(f"s{j}") for j in range(len(template.cache))]
+        # mlx-lm infers the attribute as list[None] from its `[None] * size` default
+        state.cache = [planes.get(f"s{j}") for j in range(len(template.cache))]  # type: ignore[misc]
         return state
     raise ValueError(f"unknown snapshot layer kind {kind!r}")
 

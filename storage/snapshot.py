@@ -290,7 +290,8 @@ def _is_optional(check: Any) -> Any:
 
 
 def _is_int_list(value: object, high: int | None = None) -> bool:
-    return type(value) in (list, tuple) and all(_is_int(item, 0, high) for item in value)
+    return (isinstance(value, (list, tuple)) and type(value) in (list, tuple)
+            and all(_is_int(item, 0, high) for item in value))
 
 
 def _is_scalar_map(value: object) -> bool:
@@ -353,7 +354,7 @@ def _header_from_dict(fields: object) -> SnapshotHeader:
     if type(fields) is not dict:
         raise SnapshotError("header is not a map")
     version = fields.get("format_version")
-    if not _FIELD_CHECKS["format_version"](version):
+    if not isinstance(version, int) or not _FIELD_CHECKS["format_version"](version):
         raise SnapshotError(f"unsupported format version {version!r:.40}")
     header = _check_fields(fields, _HEADER_FIELDS[version], _FIELD_CHECKS, "header")
     planes = tuple(_plane_from_dict(plane) for plane in header["planes"])

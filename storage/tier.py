@@ -40,8 +40,8 @@ from typing import Any
 import attrs
 import trio
 
-from tqserve.storage.cachedir import (QUARANTINE_DIR, directory_problem, open_regular,
-                                     prepare_directory, quarantine_entry, remove_leftover)
+from tqserve.storage.cachedir import (QUARANTINE_DIR as QUARANTINE_DIR, directory_problem,
+    open_regular, prepare_directory, quarantine_entry, remove_leftover)  # `as`: a re-export
 from tqserve.storage.health import RETRY_SECONDS, TierHealth
 from tqserve.storage.shard import ShardId, check_shard
 from tqserve.storage.snapshot import (Plane, SnapshotError, SnapshotHeader, check_sizes, decode_header,

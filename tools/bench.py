@@ -322,7 +322,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=d.model, help="model dir (relative to the repo) or hub id")
     p.add_argument("--dtype", default=d.dtype, choices=("float32", "bfloat16", "float16"),
                    help="model dtype")
-    for name, (minimum, what) in _COUNTS.items():
+    for name, (_, what) in _COUNTS.items():
         p.add_argument("--" + name.replace("_", "-"), type=int,
                        default=getattr(d, name), help=what)
     add_blas_flag(p)

@@ -28,6 +28,7 @@ engine's per-step token budget (default: Config's), so one command can sweep it.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import time
@@ -133,13 +134,14 @@ async def _measure(loaded: Any, levels: list[int], prompt_tokens: int, n: int,
         started = time.perf_counter() - start
         for c in levels:
             batch = prompts[:c]
-            figures = await compare(lambda: tq_batch(engine, batch, n),
-                                    lambda: mlx_batch(loaded, batch, n),
+            figures = await compare(functools.partial(tq_batch, engine, batch, n),
+                                    functools.partial(mlx_batch, loaded, batch, n),
                                     {"decode": decode_rate, "all_first": all_first},
                                     n, repeats)
             if c == 1:
                 figures["decode_vs_stream"] = (await compare(
-                    lambda: tq_batch(engine, batch, n), lambda: mlx_stream(loaded, batch[0], n),
+                    functools.partial(tq_batch, engine, batch, n),
+                    functools.partial(mlx_stream, loaded, batch[0], n),
                     {"decode": decode_rate}, n, repeats))["decode"]
             out[f"c{c}"] = figures
     return out, started

@@ -20,6 +20,7 @@ On the H200 the 16k x 32-row figure (not measured yet) is
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.metadata
 import json
 import os
@@ -133,7 +134,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         nbytes: dict[str, int] = {}
         for _ in range(args.repeats):
             for scheme, (tq, fused, kernel, affine) in schemes.items():
-                ms, nb = _measure(model, lambda: _make_cache(model, tq, fused, kernel, affine),
+                make = functools.partial(_make_cache, model, tq, fused, kernel, affine)
+                ms, nb = _measure(model, make,
                                   context, args.steps, args.prefill_chunk, vocab, args.rows)
                 runs[scheme].append(ms)
                 nbytes[scheme] = nb

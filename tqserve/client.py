@@ -188,7 +188,7 @@ class Client:
         except BaseExceptionGroup as group:
             if len(group.exceptions) == 1 and not isinstance(group.exceptions[0],
                                                              BaseExceptionGroup):
-                raise group.exceptions[0]
+                raise group.exceptions[0]  # noqa: B904  the child itself, cause kept
             raise
 
     async def open(self) -> None:

@@ -299,8 +299,9 @@ def affine_sdpa(queries: mx.array, keys: tuple[mx.array, ...], values: tuple[mx.
     transiently and calling the fused SDPA: what `--kv-quant` uses on MLX's CUDA backend,
     whose `quantized_matmul` has no kernel for mlx-lm's quantized attention shapes
     ("No implementation for problem shape"). Same math as mlx-lm's path."""
-    k = mx.dequantize(*keys, group_size=group_size, bits=bits)
-    v = mx.dequantize(*values, group_size=group_size, bits=bits)
+    (kq, ks, kb), (vq, vs, vb) = keys, values
+    k = mx.dequantize(kq, ks, kb, group_size=group_size, bits=bits)
+    v = mx.dequantize(vq, vs, vb, group_size=group_size, bits=bits)
     return sdpa(queries, k.astype(queries.dtype), v.astype(queries.dtype), scale=scale,
                 mask=mask)
 

@@ -150,7 +150,8 @@ def decode_attention(queries: mx.array, kv: Any, scale: float) -> mx.array:
     end = kv.length
     blocks = batch * num_kv_heads
     num_splits = _num_splits(blocks, end)
-    split_len = -(-(-(-end // num_splits)) // _THREADS) * _THREADS
+    per_split = -(-end // num_splits)  # ceil(end / num_splits), rounded up to _THREADS
+    split_len = -(-per_split // _THREADS) * _THREADS
     num_splits = -(-end // split_len)
     ranges = [x for pair in zip(kv.left_padding, kv.row_ends()) for x in pair]
     ranges += [0, end] * (batch - len(kv.left_padding))

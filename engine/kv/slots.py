@@ -36,6 +36,7 @@ from typing import Any, Sequence
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
+from tqserve.engine.arrays import int_list
 from tqserve.engine.kv.affine import AffineKVCache, BatchedAffineKVCache
 from tqserve.engine.kv.delayed import BatchedDelayedTurboQuantKVCache, DelayedTurboQuantKVCache
 from tqserve.engine.kv.delayed_slots import DelayedTurboQuantSlotsKVCache
@@ -116,7 +117,7 @@ def _rows_of(cache: Any) -> list[tuple[Any, Any]]:
         return [(cache.keys[i:i + 1, :, :p], cache.values[i:i + 1, :, :p]) if p else (None, None)
                 for i, p in enumerate(cache.lengths)]
     if isinstance(cache, BatchKVCache):
-        pads = cache.left_padding.tolist()
+        pads = int_list(cache.left_padding)
         if cache.keys is None:
             return [(None, None)] * len(pads)
         return [(cache.keys[i:i + 1, :, p:cache._idx], cache.values[i:i + 1, :, p:cache._idx])

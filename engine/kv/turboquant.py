@@ -136,7 +136,9 @@ class _TurboQuantCache(PlanesCache):
     def fetch(self) -> RotatedKV:
         """The allocated planes (B, H, T_alloc, W), the written range, and the codecs."""
         planes = self.rows.planes
-        return RotatedKV(**{n: planes[n] for n in PLANES}, key_codec=self.config.key_codec,
+        return RotatedKV(key_codes=planes["key_codes"], key_norms=planes["key_norms"],
+                         value_codes=planes["value_codes"], value_norms=planes["value_norms"],
+                         key_codec=self.config.key_codec,
                          value_codec=self.config.value_codec,
                          fused_decode=self.config.fused_decode, length=self.rows.idx,
                          left_padding=self.rows.left_padding)

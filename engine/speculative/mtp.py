@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import hashlib
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Sequence, cast
 
 import attrs
 import mlx.core as mx
@@ -35,6 +35,7 @@ from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
 from mlx_lm.models.qwen3 import ModelArgs, TransformerBlock
 
+from tqserve.engine.arrays import item_int
 from tqserve.engine.speculative.state import ProposerState, StateLayout
 
 MTP_FILE = "mtp.safetensors"
@@ -83,14 +84,16 @@ def load_mtp_head(path: Path | str, model: Any) -> MtpHead:
         raise ValueError(f"--speculative mtp: the model has no MTP head ({file.name} not found "
                          "in its directory)")
     inner = getattr(model, "model", None)
-    if not all(hasattr(inner, n) for n in ("embed_tokens", "layers", "norm")):
+    if inner is None or not all(hasattr(inner, n) for n in ("embed_tokens", "layers", "norm")):
         raise ValueError("--speculative mtp needs a model with model.embed_tokens, "
                          "model.layers and model.norm (qwen3 layout)")
     args = ModelArgs.from_dict(model.args.__dict__) if not isinstance(
         model.args, ModelArgs) else model.args
     head = MtpHead(args)
     dtype = inner.embed_tokens.weight.dtype
-    weights = {k.removeprefix("mtp."): v.astype(dtype) for k, v in mx.load(str(file)).items()
+    # a .safetensors file loads as a dict of arrays (mx.load's union covers .npy and gguf)
+    loaded = cast(dict[str, mx.array], mx.load(str(file)))
+    weights = {k.removeprefix("mtp."): v.astype(dtype) for k, v in loaded.items()
                if k != "mtp.norm.weight"}
     head.load_weights(list(weights.items()))
     mx.eval(head.parameters())
@@ -181,7 +184,7 @@ class MtpProposer:
         flat = [t for d in drafts for t in d]
         if flat:
             mx.eval(flat)
-        return [tuple(int(t.item()) for t in d) for d in drafts]
+        return [tuple(item_int(t) for t in d) for d in drafts]
 
     def state_layout(self) -> StateLayout | None:
         """The planes of this head's state (probed once: one position through the head)."""

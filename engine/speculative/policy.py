@@ -47,7 +47,11 @@ class SpecChoice:
     num_tokens: int = attrs.field(default=4, validator=_num_tokens)
 
 
-def parse_speculative(value: object) -> SpecChoice | bool | None:
+# a request's choice: a SpecChoice, False (never speculate), True/None (the server's default)
+RequestChoice = SpecChoice | bool | None
+
+
+def parse_speculative(value: object) -> RequestChoice:
     """A request's `speculative` field: {"method": ..., "num_tokens": ...} (num_tokens
     optional, default 4), false (never speculate), true/null (the server's default).
     ValueError naming the field otherwise."""

@@ -25,6 +25,7 @@ import attrs
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
+from tqserve.engine.arrays import item_int
 from tqserve.engine.speculative.state import ProposerState, StateLayout
 
 class Proposer(Protocol):
@@ -148,8 +149,8 @@ class DraftProposer:
         if flat:
             mx.eval(flat)
         out = []
-        for (rid, _, k), d in zip(rows, drafts):
-            tokens = tuple(int(t.item()) for t in d)
+        for (rid, _, _), d in zip(rows, drafts):
+            tokens = tuple(item_int(t) for t in d)
             if d:
                 self._rows[rid].tokens.extend(tokens[:-1])
             out.append(tokens)

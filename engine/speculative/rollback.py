@@ -20,9 +20,11 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, dynamic_roll
 
+from tqserve.engine.arrays import int_list
+
 
 def _trim_batch_kv(cache: BatchKVCache, amounts: list[int]) -> None:
-    offsets = cache.offset.tolist()
+    offsets = int_list(cache.offset)
     if len(amounts) != len(offsets) or any(not 0 <= a <= o for a, o in zip(amounts, offsets)):
         raise ValueError(f"cannot trim {amounts} from rows holding {offsets}")
     shared = min(amounts, default=0)

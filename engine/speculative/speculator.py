@@ -24,12 +24,11 @@ import numpy as np
 
 from tqserve.engine.sampling import RowSampler
 from tqserve.engine.speculative.mtp import forward_with_hidden
-from tqserve.engine.speculative.policy import SpecChoice, resolve_choice
+from tqserve.engine.speculative.policy import RequestChoice, SpecChoice, resolve_choice
 from tqserve.engine.speculative.proposers import Proposer
 from tqserve.engine.speculative.state import ProposerState, StateLayout
 from tqserve.engine.speculative.verify import Verified, VerifyRow, verify_step
 
-RequestChoice = SpecChoice | bool | None
 Plane = tuple[bytes, Sequence[int], str]  # an SSD plane's bytes, shape, dtype
 
 
@@ -59,7 +58,7 @@ class Speculator:
         served here."""
         resolved = resolve_choice(choice, self.default)
         if resolved is not None and resolved.method not in self.proposers:
-            raise ValueError(f"speculative.method {choice.method!r} is not served here "
+            raise ValueError(f"speculative.method {resolved.method!r} is not served here "
                              f"(available: {', '.join(sorted(self.proposers)) or 'none'})")
         return resolved
 
@@ -93,7 +92,9 @@ class Speculator:
         """Per method whose rows publish paired snapshots: its planes (probed once)."""
         layouts = {}
         for method, proposer in self.proposers.items():
-            layout = proposer.state_layout() if getattr(proposer, "identity", "") else None
+            paired = getattr(proposer, "identity", "")
+            probe = getattr(proposer, "state_layout", None) if paired else None
+            layout = probe() if probe is not None else None
             if layout is not None:
                 layouts[method] = layout
         return layouts

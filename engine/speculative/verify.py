@@ -18,7 +18,7 @@ Rollback: row i keeps a_i + 1 of its L new positions; `trim_rows` drops the rest
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Sequence, cast
 
 import attrs
 import mlx.core as mx
@@ -48,6 +48,16 @@ class Verified:
     num_proposed: int
     num_accepted: int
 
+    # A row that asked for logprobs (top logprobs) has them at every position: the position
+    # samplers carry its params, so finalize_sample fills each one.
+    def asked_logprobs(self) -> tuple[float, ...]:
+        """The logprobs of a row that asked for them."""
+        return cast(tuple[float, ...], self.logprobs)
+
+    def asked_top_logprobs(self) -> tuple[tuple[tuple[int, float], ...], ...]:
+        """The top logprobs of a row that asked for them."""
+        return cast(tuple[tuple[tuple[int, float], ...], ...], self.top_logprobs)
+
 
 def _position_sampler(sampler: RowSampler, proposal: tuple[int, ...], j: int) -> RowSampler:
     """The row's sampler as it would be after emitting proposal[:j] (a copy)."""
@@ -56,7 +66,7 @@ def _position_sampler(sampler: RowSampler, proposal: tuple[int, ...], j: int) ->
 
 def verify_step(model: Any, cache: list[Any], rows: Sequence[VerifyRow],
                 masks: np.ndarray | None = None,
-                forward: Any = None) -> tuple[list[Verified], mx.array]:
+                forward: Any = None) -> tuple[list[Verified], mx.array | None]:
     """Feed every row its block, sample every verified position, accept, roll back.
 
     `masks` (B, W) are the rows' grammar masks for their first position (a grammar row's

@@ -25,15 +25,18 @@ keywords are ignored, as OpenAI's non-strict mode does (and not enforced).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import re
 
 import attrs
 import llguidance
 
+if TYPE_CHECKING:  # a TypedDict of the stub only
+    from llguidance._lib import JsonCompileOptions
+
 KINDS = ("json_schema", "json_object", "regex", "grammar", "text")
-_JSON_DEFAULTS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+_JSON_DEFAULTS: JsonCompileOptions = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 _JSON_SCHEMA_FIELDS = frozenset(("name", "schema", "strict", "description"))
 _FIELDS = {"json_schema": frozenset(("type", "json_schema")), "json_object": frozenset(("type",)),
            "regex": frozenset(("type", "pattern")), "grammar": frozenset(("type", "lark")),
@@ -202,7 +205,7 @@ def compile_format(src: FormatSource) -> ResponseFormat:
     input (the module doc)."""
     if src.kind == "json_schema":
         path = "response_format.json_schema.schema"
-        defaults = {**_JSON_DEFAULTS, "lenient": not src.strict}
+        defaults: JsonCompileOptions = {**_JSON_DEFAULTS, "lenient": not src.strict}
         try:
             grammar = llguidance.LLMatcher.grammar_from_json_schema(src.source, defaults=defaults)
         except (ValueError, TypeError) as exc:

@@ -173,7 +173,7 @@ class RowGrammar:
         if self.error is not None or matcher is None or self.stopped or not proposal:
             return 0, []
         num = int(matcher.validate_tokens(list(proposal)))
-        masks = []
+        masks: list[np.ndarray] = []
         for token in proposal[:num]:
             if not matcher.consume_token(token) or matcher.is_stopped():
                 matcher.rollback(len(masks) + 1)

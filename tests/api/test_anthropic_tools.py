@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import anthropic
 
-from tests.api.chatkit import TOOLS, chat_model  # noqa: F401 (a fixture)
+from tests.api.chatkit import TOOLS
 from tests.conftest import start_server
 
 TOOLS_A = [{"name": t["function"]["name"], "description": t["function"].get("description", ""),

@@ -8,7 +8,7 @@ import json
 import openai
 import pytest
 
-from tests.api.chatkit import TEMPLATE, TOOLS, chat_model  # noqa: F401 (a fixture)
+from tests.api.chatkit import TEMPLATE, TOOLS
 from tests.conftest import start_server
 
 FUNCTIONS = [{"type": "function", **t["function"]} for t in TOOLS]

@@ -10,7 +10,7 @@ import pytest
 import trio
 
 from tests.api.routerkit import start_replica, start_router
-from tqserve.client import Client, DoneEvent, ErrorEvent, TokenEvent
+from tqserve.client import Client, DoneEvent, TokenEvent
 
 SYSTEM = "import os\nimport sys\n\n\ndef read_config(path):\n    " * 3  # ~150 chars
 

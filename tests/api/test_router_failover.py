@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import httpx
 import trio
-from trio_websocket import ConnectionClosed
 
 from tests.api.routerkit import start_replica, start_router
 from tqserve.client import Client, ConnectionLost, DoneEvent, ErrorEvent, TokenEvent

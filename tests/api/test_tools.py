@@ -8,7 +8,7 @@ import json
 import openai
 import pytest
 
-from tests.api.chatkit import TOOLS, chat_model  # noqa: F401 (a fixture)
+from tests.api.chatkit import TOOLS
 from tests.conftest import start_server
 
 ASK = [{"role": "system", "content": "You are a helpful assistant."},

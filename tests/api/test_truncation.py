@@ -47,7 +47,6 @@ async def openai_stream(url: str, chat: bool, first: trio.Event, out: dict[str, 
         stream = await api.completions.create(model="m", prompt=LONG_PROMPT, max_tokens=LONG,
                                               temperature=0, stream=True)
     out.update(text="", finishes=[])
-    error = None
     try:
         async for chunk in stream:
             choice = chunk.choices[0]

@@ -18,7 +18,6 @@ import shutil
 import signal
 import subprocess
 import sys
-from pathlib import Path
 
 import httpx
 import pytest

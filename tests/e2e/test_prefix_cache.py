@@ -144,5 +144,5 @@ async def _cold_ram_ssd_identical(draft_model, tmp_path, kv, flush, concurrency)
     assert_same(second, want)
     assert stats.hits_ssd > 0, stats
     assert sum(r[2].cached_tokens_by_tier["ssd"] for r in second) > 0
-    for tokens, _, done in second:
+    for _, _, done in second:
         assert done.cached_tokens == sum(done.cached_tokens_by_tier.values())

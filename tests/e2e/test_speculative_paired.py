@@ -145,7 +145,7 @@ async def test_a_restored_draft_proposes_from_its_files_state(big_model, tmp_pat
     rng = np.random.default_rng(0)
 
     def noise(planes):
-        for name, (data, shape, dtype) in planes.items():
+        for name, (_, shape, dtype) in planes.items():
             if name.startswith("draft."):
                 planes[name][0] = (rng.standard_normal(shape) * 8).astype(dtype).tobytes()
 

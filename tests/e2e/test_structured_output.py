@@ -13,8 +13,6 @@ import jsonschema
 import lark
 import llguidance
 import llguidance.hf
-import mlx.core as mx
-import pytest
 import trio
 
 from tqserve.actors.engine import open_engine

@@ -31,7 +31,6 @@ def test_kernel_matches_compiled_and_plain(monkeypatch, bits, head_dim, kv_heads
         cache.update_and_fetch(k, v)
         rows.append(cache)
     batch = TurboQuantKVCache.merge(rows)
-    mask = batch.make_mask(1)
     fetched, _ = batch.update_and_fetch(
         mx.random.normal((2, kv_heads, 1, head_dim), key=mx.random.key(5)),
         mx.random.normal((2, kv_heads, 1, head_dim), key=mx.random.key(6)))

@@ -161,7 +161,7 @@ def _engine_config(args: argparse.Namespace, overrides: dict[str, str]) -> Any:
     from tqserve.engine.config import Config
 
     fields: dict[str, Any] = {"model": args.model or DEFAULT_MODEL}
-    for name, kind in _ENGINE_FLAGS:
+    for name, _ in _ENGINE_FLAGS:
         if getattr(args, name) is not None:
             fields[name] = getattr(args, name)
     if args.no_prefix_cache:

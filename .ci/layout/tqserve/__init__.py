@@ -1,0 +1,1 @@
+../../../tqserve/__init__.py

@@ -1,0 +1,1 @@
+../../../tqserve/client.py
