@@ -203,7 +203,7 @@ def test_ray_serve_replicas(proxy: str) -> None:
 
     # no leaked rows anywhere: each replica, and /v1/stats through the proxy
     for rid, handle in _replicas().items():
-        stats = _wait_for(lambda: (lambda s: s["rows_active"] == 0 and s)(_stats(handle)),
+        stats = _wait_for(lambda h=handle: (lambda s: s["rows_active"] == 0 and s)(_stats(h)),
                           f"replica {rid} holding no rows")
         assert stats["rows_queued"] == 0 and stats["kv_bytes"] == 0
     assert httpx.get(proxy + "/v1/stats", timeout=BOUND).json()["rows_active"] == 0
