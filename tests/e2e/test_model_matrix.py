@@ -47,8 +47,10 @@ def loaded_model(matrix_dir: Path, family: str, weights: str = "float"):
     return _LOADED[key]
 
 
-async def generate(engine, prompt: str, **params) -> tuple[list[int], Done]:
-    request = GenerateRequest(prompt=prompt, params=SamplingParams(
+async def generate(engine, prompt: str | list[int], **params) -> tuple[list[int], Done]:
+    """Greedy (unless params say otherwise) tokens of a prompt given as text or ids."""
+    source = {"prompt": prompt} if isinstance(prompt, str) else {"prompt_tokens": prompt}
+    request = GenerateRequest(**source, params=SamplingParams(
         max_tokens=params.pop("max_tokens", MAX_TOKENS), **{"temperature": 0.0, **params}))
     tokens, done = [], None
     async for event in engine.generate(request):
@@ -162,18 +164,6 @@ async def test_lookup_speculation_identical_or_refused_at_start(matrix_dir, fami
     assert done.speculative is not None and done.speculative[0] > 0, done
 
 
-async def generate_ids(engine, ids: list[int], n: int) -> tuple[list[int], Done]:
-    request = GenerateRequest(prompt_tokens=ids, params=SamplingParams(max_tokens=n,
-                                                                       temperature=0.0))
-    tokens, done = [], None
-    async for event in engine.generate(request):
-        if isinstance(event, Token):
-            tokens.append(event.token_id)
-        elif isinstance(event, Done):
-            done = event
-    return tokens, done
-
-
 async def test_hybrid_second_turn_reuses_the_first(matrix_dir, tmp_path):
     """qwen3_5 (gated delta-net + full attention): a second turn that extends the first
     (its prompt, its answer, a new message) reuses the whole first turn from RAM and,
@@ -183,19 +173,19 @@ async def test_hybrid_second_turn_reuses_the_first(matrix_dir, tmp_path):
     turn1 = encode(REUSE_PROMPT)
     async with open_engine(Config(max_batch=2, warmup="off", prefix_cache=False),
                            loaded=loaded) as engine:
-        answer, _ = await generate_ids(engine, turn1, 12)
+        answer, _ = await generate(engine, turn1, max_tokens=12)
         turn2 = turn1 + answer + encode("\n\ndef mul(a, b):\n")
-        cold, _ = await generate_ids(engine, turn2, 12)
+        cold, _ = await generate(engine, turn2, max_tokens=12)
     first_turn = len(turn1) + len(answer)
     ram_only = Config(max_batch=2, warmup="off")
     async with open_engine(ram_only, loaded=loaded) as engine:
-        assert (await generate_ids(engine, turn1, 12))[0] == answer
-        warm, ram = await generate_ids(engine, turn2, 12)
+        assert (await generate(engine, turn1, max_tokens=12))[0] == answer
+        warm, ram = await generate(engine, turn2, max_tokens=12)
     config = Config(max_batch=2, warmup="off", cache_dir=str(tmp_path), ssd_flush="sync")
     async with open_engine(config, loaded=loaded) as engine:
-        assert (await generate_ids(engine, turn1, 12))[0] == answer
+        assert (await generate(engine, turn1, max_tokens=12))[0] == answer
     async with open_engine(config, loaded=loaded) as engine:  # a restart: the SSD tier
-        restarted, ssd = await generate_ids(engine, turn2, 12)
+        restarted, ssd = await generate(engine, turn2, max_tokens=12)
     assert warm == restarted == cold
     assert ram.cached_tokens_by_tier["ram"] >= 0.95 * first_turn, (ram, first_turn)
     assert ssd.cached_tokens_by_tier["ssd"] >= 0.95 * first_turn, (ssd, first_turn)
