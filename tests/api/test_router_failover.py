@@ -37,16 +37,25 @@ async def test_replica_killed_mid_run_loses_no_request(nursery, draft_model):
     for i, events in results.items():
         end = events[-1]
         tokens = [e for e in events if isinstance(e, TokenEvent)]
-        if isinstance(end, ErrorEvent):  # only a request that had started streaming
-            assert end.code == "backend_lost" and tokens and replicas[0].url in end.message
+        if isinstance(end, ErrorEvent):  # only a request on the dead replica: streaming
+            # (lost), or sent and not yet queued there (failed: it may be what the backend
+            # died of, so the router never resends it; api/router)
+            assert replicas[0].url in end.message, end
+            assert (end.code == "backend_lost" and tokens) or (
+                end.code == "backend_failed" and not tokens), (end.code, len(tokens))
             lost.append(i)
         else:
             assert isinstance(end, DoneEvent) and end.completion_tokens == len(tokens) > 0
             assert [e.index for e in tokens] == list(range(len(tokens)))  # no duplicate
-    assert len(lost) <= 1  # the one request replica 0 was decoding, if it had a token
+    # the one request replica 0 was decoding, and any it had not yet queued (a race: all
+    # are sent at once, the kill comes at the first token anywhere)
+    assert len([i for i in lost if isinstance(results[i][-1], ErrorEvent)
+                and results[i][-1].code == "backend_lost"]) <= 1
     stats = await router.stats()
     dead = stats["backends"][replicas[0].url]
-    assert stats["num_retries"] >= 2 and dead["num_failures"] >= 1
+    not_queued = [i for i in lost if results[i][-1].code == "backend_failed"]
+    # replica 0's two waiting requests: moved to another backend, or (not yet queued) failed
+    assert stats["num_retries"] + len(not_queued) >= 2 and dead["num_failures"] >= 1
     assert dead["state"] == "unhealthy" and dead["num_owned_keys"] == 0
     assert all(b["num_in_flight"] == 0 for b in stats["backends"].values())
     async with httpx.AsyncClient() as http:
