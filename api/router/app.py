@@ -42,6 +42,7 @@ from tqserve.api.router.ws import OUTGOING_FRAMES, ClientConnection
 
 GOING_AWAY = 1001
 CLOSE_GRACE = 5.0  # seconds sockets get to flush and close at shutdown
+FLUSH_SECONDS = 2.0  # at shutdown, seconds a WebSocket gets to send the frames it queued
 WS_MESSAGE_TIMEOUT = 30.0  # seconds one WebSocket message may take to arrive (as the server)
 BACKEND_CONNECT_TIMEOUT = 5.0  # seconds a connection to a backend may take to open
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -156,19 +157,8 @@ def create_app(router: Router) -> QuartTrio:
         await websocket.accept()
         send, receive = trio.open_memory_channel[str | bytes](OUTGOING_FRAMES)
 
-        async def writer() -> None:
-            async for frame in receive:
-                await websocket.send(frame)
-
-        async def close_at_shutdown() -> None:
-            await closing.wait()
-            send.close()
-            await websocket.close(GOING_AWAY, "router shutting down")
-            nursery.cancel_scope.cancel()
-
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(writer)
-            nursery.start_soon(close_at_shutdown)
+            _start_writer(nursery, send, receive, closing)
             conn = ClientConnection(router, nursery, send)
             try:
                 while True:
@@ -178,6 +168,28 @@ def create_app(router: Router) -> QuartTrio:
         return None
 
     return app
+
+
+def _start_writer(nursery: trio.Nursery, send: Any, receive: Any, closing: trio.Event) -> None:
+    """The WebSocket's writer of queued frames, and its close at shutdown: the frames
+    already queued (a request's Done) are sent first, for at most FLUSH_SECONDS."""
+    flushed = trio.Event()
+
+    async def writer() -> None:
+        async for frame in receive:
+            await websocket.send(frame)
+        flushed.set()
+
+    async def close_at_shutdown() -> None:
+        await closing.wait()
+        send.close()
+        with trio.move_on_after(FLUSH_SECONDS):
+            await flushed.wait()
+        await websocket.close(GOING_AWAY, "router shutting down")
+        nursery.cancel_scope.cancel()
+
+    nursery.start_soon(writer)
+    nursery.start_soon(close_at_shutdown)
 
 
 def key_ok(expected: str, headers: Any) -> bool:
