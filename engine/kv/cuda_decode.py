@@ -92,7 +92,9 @@ def _tables(head_dim: int, bits: int) -> tuple[mx.array, mx.array]:
 
 @functools.cache
 def _ones(head_dim: int) -> mx.array:
-    return mx.ones((head_dim,), dtype=mx.float32)
+    # Data, not a graph: a cached mx.ones would belong to the stream of the thread that
+    # first built it, and a later engine's runner thread could not evaluate it.
+    return mx.array(np.ones((head_dim,), dtype=np.float32))
 
 
 @functools.cache

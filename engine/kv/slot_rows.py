@@ -30,6 +30,7 @@ import functools
 
 import attrs
 import mlx.core as mx
+import numpy as np
 
 from tqserve.engine.kv_budget import SLOT_STEP, grown_rows
 
@@ -51,12 +52,15 @@ def _write_index(lengths: tuple[int, ...], length: int,
     asks for the same ones: built once per step, not per layer; full uint32 indices
     leave the scatter no conversions to add (3 ops per write instead of 11)."""
     shape = (len(lengths), heads, length)
-    rows = mx.arange(len(lengths), dtype=mx.uint32)[:, None, None]
-    head = mx.arange(heads, dtype=mx.uint32)[None, :, None]
-    pos = (offsets_array(lengths).astype(mx.uint32)[:, None, None]
-           + mx.arange(length, dtype=mx.uint32)[None, None, :])
-    return (mx.broadcast_to(rows, shape), mx.broadcast_to(head, shape),
-            mx.broadcast_to(pos, shape))
+    # Built from numpy so that the cached arrays hold data, not a graph: a graph would be
+    # tied to the stream of the thread that built it (a later engine's runner thread could
+    # not evaluate it).
+    rows = np.arange(len(lengths), dtype=np.uint32)[:, None, None]
+    head = np.arange(heads, dtype=np.uint32)[None, :, None]
+    pos = (np.asarray(lengths, dtype=np.uint32)[:, None, None]
+           + np.arange(length, dtype=np.uint32)[None, None, :])
+    return (mx.array(np.broadcast_to(rows, shape)), mx.array(np.broadcast_to(head, shape)),
+            mx.array(np.broadcast_to(pos, shape)))
 
 
 def retire_order(num_rows: int, gone: Sequence[int]) -> list[int]:
