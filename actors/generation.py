@@ -27,7 +27,7 @@ from tqserve.actors.messages import Done, Error, Event, Submit
 from tqserve.engine.request import GenerateRequest
 
 if TYPE_CHECKING:
-    from tqserve.actors.engine import Engine
+    from tqserve.actors.facade import Engine
 
 log = logging.getLogger("tqserve.engine")
 

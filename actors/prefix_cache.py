@@ -41,49 +41,39 @@ acknowledged (then the SSD entry serves it) or abandoned. With --distributed the
 ranks keep no bytes to restore from, so there an entry leaves the index with its RAM copy
 and is matchable again once its write is acknowledged.
 
-Edges: scheduler -> writer task, a trio channel of WRITE_QUEUE items (bulk bytes, so not
-a msgpack mailbox). The writer updates the index directly (same trio thread, sync calls,
-no await in between), so there is no edge back and the graph stays a DAG. Shutdown: the
-scheduler stops first; then `close_writes` closes the queue's send end and the writer
+Files: every file operation (recovery, reads, writes, removals, quarantine; the other
+ranks' shards under --distributed) goes through actors.spill, the SSD tier's only owner;
+this module owns the index and indexes what spill reports. The writer task (spill's)
+hands each queued write back to `write` here, which publishes it once durable (same trio
+thread, no await in between), so there is no edge back and the graph stays a DAG.
+Shutdown: the scheduler stops first; then `close_writes` closes the queue and the writer
 drains what was queued before returning (open_engine's exit path).
 
-Acknowledgement: a snapshot is acknowledged when SsdTier.put returned (temp file, fsync,
-rename, directory fsync) and, with --distributed, once every other rank reported its own
-file of it durable too (actors.shard_group); then "snapshot acknowledged <key>" is logged
-on tqserve.prefix.
-Files dropped later (superseded, evicted) log "snapshot removed <key>" before the unlink
-(evictions inside SsdTier through its `on_evict` hook), so an acknowledged file that is gone
-after a crash was always announced.
-
-Tensor parallel (`group`, an actors.shard_group.ShardGroup on rank 0 of `serve
---distributed`): every write is also ordered on the other ranks, every load and the
-recovery agree across them, every removal reaches them; the design is in that module.
+Acknowledgement: a snapshot is acknowledged when its file is durable (actors.spill) on
+every rank; then "snapshot acknowledged <key>" is logged on tqserve.prefix. Files dropped
+later (superseded, evicted) log "snapshot removed <key>" before the unlink.
 """
 
 from __future__ import annotations
 
-import functools
 import itertools
 import logging
-import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 import attrs
 import trio
 
+from tqserve.actors.spill import Spill, SnapshotWrite, reuse_bound
 from tqserve.engine.namespaces import CacheNamespaces
 from tqserve.engine.prefix import PrefixEntry, PrefixIndex, Tier
-from tqserve.engine.scheduler import Finished, SpillPayload, StepPlan, StepResult
-from tqserve.engine.snapshot_layout import PlaneLayout
-from tqserve.engine.speculative.state import paired_minimum
-from tqserve.storage import SnapshotError, SnapshotHeader, SsdTier, snapshot_key
+from tqserve.engine.step import Finished, SpillPayload, StepPlan, StepResult
+from tqserve.storage import SsdTier
 
 if TYPE_CHECKING:
     from tqserve.actors.shard_group import ShardGroup
 
 log = logging.getLogger("tqserve.prefix")
-WRITE_QUEUE = 8  # snapshots waiting for the disk in async mode; beyond it writes drop
 
 
 @attrs.frozen(kw_only=True)
@@ -117,17 +107,6 @@ class Reuse:
 LOADING = "loading"  # `lookup`'s answer for an SSD hit: the request waits for `load`
 
 
-@attrs.frozen(kw_only=True)
-class _Write:
-    """A snapshot on its way to disk: its bytes and what the SSD entry will say."""
-
-    ram_key: str
-    namespace: str
-    tokens: tuple[int, ...]
-    minimum_reusable_offset: int
-    payload: SpillPayload
-
-
 class PrefixCache:
     """The tiers' policy, run by the scheduler actor (see the module doc)."""
 
@@ -140,26 +119,25 @@ class PrefixCache:
         self.namespaces = namespaces or CacheNamespaces(base=namespace)
         self.fingerprint = fingerprint
         self.index = PrefixIndex(ram_budget)
-        self.tier = tier
+        # the SSD tier's only owner (actors.spill): every file operation goes through it
+        self.spill = (Spill(tier, fingerprint=fingerprint, group=group)
+                      if tier is not None else None)
         self.flush = flush
         self.write_mode = write
         self._runner_call = runner_call  # awaitable: run a function on the runner thread
-        self.group = group  # --distributed: the other ranks' shards of the SSD tier
         self._ids = itertools.count()
         self._tick = 0
         self._pinned: dict[str, str] = {}          # request id -> pinned RAM key
         self._tokens: dict[str, tuple[int, ...]] = {}  # RAM key -> covered tokens
         self._on_disk: set[str] = set()            # RAM keys with an SSD copy
-        self._pending: dict[str, _Write] = {}      # RAM key -> its async write, until it ends
+        self._pending: dict[str, SnapshotWrite] = {}      # RAM key -> its async write, until it ends
         self._loading: dict[str, list[tuple[str, int]]] = {}  # SSD key -> (rid, length)
         self._started: set[str] = set()            # SSD keys whose load task runs
         self._restoring: set[str] = set()          # runner keys of loads in flight
         self._ready: list[tuple[str, Reuse | None]] = []
         self._spill: list[str] = []
         self._drop: list[str] = []
-        self._counts = {"spills": 0, "spills_dropped": 0, "quarantined": 0}
-        self._queue: trio.MemorySendChannel[_Write] | None = None
-        self._writer_done = trio.Event()
+        self._counts = {"spills": 0, "spills_dropped": 0}
         self.changed = trio.Event()  # set when a load finishes (the scheduler wakes up)
 
     def _next_tick(self) -> int:
@@ -167,32 +145,29 @@ class PrefixCache:
         return self._tick
 
     @property
+    def tier(self) -> SsdTier | None:
+        return self.spill.tier if self.spill is not None else None
+
+    @property
+    def group(self) -> ShardGroup | None:
+        """--distributed: the other ranks' shards of the SSD tier (rank 0's side)."""
+        return self.spill.group if self.spill is not None else None
+
+    @property
     def through(self) -> bool:
-        return self.tier is not None and self.write_mode == "through"
+        return self.spill is not None and self.write_mode == "through"
 
     async def recover(self) -> None:
         """Index the SSD tier's verified files of this namespace (after SsdTier.recover)."""
-        if self.tier is None:
+        if self.spill is None:
             return
-        if self.group is not None:
-            await self.group.start_recovery(self.namespace)
-        try:
-            report = await self.tier.recover_async()
-        except OSError as exc:  # the user's directory: say which and why, no traceback
-            raise ValueError(f"--cache-dir {str(self.tier.directory)!r} cannot be used: "
-                             f"{exc.strerror or exc}") from exc
-        self._counts["quarantined"] += report.num_quarantined
-        ours = self.namespaces.all()
-        if self.group is not None:  # indexed only where every rank holds a file of it
-            await self.group.agree([e.key for e in self.tier.entries()
-                                    if e.header.namespace in ours])
-        for entry in self.tier.entries():
+        for entry in await self.spill.recover(self.namespace, self.namespaces.all()):
             header = entry.header
-            if header.namespace not in ours or entry.key in self.index:
+            if entry.key in self.index:
                 continue
             superseded, _ = self.index.publish(PrefixEntry(
                 key=entry.key, namespace=header.namespace, tokens=header.token_ids,
-                minimum_reusable_offset=_reuse_bound(header), trimmable=True,
+                minimum_reusable_offset=reuse_bound(header), trimmable=True,
                 num_bytes=entry.num_bytes), Tier.SSD, self._next_tick())
             await self._remove_files(superseded)
 
@@ -254,55 +229,26 @@ class PrefixCache:
         return ready
 
     async def _restore(self, key: str, entry: PrefixEntry) -> tuple[str, int] | None:
-        """The SSD entry `key` rebuilt in the runner; None (the request runs cold) if its file
-        is gone or fails any check: such a file is quarantined (files are untrusted)."""
-        if self.tier is None:
+        """The SSD entry `key` rebuilt in the runner (actors.spill); None (the request runs
+        cold) if its file is gone or fails any check (such a file is quarantined)."""
+        if self.spill is None:
             return None
-        if self.group is not None:
-            await self.group.fetch(key)
-        try:
-            found = await self.tier.get_async(key)
-        except SnapshotError as exc:
-            log.warning("snapshot %s failed verification on read: %s", key, exc.reason)
-            self._counts["quarantined"] += 1
-            found = None
-        except OSError as exc:
-            log.warning("snapshot %s unreadable: %s", key, exc)
-            if await trio.to_thread.run_sync(self.tier.quarantine, key, f"unreadable: {exc}"):
-                self._counts["quarantined"] += 1
-            found = None
-        if self.group is not None:  # every rank read its file of it, or no rank restores it
-            found = await self.group.fetched(key, found)
-        if found is None:
-            self.index.forget(key)
-            await self._reconcile()
-            return None
-        header, planes = found
         temporary = f"s{next(self._ids)}"
-        kinds = str(header.extra.get("layer_kinds", ""))
-        arrays = {name: (p.data, p.shape, p.dtype) for name, p in planes.items()}
-        restore = (self._runner_call if self.group is None
-                   else functools.partial(self.group.restore, key))
         self._restoring.add(temporary)
         try:
-            if _reuse_bound(header) > entry.minimum_reusable_offset:
-                raise ValueError("its reuse bound is above the one it was indexed with")
-            state = self.namespaces.state_of(header.namespace) or ""
-            num_bytes = await restore(temporary, kinds, header.offset,
-                                      header.minimum_reusable_offset, arrays, state)
-        except Exception as exc:  # a file that cannot be restored, whatever the reason
-            log.warning("snapshot %s does not fit this engine: %s", key, exc,
-                        exc_info=not isinstance(exc, ValueError))
-            if await trio.to_thread.run_sync(self.tier.quarantine, key,
-                                             f"cannot be restored: {exc}"):
-                self._counts["quarantined"] += 1
-            self.index.forget(key)
-            return None
+            num_bytes, gone = await self.spill.restore(
+                key, temporary, entry.minimum_reusable_offset, self._runner_call,
+                self.namespaces.state_of)
         finally:
             self._restoring.discard(temporary)
-        return temporary, int(num_bytes)
+        if num_bytes is None:
+            self.index.forget(key)
+            if gone:
+                await self._reconcile()
+            return None
+        return temporary, num_bytes
 
-    async def _restore_pending(self, job: _Write) -> tuple[str, int] | None:
+    async def _restore_pending(self, job: SnapshotWrite) -> tuple[str, int] | None:
         """A PENDING entry rebuilt in the runner from its write's bytes (our own: a failure
         is our bug, logged; the request runs cold)."""
         temporary = f"s{next(self._ids)}"
@@ -326,15 +272,13 @@ class PrefixCache:
     async def _reconcile(self) -> None:
         """A file was missing or unreadable: drop every index entry whose file vanished
         (every one, if the tier went cold: storage.health)."""
-        if self.tier is not None:
-            await trio.to_thread.run_sync(self.tier.reconcile)
-            await self._forget_gone()
+        await self._forget_gone(reconcile=True)
 
-    async def _forget_gone(self) -> None:
+    async def _forget_gone(self, *, reconcile: bool = False) -> None:
         """Forget the SSD entries the tier no longer holds (evicted, vanished, cold)."""
-        if self.tier is None:
+        if self.spill is None:
             return
-        live = {e.key for e in self.tier.entries()}
+        live = await self.spill.live_keys(reconcile=reconcile)
         gone = [k for k in self.index.keys(Tier.SSD) if k not in live]
         for key in gone:
             self.index.forget(key)
@@ -400,7 +344,7 @@ class PrefixCache:
             payload = writes.get(made.key)
             on_disk = (self.index.has_tokens(namespace, tokens, Tier.SSD)
                        or self.index.has_tokens(namespace, tokens, Tier.PENDING))
-            job = _Write(ram_key=made.key, namespace=namespace, tokens=tokens, payload=payload,
+            job = SnapshotWrite(ram_key=made.key, namespace=namespace, tokens=tokens, payload=payload,
                          minimum_reusable_offset=made.minimum_reusable_offset) \
                 if payload is not None and not on_disk else None
             if job is not None and self.flush == "sync":
@@ -446,13 +390,13 @@ class PrefixCache:
             else:
                 self._spill.append(key)
 
-    def _enqueue(self, job: _Write) -> None:
+    def _enqueue(self, job: SnapshotWrite) -> None:
         """Queue `job` for the writer task (a full queue drops it, counted); its entry is
         pending until the write ends (single process: see the module doc)."""
         try:
-            if self._queue is None:
+            if self.spill is None:
                 raise trio.WouldBlock
-            self._queue.send_nowait(job)
+            self.spill.enqueue_nowait(job)
         except trio.WouldBlock:
             self._counts["spills_dropped"] += 1
             return
@@ -460,33 +404,26 @@ class PrefixCache:
             self._pending[job.ram_key] = job
         self._order(job)
 
-    def _order(self, job: _Write) -> None:
+    def _order(self, job: SnapshotWrite) -> None:
         """--distributed: every other rank is to write its shard of `job` too."""
-        if self.group is not None:
-            key, fields = self._identity(job)
-            self.group.order(job.ram_key, key, fields)
+        if self.spill is not None:
+            self.spill.order(job)
 
-    async def _write_now(self, job: _Write) -> bool:
+    async def _write_now(self, job: SnapshotWrite) -> bool:
         """A sync flush: order the other ranks' writes, then `write`."""
         self._order(job)
-        if self.group is not None:
-            await self.group.send_orders()
+        if self.spill is not None:
+            await self.spill.send_orders()
         return await self.write(job)
-
-    def _identity(self, job: _Write) -> tuple[str, dict[str, Any]]:
-        """The file key of `job` and the header fields every rank writes alike."""
-        return snapshot_key(job.namespace, job.tokens), {
-            "model_fingerprint": self.fingerprint, "namespace": job.namespace,
-            "token_ids": job.tokens, "created_ns": time.time_ns()}
 
     async def _send_spill(self, payload: SpillPayload) -> None:
         """A write-back spill: the RAM copy is gone; write it or drop it."""
         tokens = self._tokens.pop(payload.key, None)
-        if self.tier is None or tokens is None or payload.key not in self.index:
+        if self.spill is None or tokens is None or payload.key not in self.index:
             self.index.forget(payload.key)
             return
         entry = self.index.entry(payload.key)
-        job = _Write(ram_key=payload.key, namespace=entry.namespace, tokens=tokens,
+        job = SnapshotWrite(ram_key=payload.key, namespace=entry.namespace, tokens=tokens,
                      payload=payload, minimum_reusable_offset=entry.minimum_reusable_offset)
         if self.flush == "sync":
             self.index.forget(payload.key)  # published on the SSD once durable
@@ -498,24 +435,17 @@ class PrefixCache:
         else:
             self.index.forget(payload.key)
 
-    async def write(self, job: _Write) -> bool:
+    async def write(self, job: SnapshotWrite) -> bool:
         """Write one snapshot to the SSD tier and index it there; False if it failed."""
-        if self.tier is None:
+        if self.spill is None:
             raise RuntimeError("write without an SSD tier")
-        key, fields = self._identity(job)
-        stored, problem, disk = None, None, False
-        try:
-            stored = await self.tier.put_async(key, {**job.payload.header, **fields},
-                                               job.payload.planes)
-        except (OSError, ValueError) as exc:
-            problem, disk = str(exc), isinstance(exc, OSError)
-        if self.group is not None:  # acknowledged once every rank's file is durable
-            problem = await self.group.written(job.ram_key, key, mine=stored is not None,
-                                               keep=key in self.index) or problem
+        put = await self.spill.put(job, keep=lambda key: key in self.index)
+        key, stored, problem = put.key, put.stored, put.problem
         if stored is None or problem is not None:
             self._end_pending(job)
             # A disk error was logged once by the tier (storage.health), not per snapshot.
-            log.log(logging.DEBUG if disk else logging.WARNING, "snapshot %s abandoned: %s",
+            log.log(logging.DEBUG if put.disk_error else logging.WARNING,
+                    "snapshot %s abandoned: %s",
                     key, problem)
             await self._tier_shrank()  # a write may find the tier gone cold
             return False
@@ -537,25 +467,19 @@ class PrefixCache:
     async def _tier_shrank(self) -> None:
         """After a write: the tier holds fewer entries than the index knows (it evicted
         some, or went cold): forget those."""
-        if self.tier is not None and (self.tier.statistics().num_entries
-                                      < self.index.statistics().ssd_entries):
+        if self.spill is not None and (self.spill.num_entries
+                                       < self.index.statistics().ssd_entries):
             await self._forget_gone()
 
-    def _end_pending(self, job: _Write) -> None:
+    def _end_pending(self, job: SnapshotWrite) -> None:
         """`job`'s write ended: its PENDING entry (if its RAM copy went) leaves the index."""
         self._pending.pop(job.ram_key, None)
         if self.index.tier(job.ram_key) is Tier.PENDING:
             self.index.forget(job.ram_key)
 
     async def _remove_files(self, keys: list[str]) -> None:
-        for key in keys:
-            if self.tier is not None:
-                # Logged before the unlink: a kill in between leaves a file that is merely
-                # not required, never an acknowledged file gone without a word.
-                log.info("snapshot removed %s", key)
-                await trio.to_thread.run_sync(functools.partial(self.tier.remove, key))
-        if self.group is not None:
-            await self.group.remove(keys)
+        if self.spill is not None:
+            await self.spill.remove(keys)
 
     def reconcile(self, held: set[str]) -> set[str]:
         """After a failed step: `held` are the snapshots the runner still holds. Entries
@@ -577,71 +501,21 @@ class PrefixCache:
         return keep
 
     def statistics(self) -> PrefixCacheStatistics:
-        index = self.index.statistics()
-        tier = self.tier.statistics() if self.tier is not None else None
-        group = self.group
-        queued = self._queue.statistics().current_buffer_used if self._queue else 0
+        index, spill = self.index.statistics(), self.spill
+        errors = spill.error_counts() if spill is not None else {}
         return PrefixCacheStatistics(
             ram_bytes=index.ram_bytes, ram_entries=index.ram_entries,
             ssd_bytes=index.ssd_bytes, ssd_entries=index.ssd_entries,
             hits_ram=index.hits_ram, hits_ssd=index.hits_ssd, misses=index.misses,
             spills=self._counts["spills"], spills_dropped=self._counts["spills_dropped"],
-            quarantined=self._counts["quarantined"] + (group.num_quarantined if group else 0),
-            ssd_write_errors=(tier.num_write_errors if tier is not None else 0)
-            + (group.num_write_errors if group else 0),
-            ssd_errors=tier.num_errors if tier is not None else 0,
-            ssd_state=tier.state if tier is not None else "off",
-            writes_pending=queued, loads_pending=len(self._loading))
+            quarantined=errors.get("quarantined", 0),
+            ssd_write_errors=errors.get("ssd_write_errors", 0),
+            ssd_errors=errors.get("ssd_errors", 0),
+            ssd_state=spill.tier.statistics().state if spill is not None else "off",
+            writes_pending=spill.num_queued if spill is not None else 0,
+            loads_pending=len(self._loading))
 
     async def close_writes(self) -> None:
-        """No more writes: close the queue and wait until the writer wrote what it holds."""
-        if self._queue is not None:
-            self._queue.close()
-            await self._writer_done.wait()
-
-
-async def run_writer(prefix: PrefixCache,
-                     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-    """The async-flush writer task: writes queued snapshots one at a time, until the
-    queue's send end is closed (`close_writes`) and everything queued is written."""
-    send, receive = trio.open_memory_channel[_Write](WRITE_QUEUE)
-    prefix._queue = send
-    task_status.started()
-    try:
-        # Shielded: a caller cancelling open_engine's scope still gets the queue drained
-        # (at most WRITE_QUEUE writes); the loop ends when close_writes closes the queue.
-        with trio.CancelScope(shield=True):
-            async with receive:
-                async for job in receive:
-                    await prefix.write(job)
-    finally:
-        prefix._writer_done.set()
-
-
-def header_validator(namespace: str, layout: PlaneLayout | None,
-                     paired: Mapping[str, Any] | None = None
-                     ) -> Callable[[SnapshotHeader], None]:
-    """The SSD tier's `validate_header`: a header of this engine's namespace must describe
-    planes this model restores (engine.snapshot.PlaneLayout), one of a paired namespace
-    (`paired`: namespace -> engine.speculative.state.PairedLayout) the target's planes and
-    its proposer's; other namespaces are never served by this engine, so they are left
-    alone."""
-    layouts: dict[str, Any] = {namespace: layout, **(paired or {})}
-
-    def validate(header: SnapshotHeader) -> None:
-        if header.namespace not in layouts:
-            return
-        checker = layouts[header.namespace]
-        if checker is None:
-            raise SnapshotError("this model's caches cannot be restored from snapshots")
-        try:
-            checker.check_header(header)
-        except ValueError as exc:
-            raise SnapshotError(f"does not fit this model: {exc}") from None
-
-    return validate
-
-
-def _reuse_bound(header: SnapshotHeader) -> int:
-    """The shortest reuse of a file's snapshot: its KV's boundary and its paired state's."""
-    return max(header.minimum_reusable_offset, paired_minimum(header.extra))
+        """No more writes: the writer task writes what is queued, then returns."""
+        if self.spill is not None:
+            await self.spill.close_writes()

@@ -40,8 +40,8 @@ from tqserve.actors.runner_thread import RunnerThread
 from tqserve.engine.distributed import GroupFailure
 from tqserve.actors.speculation import SpeculationLink
 from tqserve.engine.runner import Runner
-from tqserve.engine.scheduler import (Event, Finished, SchedulerCore, Started, StepPlan,
-                                     TokenOut)
+from tqserve.engine.scheduler import SchedulerCore
+from tqserve.engine.step import Event, Finished, Started, StepPlan, TokenOut
 
 log = logging.getLogger("tqserve.scheduler")
 

@@ -38,7 +38,7 @@ from typing import Any
 
 import trio
 
-from tqserve.actors.prefix_cache import header_validator
+from tqserve.actors.spill import header_validator
 from tqserve.actors.runner_thread import RunnerThread
 from tqserve.engine.distributed import LeaderRunner, ShardRestoreError
 from tqserve.engine.snapshot_layout import PlaneLayout

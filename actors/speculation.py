@@ -26,7 +26,7 @@ import trio
 
 from tqserve.actors.mailbox import Inbox, Outbox
 from tqserve.actors.messages import RowVerified, SpecDecision, SpecOpen, SpecStep
-from tqserve.engine.scheduler import StepPlan, StepResult
+from tqserve.engine.step import StepPlan, StepResult
 from tqserve.engine.speculative.policy import SpecChoice, SpeculationPolicy, resolve_choice
 
 SPECULATION_MAILBOX = 4  # a few steps' reports; booking one takes microseconds

@@ -25,7 +25,7 @@ from typing import Any, AsyncIterator
 from quart import Response, g, jsonify, request
 from quart_trio import QuartTrio
 
-from tqserve.actors.engine import Engine
+from tqserve.actors.facade import Engine
 from tqserve.actors.messages import Done
 from tqserve.api.anthropic_stream import BlockStream, content_blocks
 from tqserve.api.anthropic_tools import prompt_messages, tool_plan

@@ -28,7 +28,7 @@ from quart import jsonify, websocket
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
-from tqserve.actors.engine import Engine
+from tqserve.actors.facade import Engine
 from tqserve.actors.messages import Error
 from tqserve.api.auth import WS_PROTOCOL
 from tqserve.api.playground import add_playground

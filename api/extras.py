@@ -13,7 +13,7 @@ from __future__ import annotations
 from quart import Response, jsonify, request
 from quart_trio import QuartTrio
 
-from tqserve.actors.engine import Engine
+from tqserve.actors.facade import Engine
 from tqserve.api.chattools import chat_messages, tool_plan
 from tqserve.api.httpcommon import ApiError, Body, build_request, param_of
 from tqserve.api.served import ServedNames

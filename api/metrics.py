@@ -21,7 +21,7 @@ from prometheus_client import (CollectorRegistry, Counter, Histogram, disable_cr
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from tqserve.actors.engine import Engine
+from tqserve.actors.facade import Engine
 from tqserve.actors.messages import Done, Error, Event, Queued, Token
 from tqserve.api.httpcommon import STATUS_BY_CODE
 

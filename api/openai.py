@@ -28,7 +28,7 @@ from typing import Any
 from quart import Response, g, jsonify, request
 from quart_trio import QuartTrio
 
-from tqserve.actors.engine import Engine
+from tqserve.actors.facade import Engine
 from tqserve.api.chatout import ChatOutput
 from tqserve.api.chattools import ToolPlan, chat_messages, tool_plan, tools_error
 from tqserve.api.httpcommon import ApiError, Body, build_request, new_id, token_text

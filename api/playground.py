@@ -23,7 +23,7 @@ import trio
 from quart import Response, abort, jsonify
 from quart_trio import QuartTrio
 
-from tqserve.actors.engine import Engine
+from tqserve.actors.facade import Engine
 
 STATIC_TYPES = {
     "playground.html": "text/html; charset=utf-8",

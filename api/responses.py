@@ -23,7 +23,7 @@ import trio
 from quart import Response, g, jsonify, request
 from quart_trio import QuartTrio
 
-from tqserve.actors.engine import Engine
+from tqserve.actors.facade import Engine
 from tqserve.api.chatout import ChatOutput
 from tqserve.api.chattools import tools_error
 from tqserve.api.ending import complete

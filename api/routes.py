@@ -12,7 +12,7 @@ from quart import Response, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import MethodNotAllowed, NotFound, RequestEntityTooLarge
 
-from tqserve.actors.engine import Engine
+from tqserve.actors.facade import Engine
 from tqserve.api import anthropic, auth, extras, openai, responses
 from tqserve.api.httpcommon import ApiError
 from tqserve.api.httpconn import too_large_message

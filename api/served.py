@@ -8,7 +8,7 @@ name.
 
 from __future__ import annotations
 
-from tqserve.actors.engine import Engine
+from tqserve.actors.facade import Engine
 from tqserve.api.httpcommon import ApiError
 
 

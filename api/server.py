@@ -20,7 +20,8 @@ from hypercorn.trio.run import worker_serve
 from hypercorn.utils import wrap_app
 import trio
 
-from tqserve.actors.engine import Engine, ShutdownReport, open_engine
+from tqserve.actors.engine import open_engine
+from tqserve.actors.facade import Engine, ShutdownReport
 from tqserve.api.app import Connections, create_app
 from tqserve.api.hardening import listen_hardened
 from tqserve.api.httpconn import HttpLimits

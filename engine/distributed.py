@@ -60,7 +60,7 @@ import mlx.core as mx
 
 from tqserve.engine.plan_channel import GroupFailure, PlanChannel, decode_reply, encode
 from tqserve.engine.runner import Runner
-from tqserve.engine.scheduler import StepPlan, StepResult
+from tqserve.engine.step import StepPlan, StepResult
 
 STOP = "stop"
 PING = "ping"

@@ -26,7 +26,7 @@ from typing import Any, Callable
 from tqserve.engine.distributed import PING, STOP, Sampled, Watchdog, sampled, shard_model
 from tqserve.engine.plan_channel import GroupFailure, PlanChannel, decode, encode_reply
 from tqserve.engine.runner import Runner
-from tqserve.engine.scheduler import SpillPayload, StepResult
+from tqserve.engine.step import SpillPayload, StepResult
 
 _FOLLOWED = {"reset", "retain", "drop_snapshot", "plane_layout"}
 _SSD_OPS = {"shard_recover", "shard_keep", "shard_persist", "shard_remove", "shard_read",

@@ -22,7 +22,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from tqserve.engine.arrays import int_list
-from tqserve.engine.scheduler import PrefillChunk
+from tqserve.engine.step import PrefillChunk
 from tqserve.engine.snapshot import Snapshot, extract_snapshot, snapshot_kinds
 
 PAD_TOKEN = 0  # any id: padded positions are masked out of every real row's attention

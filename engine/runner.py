@@ -71,7 +71,7 @@ from tqserve.engine.fastpath import DecodeForward
 from tqserve.engine.kv.slots import is_slot_batch, retire_order, slot_batch
 from tqserve.engine.prefill import PrefillGroups
 from tqserve.engine.sampling import LazySample, RowSampler, build_sample, finalize_sample
-from tqserve.engine.scheduler import RowOutput, SnapshotMade, SpillPayload, StepPlan, StepResult
+from tqserve.engine.step import RowOutput, SnapshotMade, SpillPayload, StepPlan, StepResult
 from tqserve.engine.snapshot import (Snapshot, describe, extract_snapshot, from_planes,
                                      header_extra, layer_kind, row_from_snapshot,
                                      snapshot_kinds, snapshot_of_row, to_planes)

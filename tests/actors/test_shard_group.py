@@ -29,14 +29,15 @@ import pytest
 import trio
 from mlx_lm.models.cache import make_prompt_cache
 
-from tqserve.actors.prefix_cache import PrefixCache, header_validator
+from tqserve.actors.prefix_cache import PrefixCache
+from tqserve.actors.spill import header_validator
 from tqserve.actors.runner_thread import RunnerThread
 from tqserve.actors.shard_group import ShardGroup
 from tqserve.engine.distributed import LeaderRunner, ShardRestoreError, Watchdog
 from tqserve.engine import follower as follower_module
 from tqserve.engine.follower import FollowerShards, follow
 from tqserve.engine.runner import Runner
-from tqserve.engine.scheduler import SnapshotMade, StepPlan, StepResult
+from tqserve.engine.step import SnapshotMade, StepPlan, StepResult
 from tqserve.engine.snapshot import snapshot_of_row
 from tqserve.storage import SsdTier, snapshot_key
 from tqserve.storage.shard import ShardId

@@ -14,7 +14,7 @@ from tqserve.actors.messages import RowVerified, SpecDecision, SpecOpen, SpecSte
 from tqserve.actors.speculation import (SPECULATION_MAILBOX, SpeculationLink,
                                         reply_mailbox_size, run_speculation)
 from tqserve.engine.sampling import SamplingParams
-from tqserve.engine.scheduler import NewRow, RowOutput, StepPlan, StepResult
+from tqserve.engine.step import NewRow, RowOutput, StepPlan, StepResult
 from tqserve.engine.speculative.policy import SpecChoice, SpecPolicy, SpeculationPolicy
 from tqserve.engine.speculative.throughput import ThroughputSettings
 

@@ -66,7 +66,7 @@ def test_unequal_group_through_the_cuda_attention_routing(draft_model, monkeypat
 
     from tqserve.engine.kv import attention
     from tqserve.engine.prefill import PrefillGroups
-    from tqserve.engine.scheduler import PrefillChunk
+    from tqserve.engine.step import PrefillChunk
 
     monkeypatch.setattr(attention, "on_cuda", lambda: True)
     attention.install_attention()

@@ -12,7 +12,8 @@ from tqserve.engine.kv_budget import KvBudget, ceil_step, grown_rows, rows_bound
 from tqserve.engine.memory import kv_bytes_per_position
 from tqserve.engine.runner import Runner
 from tqserve.engine.sampling import SamplingParams
-from tqserve.engine.scheduler import Finished, SchedulerCore, TokenOut
+from tqserve.engine.scheduler import SchedulerCore
+from tqserve.engine.step import Finished, TokenOut
 from tests.e2e.reference import PROMPTS
 
 NEW_TOKENS = 20

@@ -13,7 +13,8 @@ import pytest
 from tqserve.engine.kv.factory import cache_factory_for
 from tqserve.engine.runner import Runner
 from tqserve.engine.sampling import SamplingParams
-from tqserve.engine.scheduler import Finished, SchedulerCore, TokenOut
+from tqserve.engine.scheduler import SchedulerCore
+from tqserve.engine.step import Finished, TokenOut
 from tests.e2e.reference import PROMPTS
 
 CHUNK = 8

@@ -15,7 +15,8 @@ from mlx_lm.models.cache import make_prompt_cache
 from tqserve.engine.model import DEFAULT_MODEL, load_model
 from tqserve.engine.runner import Runner
 from tqserve.engine.sampling import SamplingParams
-from tqserve.engine.scheduler import Finished, SchedulerCore, TokenOut
+from tqserve.engine.scheduler import SchedulerCore
+from tqserve.engine.step import Finished, TokenOut
 from tqserve.engine.speculative.mtp import (KEEP_PENDING, MAX_PENDING, MtpProposer,
                                            forward_with_hidden, load_mtp_head)
 from tqserve.engine.speculative.policy import SpecChoice, SpecPolicy, SpeculationPolicy

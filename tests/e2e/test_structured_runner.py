@@ -13,7 +13,8 @@ import pytest
 
 from tqserve.engine.runner import Runner
 from tqserve.engine.sampling import SamplingParams
-from tqserve.engine.scheduler import Finished, SchedulerCore, TokenOut
+from tqserve.engine.scheduler import SchedulerCore
+from tqserve.engine.step import Finished, TokenOut
 from tqserve.engine.structured import GrammarMasks, validate_response_format
 
 MAX_STEPS = 200

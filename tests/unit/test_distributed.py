@@ -19,7 +19,7 @@ from tqserve.engine.config import Config
 from tqserve.engine.distributed import check_shardable, init_group
 from tqserve.engine.plan_channel import BLOCK, decode, encode
 from tqserve.engine.sampling import SamplingParams
-from tqserve.engine.scheduler import NewRow, PrefillChunk, StepPlan
+from tqserve.engine.step import NewRow, PrefillChunk, StepPlan
 from tqserve.engine.speculative.policy import SpecChoice
 from tqserve.engine.structured import ResponseFormat
 from tests.e2e.test_distributed import LAUNCH

@@ -23,7 +23,8 @@ from tqserve.engine.kv.turboquant import TurboQuantKVCache
 from tqserve.engine.model import LoadedModel
 from tqserve.engine.runner import Runner
 from tqserve.engine.sampling import SamplingParams
-from tqserve.engine.scheduler import SchedulerCore, TokenOut
+from tqserve.engine.scheduler import SchedulerCore
+from tqserve.engine.step import TokenOut
 from tests.unit.test_kv_turboquant import HEADS, DIM, Mirror, Planes, run_batch_scenario
 
 PROMPTS = ("def fibonacci(n):\n    if n < 2:\n", "import os\nimport sys\n\nclass Config:\n",

@@ -26,7 +26,7 @@ from tqserve.engine.kv.turboquant import BatchedTurboQuantKVCache, TurboQuantKVC
 from tqserve.engine.model import LoadedModel
 from tqserve.engine.runner import Runner
 from tqserve.engine.sampling import SamplingParams
-from tqserve.engine.scheduler import NewRow, PrefillChunk, StepPlan
+from tqserve.engine.step import NewRow, PrefillChunk, StepPlan
 
 DIM = 128
 KV_HEADS, Q_HEADS = 2, 4

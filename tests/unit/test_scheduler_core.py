@@ -3,8 +3,8 @@
 import pytest
 
 from tqserve.engine.sampling import SamplingParams
-from tqserve.engine.scheduler import (Finished, IllegalTransition, RowOutput, RowState, SchedulerCore,
-                              Started, StepResult, TokenOut)
+from tqserve.engine.scheduler import IllegalTransition, RowState, SchedulerCore
+from tqserve.engine.step import Finished, RowOutput, Started, StepResult, TokenOut
 
 EOS = 0
 

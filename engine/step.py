@@ -1,0 +1,186 @@
+"""The data of one engine step, between the sans-io core and the runner: the plan
+(`StepPlan`: rows released, prefill chunks, new rows, decode rows, the prefix cache's and
+speculation's orders), what the runner reports (`StepResult`: each row's new tokens,
+snapshots made, spill payloads) and the core's events (`Started`, `TokenOut`,
+`Finished`). Plain frozen records; no MLX, no I/O (engine.scheduler decides them,
+engine.runner executes them).
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from tqserve.engine.sampling import SamplingParams
+from tqserve.engine.speculative.policy import RequestChoice
+from tqserve.engine.structured import ResponseFormat
+
+
+@attrs.frozen(kw_only=True)
+class NewRow:
+    """A row to create: from scratch, or (reuse set) from the first `cached` positions of
+    the runner's snapshot `reuse`; its prefill then starts at `cached`."""
+
+    request_id: str
+    row_id: int
+    prompt: tuple[int, ...]
+    params: SamplingParams
+    reuse: str | None = None
+    cached: int = 0
+    response_format: ResponseFormat | None = None
+    speculative: RequestChoice = None  # the request's SpecChoice, False (never), None (default)
+    group: int = 0  # the prefill group (see the module doc)
+    pad: int = 0    # padding positions before the row's first prompt token in its group
+
+
+@attrs.frozen(kw_only=True)
+class PrefillChunk:
+    """Prompt positions [start, end) of one row; its group's forward this step is
+    `columns` wide: the row's tokens are right-aligned in it, padding before them."""
+
+    request_id: str
+    start: int
+    end: int
+    group: int = 0
+    columns: int = 0
+
+
+@attrs.frozen(kw_only=True)
+class StepPlan:
+    """What the runner does in one step, in this order."""
+
+    release: tuple[str, ...] = ()
+    # per released row: the tokens its KV covers (prompt + generated) when it finished
+    # normally (stop or length, at least one token), else (): what a prefix cache may keep
+    release_tokens: tuple[tuple[int, ...], ...] = ()
+    new_rows: tuple[NewRow, ...] = ()
+    prefill: tuple[PrefillChunk, ...] = ()
+    join: tuple[str, ...] = ()
+    decode: tuple[str, ...] = ()  # every decoding row after the joins, in batch order
+    # Prefix cache orders (set by the scheduler actor, not the core): snapshot these
+    # released rows under the given keys before they leave the batch; serialize then drop
+    # `spill` snapshots; drop `drop` snapshots after the new rows are built.
+    # `prompt_snapshot` rows (rid, key) are snapshotted from their own caches when their
+    # prefill is complete, before they join; with `persist`, every snapshot made this step
+    # is also serialized for the SSD tier (write-through) and kept.
+    snapshot: tuple[tuple[str, str], ...] = ()
+    prompt_snapshot: tuple[tuple[str, str], ...] = ()
+    persist: bool = False
+    spill: tuple[str, ...] = ()
+    drop: tuple[str, ...] = ()
+    # Speculation (set by the scheduler actor from the speculation actor's latest decision):
+    # (request id, k) of the decoding rows that propose up to k tokens this step; a row not
+    # named decodes plainly, and a step where none proposes is a plain step.
+    propose: tuple[tuple[str, int], ...] = ()
+
+    @property
+    def empty(self) -> bool:
+        return not (self.release or self.new_rows or self.prefill or self.join or self.decode
+                    or self.snapshot or self.prompt_snapshot or self.spill or self.drop)
+
+
+@attrs.frozen(kw_only=True)
+class RowOutput:
+    """One row's tokens of one step (several when speculation accepted some: the accepted
+    proposals plus the target's next token, in order), with one logprob / top-logprobs
+    entry per token when the row asked for them."""
+
+    request_id: str
+    tokens: tuple[int, ...]
+    logprobs: tuple[float, ...] | None = None
+    top_logprobs: tuple[tuple[tuple[int, float], ...], ...] | None = None
+    num_proposed: int = 0   # speculative tokens verified this step
+    num_accepted: int = 0   # of which the target kept (len(tokens) - 1 when it proposed)
+    grammar_done: bool = False  # the row's grammar is complete: nothing but EOS could follow
+    error: str | None = None    # the row's grammar failed: finish it with this message
+
+
+@attrs.frozen(kw_only=True)
+class SnapshotMade:
+    """A released row's snapshot now held by the runner under `key`; `state`: the identity
+    of the proposer state paired with it ("" for none), `minimum_reusable_offset` the
+    shortest reuse of both parts."""
+
+    key: str
+    request_id: str
+    offset: int
+    minimum_reusable_offset: int
+    num_bytes: int
+    state: str = ""
+
+
+@attrs.frozen(kw_only=True)
+class SpillPayload:
+    """A snapshot serialized for the SSD tier (bytes only; it left the runner's RAM)."""
+
+    key: str
+    header: dict
+    planes: tuple[tuple[str, bytes, tuple[int, ...], str], ...]
+
+
+@attrs.frozen(kw_only=True)
+class StepResult:
+    outputs: tuple[RowOutput, ...]
+    kv_bytes: int
+    kv_capacity: tuple[int, int] = (0, 0)  # the decode batch's (row slots, positions)
+    snapshots: tuple[SnapshotMade, ...] = ()
+    spills: tuple[SpillPayload, ...] = ()
+    writes: tuple[SpillPayload, ...] = ()  # the persisted snapshots' bytes (still held)
+    # a steady decode step (no prefill, join or release; the same path as the step before):
+    # seconds since the previous step ended, and whether rows proposed (a verify step)
+    decode_seconds: float | None = None
+    speculative: bool = False
+
+
+@attrs.frozen(kw_only=True)
+class Started:
+    """A request left the queue and holds row `row_id`."""
+
+    request_id: str
+    row_id: int
+    num_prompt_tokens: int
+
+
+@attrs.frozen(kw_only=True)
+class TokenOut:
+    """A row's new tokens of one step; `index` numbers the first. `final`: the row finished
+    with the last one; `stop_token`: that one is a stop token."""
+
+    request_id: str
+    index: int
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...] | None = None
+    top_logprobs: tuple[tuple[tuple[int, float], ...], ...] | None = None
+    final: bool = False
+    stop_token: bool = False
+
+
+@attrs.frozen(kw_only=True)
+class Finished:
+    request_id: str
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    row_id: int | None
+    was_queued: bool
+    cached_tier: str | None = None
+    tokens: tuple[int, ...] = ()  # prompt + generated: what the row's KV may cover
+    error: str | None = None  # set with finish_reason "error": what went wrong (client-facing)
+    speculative: SpeculativeUsage | None = None  # set when the row verified proposals
+
+
+Event = Started | TokenOut | Finished
+
+
+@attrs.frozen(kw_only=True)
+class SpeculativeUsage:
+    """A request's speculation: tokens proposed, accepted, and verify steps that had a
+    proposal (`mean_accepted_length` = accepted / verify steps)."""
+
+    proposed: int
+    accepted: int
+    verify_steps: int
+
+    @property
+    def mean_accepted_length(self) -> float:
+        return self.accepted / self.verify_steps if self.verify_steps else 0.0
