@@ -40,6 +40,7 @@ from typing import Any, Callable
 
 import hypercorn.protocol
 import hypercorn.protocol.h11
+import hypercorn.trio.run
 import trio
 from hypercorn.config import Sockets
 from hypercorn.protocol.events import Request, StreamClosed
@@ -50,6 +51,7 @@ from wsproto.events import CloseConnection, Message, Ping
 from wsproto.frame_protocol import CloseReason
 
 from tqserve.api.httpconn import ConnectionCap, HttpLimits, LimitedConfig, LimitedH11Protocol
+from tqserve.api.overload import GatedTCPServer
 
 log = logging.getLogger("tqserve.server")
 
@@ -191,6 +193,7 @@ def install() -> None:
     hypercorn.protocol.H11Protocol = LimitedH11Protocol  # type: ignore[misc]
     hypercorn.protocol.h11.WSStream = LimitedWSStream  # type: ignore[misc]
     hypercorn.protocol.h11.HTTPStream = LimitedHTTPStream  # type: ignore[misc]
+    hypercorn.trio.run.TCPServer = GatedTCPServer  # type: ignore[misc]
 
 
 # Connections the kernel queues before accept (capped by net.core.somaxconn): with

@@ -112,6 +112,7 @@ class LimitedConfig(HypercornConfig):
     header_timeout: float = 10.0
     body_timeout: float = 30.0
     connection_cap: ConnectionCap | None = None
+    overload_gate: Any = None  # api.overload.OverloadGate: `serve` sets it, the router not
 
 
 class _Phase(enum.Enum):

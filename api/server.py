@@ -24,6 +24,7 @@ from tqserve.actors.engine import open_engine
 from tqserve.actors.facade import Engine, ShutdownReport
 from tqserve.api.app import Connections, create_app
 from tqserve.api.hardening import listen_hardened
+from tqserve.api.overload import OverloadGate
 from tqserve.api.httpconn import HttpLimits
 from tqserve.engine.config import Config
 from tqserve.engine.model import LoadedModel
@@ -42,6 +43,15 @@ def hard_message_bytes(config: Config) -> int:
     return max(config.max_message_bytes * _HARD_FRAME_FACTOR,
                config.max_message_bytes + _HARD_FRAME_MARGIN)
 CLOSE_GRACE = 5.0  # seconds the sockets get to flush their last frames and close (1001)
+
+
+def overload_gate(engine: Engine, api_key: str | None) -> OverloadGate:
+    """The gate that refuses generation requests while admission is full (api.overload)."""
+    def reason() -> str | None:
+        refusal = engine.overloaded("")
+        return refusal.message if refusal is not None and refusal.code == "overloaded" else None
+
+    return OverloadGate(reason, lambda: engine.note_rejection("overloaded"), api_key)
 
 
 def listen(config: Config) -> tuple[HypercornConfig, Sockets]:
@@ -88,6 +98,7 @@ async def serve(config: Config, *, loaded: LoadedModel | None = None,
             open_engine(config, loaded=loaded, recorder=recorder))
         connections = Connections()
         hc.connection_cap.on_refused = lambda: engine.note_rejection("too_many_connections")
+        hc.overload_gate = overload_gate(engine, config.api_key)
         app = wrap_app(create_app(engine, connections), hc.wsgi_max_body_size, None)
         stop_http = trio.Event()
 
