@@ -4,9 +4,13 @@
   router-chosen ids (msgpack frames); one reader task files each incoming frame, as is
   (a dict), into its request's bounded channel (`STREAM_FRAMES`). When the socket drops,
   every request on it fails with `BackendLost`. A request whose channel is full (its
-  client reads too slowly) fails with `SlowClient` and is cancelled on the backend.
+  client reads too slowly) fails with `SlowClient` and is cancelled on the backend. A
+  request that gets no frame for `read_timeout` seconds (--backend-read-timeout) fails
+  with `BackendTimeout` and is cancelled on the backend; its link is retired (it may be
+  wedged): it takes no new request and closes once its last request has ended.
 * `LinkPool`: per backend, the links open now; a request takes one with a free stream
-  slot (`streams_per_link`, the backends' --max-streams-per-connection) or opens another.
+  slot (`streams_per_link`, the backends' --max-streams-per-connection) that is not
+  retired, or opens another.
 * `check_health`: GET /health under a `trio.fail_after`; True only for a 200.
 """
 
@@ -40,6 +44,14 @@ class SlowClient(Exception):
     """The request's client fell STREAM_FRAMES frames behind; it was cancelled."""
 
 
+class BackendTimeout(Exception):
+    """The backend sent no frame for the request in `seconds`; it was cancelled."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__(f"no frame for {seconds:g} s")
+        self.seconds = seconds
+
+
 def ws_url(base: str) -> str:
     """The /v1/stream URL of a backend given as http(s)://host:port."""
     return base.replace("http://", "ws://", 1).replace("https://", "wss://", 1) + "/v1/stream"
@@ -54,16 +66,20 @@ class _Stream:
 class BackendLink:
     """One multiplexed WebSocket to a backend (see the module docstring)."""
 
-    def __init__(self, ws: WebSocketConnection, url: str) -> None:
+    def __init__(self, ws: WebSocketConnection, url: str, nursery: trio.Nursery,
+                 read_timeout: float) -> None:
         self.url = url
+        self.read_timeout = read_timeout
         self._ws = ws
+        self._nursery = nursery
         self._streams: dict[str, _Stream] = {}
         self._send_lock = trio.Lock()
         self.closed = False
+        self.retired = False  # takes no new request; closes when its last one ends
 
     @classmethod
-    async def open(cls, nursery: trio.Nursery, url: str,
-                   headers: list[tuple[bytes, bytes]]) -> "BackendLink":
+    async def open(cls, nursery: trio.Nursery, url: str, headers: list[tuple[bytes, bytes]],
+                   read_timeout: float) -> "BackendLink":
         try:
             with trio.fail_after(CONNECT_TIMEOUT):
                 ws = await connect_websocket_url(nursery, url, extra_headers=headers)
@@ -72,7 +88,7 @@ class BackendLink:
                               ) from None
         except (OSError, HandshakeError, ConnectionClosed) as exc:
             raise BackendLost(f"cannot connect to {url}: {exc}") from exc
-        link = cls(ws, url)
+        link = cls(ws, url, nursery, read_timeout)
         nursery.start_soon(link._read)
         return link
 
@@ -121,12 +137,17 @@ class BackendLink:
             raise BackendLost(f"connection to {self.url} closed: {exc}") from exc
 
     async def cancel(self, rid: str) -> None:
-        """Best effort: a closed socket has cancelled the request already."""
-        if not self.closed:
+        """Best effort: a closed socket has cancelled the request already. A backend that
+        takes no cancel within CLOSE_TIMEOUT (it reads nothing) retires the link."""
+        if self.closed:
+            return
+        with trio.move_on_after(CLOSE_TIMEOUT) as scope:
             try:
                 await self._send({"type": "cancel", "id": rid})
             except BackendLost:
                 pass
+        if scope.cancelled_caught:
+            self.retired = True
 
     async def request(self, frame: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         """Send a generate frame (its `id` is the router's) and yield the backend's frames
@@ -141,23 +162,39 @@ class BackendLink:
             if self.closed:
                 raise BackendLost(f"connection to {self.url} closed")
             await self._send(frame)
-            async for obj in receive:
+            while not finished:
+                obj = await self._next(receive, stream)
                 finished = obj.get("type") in ("done", "error")
                 yield obj
-                if finished:
-                    return
-            finished = True
-            failure = stream.failure or BackendLost(f"connection to {self.url} closed")
-            if isinstance(failure, BackendLost):
-                failure.sent = True
-            raise failure
         finally:
             self._streams.pop(rid, None)
             if not finished:
                 with trio.CancelScope(shield=True):
                     await self.cancel(rid)
+            self._close_if_retired()
+
+    async def _next(self, receive: trio.MemoryReceiveChannel[dict[str, Any]],
+                    stream: _Stream) -> dict[str, Any]:
+        """A request's next frame; its stream's failure once the reader ended it (the
+        request had reached the backend), BackendTimeout after `read_timeout` seconds."""
+        with trio.move_on_after(self.read_timeout):
+            try:
+                return await receive.receive()
+            except trio.EndOfChannel:
+                failure = stream.failure or BackendLost(f"connection to {self.url} closed")
+                if isinstance(failure, BackendLost):
+                    failure.sent = True
+                raise failure from None
+        self.retired = True  # the socket may be wedged: new requests open another
+        raise BackendTimeout(self.read_timeout)
+
+    def _close_if_retired(self) -> None:
+        if self.retired and not self._streams and not self.closed:
+            self.closed = True
+            self._nursery.start_soon(self.aclose)
 
     async def aclose(self) -> None:
+        self.closed = True
         with trio.move_on_after(CLOSE_TIMEOUT) as scope:
             scope.shield = True
             await self._ws.aclose()
@@ -173,9 +210,10 @@ class LinkPool:
     """Open links per backend; `link(backend)` returns one with a free stream slot."""
 
     def __init__(self, nursery: trio.Nursery, streams_per_link: int,
-                 api_key: str | None = None) -> None:
+                 api_key: str | None = None, read_timeout: float = 600.0) -> None:
         self._nursery = nursery
         self._limit = streams_per_link
+        self._read_timeout = read_timeout
         self._headers = [(b"authorization", f"Bearer {api_key}".encode())] if api_key else []
         self._links: dict[str, list[BackendLink]] = {}
         self._locks: dict[str, trio.Lock] = {}  # per backend: a slow one holds up no other
@@ -190,9 +228,10 @@ class LinkPool:
             links = [x for x in self._links.get(backend, []) if not x.closed]
             self._links[backend] = links
             for x in links:
-                if x.num_active < self._limit:
+                if x.num_active < self._limit and not x.retired:
                     return x
-            x = await BackendLink.open(self._nursery, ws_url(backend), self._headers)
+            x = await BackendLink.open(self._nursery, ws_url(backend), self._headers,
+                                       self._read_timeout)
             links.append(x)
             return x
 

@@ -88,8 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="browser origins allowed besides the router's own and loopback "
                         "ones, comma-separated (* = any)")
     p.add_argument("--backend-read-timeout", type=float, default=c.backend_read_timeout,
-                   metavar="SECONDS", help="a backend that sends nothing this long under a "
-                   "request: 504 backend_timeout (or an error event in a started stream)")
+                   metavar="SECONDS", help="a backend sending nothing this long under a request: "
+                   "504 / error frame / SSE error event backend_timeout")
     p.add_argument("--max-backend-bytes", type=int, default=c.max_backend_bytes,
                    help="bytes of a backend's whole answer, or of one SSE event, the router "
                         "holds (over it: 502 backend_failed)")

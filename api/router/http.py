@@ -11,12 +11,12 @@ is replaced by the next one. A backend whose connection breaks once it has the r
 (it died handling it: maybe a poison request, which would kill every backend in turn)
 gets it never resent: 502 `backend_failed`; no byte for --backend-read-timeout: 504
 `backend_timeout`; an answer over --max-backend-bytes (or an SSE stream with no event
-end within it): 502 `backend_failed`. For a stream, the router holds back the preamble events that carry no
-token (OpenAI chat's role chunk; Anthropic's message_start, content_block_start, ping)
-until the first token event, so the request can still move; a backend lost after that
-ends the stream with an error event in the API's shape (code `backend_lost`).
-No backend: 503 in the API's error shape (code `no_healthy_backend`); draining: 503
-`shutting_down`.
+end within it): 502 `backend_failed`. For a stream, the router holds back the preamble
+events that carry no token (OpenAI chat's role chunk; Anthropic's message_start,
+content_block_start, ping) until the first token event, so a failure before it is still
+an HTTP error status; a backend lost after that ends the stream with an error event in
+the API's shape (code `backend_lost`). No backend: 503 in the API's error shape (code
+`no_healthy_backend`); draining: 503 `shutting_down`.
 """
 
 from __future__ import annotations

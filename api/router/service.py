@@ -95,7 +95,8 @@ class Router:
                  http: httpx.AsyncClient) -> None:
         self.config = config
         self.table = RouteTable(config.backends, config.routing)
-        self.pool = LinkPool(nursery, config.backend_streams, config.backend_api_key)
+        self.pool = LinkPool(nursery, config.backend_streams, config.backend_api_key,
+                             config.backend_read_timeout)
         self.http = http
         self.draining = False
         self.usage = {name: _Usage() for name in config.backends}

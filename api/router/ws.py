@@ -6,13 +6,15 @@ connection) with the server's own error codes; every other field goes to the bac
 untouched, and the backend's frames (its `error` frames for bad fields too) come back
 with the client's id, in the frame kind the client used.
 
-Fail-over: when a backend's socket breaks under a request that it had queued but not
-sent a `token` for yet, or the backend ends it only because it is stopping
-(`shutting_down`, `engine_closed`, finish_reason `shutdown`), the request goes to the
-next backend (a `queued` frame is sent once); after a token it ends with an `error`
-frame, code `backend_lost`. A backend whose socket breaks after the request reached it
-and before it queued it (it died handling it: maybe a poison request that would kill
-every backend) ends it with code `backend_failed`, never resent. No backend left: code
+Fail-over, as on HTTP: only a request its backend never had moves to the next backend
+(the link could not be opened, or the socket was closed before the frame went out), or
+one the backend ended only because it is stopping (`shutting_down`, `engine_closed`,
+finish_reason `shutdown`) before a token; the client gets one `queued` frame. A
+backend whose socket breaks once it has the request (it died handling it: maybe of a
+poison request, which would kill every backend in turn) ends it with an `error` frame,
+code `backend_failed` before a token, `backend_lost` after one; never resent. No frame
+for --backend-read-timeout seconds: code `backend_timeout`, the request is cancelled on
+the backend and its link retired (api.router.backends). No backend left: code
 `no_healthy_backend`; draining: `shutting_down`.
 """
 
@@ -26,8 +28,8 @@ from typing import Any
 import msgpack
 import trio
 
-from tqserve.api.router.backends import BackendLost, SlowClient
-from tqserve.api.router.core import NoHealthyBackend
+from tqserve.api.router.backends import BackendLost, BackendTimeout, SlowClient
+from tqserve.api.router.core import NoHealthyBackend, Route
 from tqserve.api.router.service import Router, ShuttingDown
 
 log = logging.getLogger("tqserve.router")
@@ -133,51 +135,19 @@ class ClientConnection:
     async def _run(self, rid: str, obj: dict[str, Any], binary: bool) -> None:
         router = self._router
         active = self._active[rid]
-        frame = {**obj, "id": router.pool.new_id()}
         keys = router.keys(obj)
-        sent_token = sent_queued = False
         tried: list[str] = []
         try:
             while True:
                 route = router.begin(keys, tried)
-                queued_here = False
                 try:
-                    link = await router.link(route.backend)
-                    active.link, active.backend_id = link, frame["id"]
-                    active.rebind()
-                    async with aclosing(link.request(frame)) as frames:
-                        async for reply in frames:
-                            await active.started()
-                            kind = reply.get("type")
-                            if not sent_token and going_away(reply):
-                                raise BackendLost(f"backend is going away: {reply}")
-                            queued_here = queued_here or kind == "queued"
-                            if kind == "queued" and sent_queued:
-                                continue
-                            sent_queued = sent_queued or kind == "queued"
-                            sent_token = sent_token or kind == "token"
-                            if kind == "done":
-                                router.note_done(route.backend, reply)
-                            await self.send({**reply, "id": rid}, binary)
-                    return
-                except BackendLost as exc:
-                    router.lost(route)
-                    if sent_token or active.cancelled:
-                        await self.error(rid, "backend_lost", f"backend {route.backend} was "
-                                         f"lost after the stream started: {exc}", binary)
+                    if await self._attempt(rid, obj, binary, route, active):
                         return
-                    if exc.sent and not queued_here:  # it died handling it: a poison?
-                        router.reject("backend_failed")
-                        await self.error(rid, "backend_failed", f"backend {route.backend} "
-                                         f"failed while handling the request ({exc}); it is "
-                                         "not retried elsewhere", binary)
-                        return
-                    log.warning("request %s: backend %s lost before its first token; "
-                                "retrying elsewhere", rid, route.backend)
-                    tried.append(route.backend)
-                    frame = {**obj, "id": router.pool.new_id()}
                 finally:
                     router.end(route)
+                log.warning("request %s: backend %s lost before it had the request; "
+                            "retrying elsewhere", rid, route.backend)
+                tried.append(route.backend)
         except SlowClient as exc:
             await self.error(rid, "slow_consumer", f"request {rid!r} {exc}", binary)
         except ShuttingDown as exc:
@@ -190,6 +160,50 @@ class ClientConnection:
         finally:
             self._active.pop(rid, None)
 
+    async def _attempt(self, rid: str, obj: dict[str, Any], binary: bool, route: Route,
+                       active: "_Active") -> bool:
+        """One attempt on `route.backend`: True once the request has ended (its client got
+        its last frame), False when the backend never had it (the next one may)."""
+        router = self._router
+        sent_token = False
+        try:
+            link = await router.link(route.backend)
+            frame = {**obj, "id": router.pool.new_id()}
+            active.bind(link, frame["id"])
+            async with aclosing(link.request(frame)) as frames:
+                async for reply in frames:
+                    await active.started()
+                    kind = reply.get("type")
+                    if not sent_token and going_away(reply):
+                        raise BackendLost(f"backend is going away: {reply}")
+                    if kind == "queued" and active.sent_queued:
+                        continue
+                    active.sent_queued = active.sent_queued or kind == "queued"
+                    sent_token = sent_token or kind == "token"
+                    if kind == "done":
+                        router.note_done(route.backend, reply)
+                    await self.send({**reply, "id": rid}, binary)
+            return True
+        except BackendTimeout as exc:
+            message = (f"backend {route.backend} sent nothing for request {rid!r} in "
+                       f"{exc.seconds:g} s (--backend-read-timeout); it is not retried "
+                       "elsewhere")
+            log.warning("%s", message)
+            await self.error(rid, "backend_timeout", message, binary)
+            return True
+        except BackendLost as exc:
+            router.lost(route)
+            if sent_token or active.cancelled:
+                await self.error(rid, "backend_lost", f"backend {route.backend} was "
+                                 f"lost after the stream started: {exc}", binary)
+                return True
+            if exc.sent:  # it had the request and died: maybe of it (a poison request)
+                await self.error(rid, "backend_failed", f"backend {route.backend} "
+                                 f"failed while handling the request ({exc}); it is "
+                                 "not retried elsewhere", binary)
+                return True
+            return False
+
 
 class _Active:
     """A request in flight: where it runs now, so that a cancel can follow it."""
@@ -198,10 +212,12 @@ class _Active:
         self.link: Any = None
         self.backend_id: str | None = None
         self.cancelled = False
+        self.sent_queued = False  # the client has its one `queued` frame
         self._forwarded = False  # the backend has seen the generate (it answered)
 
-    def rebind(self) -> None:
-        """A new attempt on another backend: not forwarded there yet."""
+    def bind(self, link: Any, backend_id: str) -> None:
+        """A new attempt, on `link` under `backend_id`: not forwarded there yet."""
+        self.link, self.backend_id = link, backend_id
         self._forwarded = False
 
     async def started(self) -> None:
