@@ -156,7 +156,7 @@ async def open_engine(config: Config, *, loaded: LoadedModel | None = None,
             max_step_tokens=config.max_step_tokens,
             eos_token_ids=loaded.eos_token_ids,
             speculative_methods=speculator.proposers if speculator is not None else (),
-            kv_budget=budget)
+            kv_budget=budget, speculative_default=getattr(speculator, "default", None))
         masks = GrammarMasks(tokenizer, loaded.vocab_size, loaded.eos_token_ids)
         fast = fastpath.wanted(config.fast_decode, config.distributed)
         if fast:  # in place: one copy of the weights (engine.fastpath)
@@ -196,7 +196,7 @@ async def open_engine(config: Config, *, loaded: LoadedModel | None = None,
             decisions_out, decisions_in = open_mailbox(sizes["speculation_replies"],
                                                        "speculation_replies", recorder)
             speculation = SpeculationPolicy(spec_policy(config))
-            link = SpeculationLink(outbox=spec_out, replies=decisions_in, default=spec_default)
+            link = SpeculationLink(outbox=spec_out, replies=decisions_in)
         prefix = None
         if config.prefix_cache:
             refused = await thread.call(runner.unsnapshottable_caches)

@@ -12,11 +12,14 @@ Used by the scheduler actor, in its task (no mailbox of its own):
     thread) and the request waits, holding no row, while the others keep decoding; the
     loaded snapshot is promoted to the RAM tier and handed over by `take_ready`.
   * `finished` on each Finished event (a queued request's pinned donor is let go);
-    `decorate(plan, prompt_of)` before each step adds snapshot orders (a finished row's
-    KV at its release, covering the plan's `release_tokens`; a joining row's prompt KV,
-    its prompt read from the scheduler's core through `prompt_of`), spill and drop
-    orders (no request's tokens are copied here: the core keeps them); `absorb(plan,
-    result)` after it indexes the new snapshots and writes them.
+    `has_prompt` when a lookup ends (whether a joining row's prompt needs a snapshot);
+    `advise(advice)` before each step hands the core its part of the StepAdvice
+    (engine.step): snapshots on, write-through, the pending spill and drop orders. The
+    core decides the plan's snapshot orders itself (engine.orders: a finished row's KV
+    at its release, covering the plan's `release_tokens`; a joining row's prompt KV);
+    nothing here edits a plan. `absorb(plan, result, prompt_of)` after the step books the
+    tokens each ordered snapshot covers (a prompt read from the core through
+    `prompt_of`), indexes the new snapshots and writes them.
   * `reconcile(held)` after a failed step: the index and the runner agree again.
 
 Namespaces (engine.namespaces): a request looks up, and its row publishes, only in the
@@ -67,7 +70,7 @@ import trio
 from tqserve.actors.spill import Spill, SnapshotWrite, reuse_bound
 from tqserve.engine.namespaces import CacheNamespaces
 from tqserve.engine.prefix import PrefixEntry, PrefixIndex, Tier
-from tqserve.engine.step import Finished, SpillPayload, StepPlan, StepResult
+from tqserve.engine.step import Finished, SpillPayload, StepAdvice, StepPlan, StepResult
 from tqserve.storage import SsdTier
 
 if TYPE_CHECKING:
@@ -125,7 +128,7 @@ class PrefixCache:
         self.flush = flush
         self.write_mode = write
         self._runner_call = runner_call  # awaitable: run a function on the runner thread
-        self._ids = itertools.count()
+        self._ids = itertools.count()  # temporary keys s<n> (engine.orders numbers r, p)
         self._tick = 0
         self._pinned: dict[str, str] = {}          # request id -> pinned RAM key
         self._tokens: dict[str, tuple[int, ...]] = {}  # RAM key -> covered tokens
@@ -300,34 +303,31 @@ class PrefixCache:
         """Whether spill or drop orders wait for a step (the scheduler then runs one)."""
         return bool(self._spill or self._drop)
 
-    def decorate(self, plan: StepPlan, prompt_of: Callable[[str], tuple[int, ...]],
-                 speculative_of: Callable[[str], object] = lambda rid: None) -> StepPlan:
-        """Add this step's snapshot, persist, spill and drop orders to the core's plan;
-        `prompt_of(rid)`, `speculative_of(rid)`: a joining row's prompt and speculation
-        choice (the core's record)."""
-        orders = []
-        for rid, tokens in zip(plan.release, plan.release_tokens):
-            if tokens:
-                key = f"r{next(self._ids)}"
-                orders.append((rid, key))
-                self._tokens[key] = tokens
-        prompts = []
-        for rid in plan.join:
-            tokens = prompt_of(rid)[:-1]
-            namespace = self.namespaces.of_request(speculative_of(rid))
-            if tokens and not self.index.has_tokens(namespace, tokens, Tier.RAM):
-                key = f"p{next(self._ids)}"
-                prompts.append((rid, key))
-                self._tokens[key] = tokens
-        plan = attrs.evolve(plan, snapshot=tuple(orders), prompt_snapshot=tuple(prompts),
-                            persist=self.through and bool(orders or prompts),
-                            spill=tuple(self._spill), drop=tuple(self._drop))
+    def advise(self, advice: StepAdvice) -> StepAdvice:
+        """`advice` with this cache's part for the next plan: snapshot orders on, write-
+        through, and the pending spill and drop orders (handed over: they go in it)."""
+        spill, drop = tuple(self._spill), tuple(self._drop)
         self._spill, self._drop = [], []
-        return plan
+        return attrs.evolve(advice, prefix_cache=True, write_through=self.through,
+                            spill=spill, drop=drop)
 
-    async def absorb(self, plan: StepPlan, result: StepResult) -> None:
-        """Index the step's snapshots, write them (or queue them), release built rows'
-        reuses, and hand spills (write-back) to the disk."""
+    def has_prompt(self, prompt: tuple[int, ...], speculative: object = None) -> bool:
+        """Whether RAM holds a snapshot of exactly `prompt[:-1]` (the prompt snapshot a
+        joining row would make): the core then orders none for it."""
+        tokens = prompt[:-1]
+        return not tokens or self.index.has_tokens(self.namespaces.of_request(speculative),
+                                                   tokens, Tier.RAM)
+
+    async def absorb(self, plan: StepPlan, result: StepResult,
+                     prompt_of: Callable[[str], tuple[int, ...]]) -> None:
+        """Index the step's snapshots (the core's orders: the tokens a released row's KV
+        covers, or a joining row's prompt, read through `prompt_of`), write them (or queue
+        them), release built rows' reuses, and hand spills (write-back) to the disk."""
+        covered = dict(zip(plan.release, plan.release_tokens))
+        for rid, key in plan.snapshot:
+            self._tokens[key] = covered[rid]
+        for rid, key in plan.prompt_snapshot:
+            self._tokens[key] = prompt_of(rid)[:-1]
         for new in plan.new_rows:
             self.release_reuse(new.request_id)
         writes = {payload.key: payload for payload in result.writes}

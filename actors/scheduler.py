@@ -14,11 +14,13 @@ at the start of the next step. When idle it waits for a message.
 With a prefix cache (actors.prefix_cache), a request looks up its donor when it is about
 to take a row; an SSD hit loads in a task of this actor's nursery (worker thread, then the
 runner thread between steps) while the request waits without a row and the other rows keep
-decoding; it joins when its KV is ready. Each plan carries the cache's snapshot, persist,
-spill and drop orders, and each result is absorbed by it (a sync flush writes here).
-With speculation (actors.speculation), each plan carries the speculation actor's latest
-decision (`SpeculationLink.apply`, never waited for) and each step is reported to it in
-one SpecStep (opened and released rows, verified lengths, the step's measurement).
+decoding; it joins when its KV is ready.
+One decider: before each step the prefix cache and the speculation link put what they
+know into one StepAdvice (engine.step: pending spill/drop orders, write-through, the
+speculation actor's latest decision, never waited for); the core decides the whole plan
+from it (engine.orders) and nothing edits the plan after. Each result is absorbed by the
+prefix cache (a sync flush writes here), and each step is reported to the speculation
+actor in one SpecStep (opened and released rows, verified lengths, its measurement).
 A runner failure is our bug: it is logged, every request in flight gets an
 `internal_error` event, the runner is reset, the snapshots nobody indexed are dropped and
 the prefix index forgets what the runner lost, and serving goes on; with --distributed
@@ -41,7 +43,7 @@ from tqserve.engine.distributed import GroupFailure
 from tqserve.actors.speculation import SpeculationLink
 from tqserve.engine.runner import Runner
 from tqserve.engine.scheduler import SchedulerCore
-from tqserve.engine.step import Event, Finished, Started, StepPlan, TokenOut
+from tqserve.engine.step import NO_ADVICE, Event, Finished, Started, StepPlan, TokenOut
 
 log = logging.getLogger("tqserve.scheduler")
 
@@ -197,17 +199,21 @@ class _Scheduler:
                 core.unhold(rid)  # the load failed: look it up again
             else:
                 core.set_reuse(rid, reuse=reuse.key, cached=reuse.cached,
-                               cached_tier=reuse.tier)
+                               cached_tier=reuse.tier, snapshot_prompt=not prefix.has_prompt(
+                                   core.prompt(rid), core.speculative(rid)))
         while batch := core.next_to_start():
             for rid, prompt in batch:
-                found = prefix.lookup(rid, prompt, core.speculative(rid))
+                speculative = core.speculative(rid)
+                found = prefix.lookup(rid, prompt, speculative)
                 if found == LOADING:
                     core.hold(rid)
-                elif isinstance(found, Reuse):
+                    continue
+                snapshot = not prefix.has_prompt(prompt, speculative)
+                if isinstance(found, Reuse):
                     core.set_reuse(rid, reuse=found.key, cached=found.cached,
-                                   cached_tier=found.tier)
+                                   cached_tier=found.tier, snapshot_prompt=snapshot)
                 else:  # None: nothing cached
-                    core.set_reuse(rid)
+                    core.set_reuse(rid, snapshot_prompt=snapshot)
         for key in prefix.loads_to_start():
             loads.start_soon(prefix.load, key)
 
@@ -221,11 +227,14 @@ class _Scheduler:
 
     async def step(self) -> None:
         """One engine step: plan, run it on the runner thread, send what came of it."""
-        plan, started = self.core.schedule()
+        advice = NO_ADVICE  # what the actors know that the core needs, before it decides
         if self.prefix is not None:
-            plan = self.prefix.decorate(plan, self.core.prompt, self.core.speculative)
+            advice = self.prefix.advise(advice)
         if self.speculation is not None:
-            plan = self.speculation.apply(plan)
+            advice = self.speculation.advise(advice)
+        plan, started = self.core.schedule(advice)  # the whole step; nobody edits it after
+        if self.speculation is not None:
+            self.speculation.planned(plan)
         await self.emit(started)
         try:
             result = await self.thread.call(self.runner.execute, plan)
@@ -234,7 +243,7 @@ class _Scheduler:
             return
         await self.report_usage(KvUsage(kv_bytes=result.kv_bytes, num_rows=len(plan.decode)))
         if self.prefix is not None:
-            await self.prefix.absorb(plan, result)
+            await self.prefix.absorb(plan, result, self.core.prompt)
         await self.emit(self.core.postprocess(result))
         if self.speculation is not None:
             await self.speculation.report(plan, result, self.core.decoding_ids(),

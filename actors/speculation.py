@@ -7,8 +7,9 @@ Receives: SpecStep from the scheduler (SPECULATION_MAILBOX), one per engine step
       opened and released, verified lengths per row, the step's measured duration.
 Sends: one SpecDecision per SpecStep to the scheduler on the reply edge
       (speculation_replies): tokens each open row proposes from the next step planned.
-      The scheduler never waits for it: it applies the latest decision it has to each
-      plan, so a decision arriving late applies to a later step. The reply mailbox holds
+      The scheduler never waits for it: the latest decision it has goes to the core as
+      advice for each plan (engine.orders decides each row's k from it), so a decision
+      arriving late applies to a later step. The reply mailbox holds
       one decision per SpecStep that can be in flight (the scheduler reads every waiting
       decision before it sends the next SpecStep), so `send_nowait` never fails and this
       actor never blocks on the scheduler.
@@ -26,7 +27,7 @@ import trio
 
 from tqserve.actors.mailbox import Inbox, Outbox
 from tqserve.actors.messages import RowVerified, SpecDecision, SpecOpen, SpecStep
-from tqserve.engine.step import StepPlan, StepResult
+from tqserve.engine.step import StepAdvice, StepPlan, StepResult
 from tqserve.engine.speculative.policy import SpecChoice, SpeculationPolicy, resolve_choice
 
 SPECULATION_MAILBOX = 4  # a few steps' reports; booking one takes microseconds
@@ -73,37 +74,31 @@ async def run_speculation(policy: SpeculationPolicy, default: SpecChoice | None,
 
 @attrs.define
 class SpeculationLink:
-    """The scheduler's end: puts the latest decision into each plan, reports each step."""
+    """The scheduler's end: hands the latest decision to the core as advice before each
+    plan (the core decides every row's k: engine.orders), reports each step."""
 
     outbox: Outbox
     replies: Inbox
-    default: SpecChoice | None = None  # the server's (resolves a new row's own k)
-    proposals: dict[str, int] = attrs.Factory(dict)
+    proposals: tuple[tuple[str, int], ...] = ()
     decided_step: int = -1             # the step the latest decision was made after
     new_rows: bool = True              # the latest decision's `new_rows`
     open_rows: set[str] = attrs.Factory(set)
-    # rows in a plan: the SpecStep number that opens them, and their own k
-    opened_at: dict[str, tuple[int, int]] = attrs.Factory(dict)
+    opened_at: dict[str, int] = attrs.Factory(dict)  # row -> the SpecStep that opens it
     num_steps: int = 0
     num_decisions: int = 0
 
-    def apply(self, plan: StepPlan) -> StepPlan:
-        """The plan with the latest decision's proposal sizes for its decoding rows; a row
-        the decision does not know yet (opened since) proposes its own k if the decision
-        allows new rows (so a short request speculates from its first decode step)."""
+    def advise(self, advice: StepAdvice) -> StepAdvice:
+        """`advice` with the latest decision: its proposal sizes, whether new rows may
+        propose, and the rows opened since it was made (`fresh`)."""
         self._read_decisions()
+        fresh = frozenset(rid for rid, step in self.opened_at.items() if step > self.decided_step)
+        return attrs.evolve(advice, speculation=True, proposals=self.proposals, fresh=fresh,
+                            new_rows_propose=self.new_rows)
+
+    def planned(self, plan: StepPlan) -> None:
+        """The core made `plan`: its new rows open with the next SpecStep."""
         for new in plan.new_rows:
-            choice = resolve_choice(new.speculative, self.default)
-            self.opened_at[new.request_id] = (self.num_steps,
-                                              choice.num_tokens if choice is not None else 0)
-        propose = []
-        for rid in plan.decode:
-            opened, own = self.opened_at.get(rid, (-1, 0))
-            k = (own if self.new_rows else 0) if opened > self.decided_step else (
-                self.proposals.get(rid, 0))
-            if k > 0:
-                propose.append((rid, k))
-        return attrs.evolve(plan, propose=tuple(propose))
+            self.opened_at[new.request_id] = self.num_steps
 
     def _read_decisions(self) -> None:
         while True:
@@ -113,7 +108,7 @@ class SpeculationLink:
                 return
             if not isinstance(decision, SpecDecision):
                 raise TypeError(f"scheduler got unexpected {type(decision).__name__}")
-            self.proposals = dict(decision.proposals)
+            self.proposals = tuple(decision.proposals)
             self.decided_step, self.new_rows = decision.step, decision.new_rows
             self.num_decisions += 1
 
@@ -140,7 +135,7 @@ class SpeculationLink:
     async def reset(self) -> None:
         """The runner was reset: every row's books go."""
         released, self.open_rows = tuple(sorted(self.open_rows)), set()
-        self.proposals, self.opened_at = {}, {}
+        self.proposals, self.opened_at = (), {}
         await self._send(SpecStep(step=self.num_steps, released=released))
 
     async def _send(self, msg: SpecStep) -> None:

@@ -2,7 +2,7 @@
 
 No clock, no I/O, no MLX. The scheduler actor drives it:
 
-    plan, started = core.schedule()          # who prefills, joins, decodes, is released
+    plan, started = core.schedule(advice)    # the whole step: rows, orders, proposals
     result = runner.execute(plan)            # on the runner thread
     events = core.postprocess(result)        # tokens, finishes
 
@@ -34,65 +34,20 @@ comes back as `cancel(rid, "stop", num_tokens)` (actors.hub).
 
 from __future__ import annotations
 
-import enum
+import itertools
 from collections import deque
 from typing import Iterable
 
 import attrs
 
 from tqserve.engine.kv_budget import KvBudget
-from tqserve.engine.step import (Event, Finished, NewRow, PrefillChunk, SpeculativeUsage, Started, StepPlan, StepResult, TokenOut)
+from tqserve.engine.orders import propose_sizes, snapshot_orders
+from tqserve.engine.rows import Group, IllegalTransition, Row, RowState  # noqa: F401 (re-exported)
+from tqserve.engine.step import (NO_ADVICE, Event, Finished, NewRow, PrefillChunk, SpeculativeUsage,
+                                 Started, StepAdvice, StepPlan, StepResult, TokenOut)
 from tqserve.engine.sampling import SamplingParams
-from tqserve.engine.speculative.policy import RequestChoice
+from tqserve.engine.speculative.policy import RequestChoice, SpecChoice, resolve_choice
 from tqserve.engine.structured import ResponseFormat
-
-
-class RowState(enum.Enum):
-    QUEUED = "queued"
-    PREFILLING = "prefilling"
-    DECODING = "decoding"
-    FINISHED = "finished"
-
-
-_TRANSITIONS = {
-    RowState.QUEUED: {RowState.PREFILLING, RowState.FINISHED},
-    RowState.PREFILLING: {RowState.DECODING, RowState.FINISHED},
-    RowState.DECODING: {RowState.FINISHED},
-    RowState.FINISHED: set(),
-}
-
-
-class IllegalTransition(RuntimeError):
-    """A row was asked to move along an edge the lifecycle does not have."""
-
-
-@attrs.define
-class _Row:
-    request_id: str
-    prompt: tuple[int, ...]
-    params: SamplingParams
-    state: RowState = RowState.QUEUED
-    row_id: int | None = None
-    num_prefilled: int = 0
-    num_generated: int = 0
-    reuse: str | None = None
-    cached: int = 0
-    cached_tier: str | None = None
-    generated: list[int] = attrs.Factory(list)
-    response_format: ResponseFormat | None = None
-    looked_up: bool = False  # the prefix cache was asked for a donor
-    held: bool = False       # queued, not schedulable: its donor's KV is loading
-    num_proposed: int = 0
-    num_accepted: int = 0
-    num_verify_steps: int = 0
-    speculative: RequestChoice = None
-    group: int = 0           # its prefill group, once started
-    pad: int = 0             # its left padding in that group
-
-    def move(self, new: RowState) -> None:
-        if new not in _TRANSITIONS[self.state]:
-            raise IllegalTransition(f"{self.request_id}: {self.state.value} -> {new.value}")
-        self.state = new
 
 
 @attrs.frozen(kw_only=True)
@@ -104,16 +59,6 @@ class SchedulerStatistics:
     num_steps: int
     num_prefill_groups: int
     num_prefill_tokens: int  # padding included: what the prefill forwards processed
-
-
-@attrs.define
-class _Group:
-    """Rows prefilled together (module doc): `done` of `width` columns are prefilled."""
-
-    group_id: int
-    rows: list[str]
-    width: int
-    done: int = 0
 
 
 class SchedulerCore:
@@ -128,9 +73,11 @@ class SchedulerCore:
         speculative_methods: Iterable[str] = (),
         max_step_tokens: int | None = None,
         kv_budget: KvBudget | None = None,
+        speculative_default: SpecChoice | None = None,
     ) -> None:
         """`max_step_tokens` None: `max(prefill_chunk, max_batch)` (the module doc);
-        `kv_budget`: rows start only while their KV fits it (engine.kv_budget)."""
+        `kv_budget`: rows start only while their KV fits it (engine.kv_budget);
+        `speculative_default`: the server's speculation (a new row's own k)."""
         if max_batch < 1 or prefill_chunk < 1:
             raise ValueError("max_batch and prefill_chunk must be >= 1")
         if max_step_tokens is None:
@@ -141,12 +88,12 @@ class SchedulerCore:
         self._max_batch = max_batch
         self._prefill_chunk = prefill_chunk
         self._max_step_tokens = max_step_tokens
-        self._groups: dict[int, _Group] = {}
+        self._groups: dict[int, Group] = {}
         self._next_group = 0
         self._num_prefill_tokens = 0
         self._eos = frozenset(eos_token_ids)
         self._speculative_methods = frozenset(speculative_methods)
-        self._rows: dict[str, _Row] = {}
+        self._rows: dict[str, Row] = {}
         self._queue: deque[str] = deque()
         self._prefilling: list[str] = []
         self._decoding: list[str] = []
@@ -156,6 +103,8 @@ class SchedulerCore:
         self._num_steps = 0
         self._kv_budget = kv_budget
         self._kv_capacity = (0, 0)  # the decode batch's allocation, as the runner reported
+        self._speculative_default = speculative_default
+        self._snapshot_ids = itertools.count()  # engine.orders' snapshot keys
 
     def add(self, request_id: str, prompt: tuple[int, ...], params: SamplingParams, *,
             reuse: str | None = None, cached: int = 0, cached_tier: str | None = None,
@@ -171,7 +120,7 @@ class SchedulerCore:
         self.check_speculative(speculative)
         if not 0 <= cached <= len(prompt) - 1 or (cached > 0) != (reuse is not None):
             raise ValueError(f"cannot reuse {cached} tokens of a {len(prompt)}-token prompt")
-        self._rows[request_id] = _Row(request_id, tuple(prompt), params,
+        self._rows[request_id] = Row(request_id, tuple(prompt), params,
                                       num_prefilled=cached, reuse=reuse, cached=cached,
                                       cached_tier=cached_tier, response_format=response_format,
                                       speculative=speculative)
@@ -191,7 +140,7 @@ class SchedulerCore:
         (a donor or none) or `hold` (its donor's KV is loading)."""
         free = self._max_batch - len(self._prefilling) - len(self._decoding)
         out: list[tuple[str, tuple[int, ...]]] = []
-        taking: list[_Row] = []
+        taking: list[Row] = []
         for rid in self._queue:
             if free <= 0:
                 break
@@ -207,8 +156,9 @@ class SchedulerCore:
         return out
 
     def set_reuse(self, request_id: str, *, reuse: str | None = None, cached: int = 0,
-                  cached_tier: str | None = None) -> None:
-        """A queued request's donor (or none); it is schedulable again.
+                  cached_tier: str | None = None, snapshot_prompt: bool = True) -> None:
+        """A queued request's donor (or none); it is schedulable again. `snapshot_prompt`:
+        with a prefix cache, snapshot its prompt when it joins (False: the cache has it).
 
         ValueError for an unknown or started request, or a bad cached length."""
         row = self._rows.get(request_id)
@@ -217,7 +167,7 @@ class SchedulerCore:
         if not 0 <= cached <= len(row.prompt) - 1 or (cached > 0) != (reuse is not None):
             raise ValueError(f"cannot reuse {cached} tokens of a {len(row.prompt)}-token prompt")
         row.reuse, row.cached, row.num_prefilled = reuse, cached, cached
-        row.cached_tier = cached_tier
+        row.cached_tier, row.snapshot_prompt = cached_tier, snapshot_prompt
         row.looked_up, row.held = True, False
 
     def hold(self, request_id: str) -> None:
@@ -276,10 +226,11 @@ class SchedulerCore:
         return bool(self._prefilling or self._decoding or self._to_release
                     or any(not self._rows[r].held for r in self._queue))
 
-    def schedule(self) -> tuple[StepPlan, list[Event]]:
-        """Decide the next step. Rows released here were finished in earlier calls."""
+    def schedule(self, advice: StepAdvice = NO_ADVICE) -> tuple[StepPlan, list[Event]]:
+        """Decide the next step, all of it (engine.orders: snapshots, spills, drops and
+        proposals from the actors' `advice`). Rows released here finished earlier."""
         events: list[Event] = []
-        started: list[_Row] = []
+        started: list[Row] = []
         for rid in list(self._queue):
             if len(self._prefilling) + len(self._decoding) >= self._max_batch:
                 break
@@ -302,25 +253,34 @@ class SchedulerCore:
                                 speculative=row.speculative, group=row.group, pad=row.pad)
                          for row in started)
         chunks, joins = self._plan_prefill()
+        release = tuple(self._to_release)
+        release_tokens = tuple(self._release_tokens.pop(r, ()) for r in release)
         plan = StepPlan(
-            release=tuple(self._to_release),
-            release_tokens=tuple(self._release_tokens.pop(r, ()) for r in self._to_release),
-            new_rows=new_rows,
-            prefill=tuple(chunks),
-            join=tuple(joins),
-            decode=tuple(self._decoding),
-        )
+            release=release, release_tokens=release_tokens, new_rows=new_rows,
+            prefill=tuple(chunks), join=tuple(joins), decode=tuple(self._decoding),
+            **snapshot_orders(advice, self._snapshot_ids, release, release_tokens, joins,
+                              self._wants_prompt_snapshot),
+            propose=propose_sizes(advice, self._decoding,
+                                  frozenset(row.request_id for row in started), self._own_k))
         self._to_release.clear()
         self._num_steps += 1
         return plan, events
 
-    def _kv_fits(self, starting: list[_Row]) -> bool:
+    def _wants_prompt_snapshot(self, request_id: str) -> bool:
+        row = self._rows[request_id]
+        return row.snapshot_prompt and len(row.prompt) > 1
+
+    def _own_k(self, request_id: str) -> int:
+        choice = resolve_choice(self._rows[request_id].speculative, self._speculative_default)
+        return choice.num_tokens if choice is not None else 0
+
+    def _kv_fits(self, starting: list[Row]) -> bool:
         """Whether the running rows plus `starting` (queued rows about to start, forming
         one prefill group) stay within the KV budget for their whole lives."""
         return self.kv_charge(starting) <= (self._kv_budget.budget_bytes
                                             if self._kv_budget is not None else 0)
 
-    def kv_charge(self, starting: list[_Row] | None = None) -> int:
+    def kv_charge(self, starting: list[Row] | None = None) -> int:
         """KV bytes charged for the rows running now (and `starting`); 0 without a
         budget (engine.kv_budget)."""
         budget = self._kv_budget
@@ -347,7 +307,7 @@ class SchedulerCore:
         if self._kv_budget is not None:
             self._kv_budget.check_alone(num_prompt_tokens, max_tokens)
 
-    def _form_groups(self, started: list[_Row]) -> None:
+    def _form_groups(self, started: list[Row]) -> None:
         """One group for the rows starting from scratch, one per reusing row; rows with
         nothing to prefill get no group (they join at once)."""
         fresh = [row for row in started if row.cached == 0 and len(row.prompt) > 1]
@@ -358,7 +318,7 @@ class SchedulerCore:
             for row in rows:
                 row.group = self._next_group
                 row.pad = width - (len(row.prompt) - 1 - row.cached)
-            self._groups[self._next_group] = _Group(
+            self._groups[self._next_group] = Group(
                 group_id=self._next_group, rows=[row.request_id for row in rows], width=width)
 
     def _plan_prefill(self) -> tuple[list[PrefillChunk], list[str]]:
@@ -429,7 +389,7 @@ class SchedulerCore:
                 events.append(self._finish(row, reason))
         return events
 
-    def _finish(self, row: _Row, reason: str, error: str | None = None) -> Finished:
+    def _finish(self, row: Row, reason: str, error: str | None = None) -> Finished:
         was_queued = row.state is RowState.QUEUED
         if was_queued:
             self._queue.remove(row.request_id)

@@ -1,6 +1,7 @@
 """The data of one engine step, between the sans-io core and the runner: the plan
 (`StepPlan`: rows released, prefill chunks, new rows, decode rows, the prefix cache's and
-speculation's orders), what the runner reports (`StepResult`: each row's new tokens,
+speculation's orders), what the actors advise before it is made (`StepAdvice`), what the
+runner reports (`StepResult`: each row's new tokens,
 snapshots made, spill payloads) and the core's events (`Started`, `TokenOut`,
 `Finished`). Plain frozen records; no MLX, no I/O (engine.scheduler decides them,
 engine.runner executes them).
@@ -56,26 +57,51 @@ class StepPlan:
     prefill: tuple[PrefillChunk, ...] = ()
     join: tuple[str, ...] = ()
     decode: tuple[str, ...] = ()  # every decoding row after the joins, in batch order
-    # Prefix cache orders (set by the scheduler actor, not the core): snapshot these
-    # released rows under the given keys before they leave the batch; serialize then drop
-    # `spill` snapshots; drop `drop` snapshots after the new rows are built.
-    # `prompt_snapshot` rows (rid, key) are snapshotted from their own caches when their
-    # prefill is complete, before they join; with `persist`, every snapshot made this step
-    # is also serialized for the SSD tier (write-through) and kept.
+    # Prefix cache orders, decided by the core (engine.scheduler) from the StepAdvice the
+    # prefix cache sent: snapshot these released rows under the given keys before they
+    # leave the batch; serialize then drop `spill` snapshots; drop `drop` snapshots after
+    # the new rows are built. `prompt_snapshot` rows (rid, key) are snapshotted from their
+    # own caches when their prefill is complete, before they join; with `persist`, every
+    # snapshot made this step is also serialized for the SSD tier (write-through) and kept.
     snapshot: tuple[tuple[str, str], ...] = ()
     prompt_snapshot: tuple[tuple[str, str], ...] = ()
     persist: bool = False
     spill: tuple[str, ...] = ()
     drop: tuple[str, ...] = ()
-    # Speculation (set by the scheduler actor from the speculation actor's latest decision):
-    # (request id, k) of the decoding rows that propose up to k tokens this step; a row not
-    # named decodes plainly, and a step where none proposes is a plain step.
+    # Speculation, decided by the core from the speculation actor's latest decision (in
+    # the StepAdvice): (request id, k) of the decoding rows that propose up to k tokens
+    # this step; a row not named decodes plainly, and a step where none proposes is plain.
     propose: tuple[tuple[str, int], ...] = ()
 
     @property
     def empty(self) -> bool:
         return not (self.release or self.new_rows or self.prefill or self.join or self.decode
                     or self.snapshot or self.prompt_snapshot or self.spill or self.drop)
+
+
+@attrs.frozen(kw_only=True)
+class StepAdvice:
+    """What the actors tell the core before it decides a step (engine.scheduler), so that
+    no one edits a plan after the core made it.
+
+    `prefix_cache`: snapshot released rows and the prompts of joining rows that asked
+    (`set_reuse(snapshot_prompt=...)`); `write_through`: persist this step's snapshots;
+    `spill` / `drop`: the prefix cache's pending orders. `proposals`: the speculation
+    actor's latest decision (rows it knows, their k); `fresh`: rows opened since that
+    decision (they propose their own k when `new_rows_propose`, as do rows that join in
+    this very plan)."""
+
+    prefix_cache: bool = False
+    write_through: bool = False
+    spill: tuple[str, ...] = ()
+    drop: tuple[str, ...] = ()
+    speculation: bool = False
+    proposals: tuple[tuple[str, int], ...] = ()
+    fresh: frozenset[str] = frozenset()
+    new_rows_propose: bool = True
+
+
+NO_ADVICE = StepAdvice()
 
 
 @attrs.frozen(kw_only=True)

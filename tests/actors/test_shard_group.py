@@ -266,15 +266,17 @@ async def test_rank_0_books_the_other_ranks_disk_work(draft_model: Any, tmp_path
                                  tier=small, flush="sync", runner_call=thread.call,
                                  group=small_group)
             await prefix.recover()
-            for name in "GHI":
-                plan = prefix.decorate(StepPlan(join=(name,)), lambda rid: (*tokens[rid], 1))
-                ((_, ram_key),) = plan.prompt_snapshot
+            for i, name in enumerate("GHI"):
+                # the core's prompt snapshot order for a joining row (engine.orders)
+                ram_key = f"p{i}"
+                plan = StepPlan(join=(name,), prompt_snapshot=((name, ram_key),),
+                                persist=True)
                 made = attrs.evolve(payloads[name], key=ram_key)
                 result = StepResult(outputs=(), kv_bytes=0, writes=(made,), snapshots=(
                     SnapshotMade(key=ram_key, request_id=name, offset=len(tokens[name]),
                                  minimum_reusable_offset=0, num_bytes=1),))
                 shards.stage(result)  # (what rank 1's execute of this plan staged)
-                await prefix.absorb(plan, result)
+                await prefix.absorb(plan, result, lambda rid: (*tokens[rid], 1))
             # rank 1 removes an evicted key's file after its queued work, unacknowledged;
             # a read of H queued after that removal is the barrier (its disk works in order)
             mine = await trio.to_thread.run_sync(small.get, keys["H"])

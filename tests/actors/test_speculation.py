@@ -1,10 +1,11 @@
 """The speculation actor over real mailboxes (msgpack bytes): it books each SpecStep and
-answers with the next proposal sizes; the scheduler's end (SpeculationLink) applies the
-latest decision it has to each plan without waiting, and releases a row's books when the
-row ends."""
+answers with the next proposal sizes; the scheduler's end (SpeculationLink) hands the
+latest decision it has to the core as advice without waiting (engine.orders decides each
+row's k from it), and releases a row's books when the row ends."""
 
 from __future__ import annotations
 
+import attrs
 import pytest
 import trio
 import trio.testing
@@ -14,7 +15,8 @@ from tqserve.actors.messages import RowVerified, SpecDecision, SpecOpen, SpecSte
 from tqserve.actors.speculation import (SPECULATION_MAILBOX, SpeculationLink,
                                         reply_mailbox_size, run_speculation)
 from tqserve.engine.sampling import SamplingParams
-from tqserve.engine.step import NewRow, RowOutput, StepPlan, StepResult
+from tqserve.engine.orders import propose_sizes
+from tqserve.engine.step import NO_ADVICE, NewRow, RowOutput, StepPlan, StepResult
 from tqserve.engine.speculative.policy import SpecChoice, SpecPolicy, SpeculationPolicy
 from tqserve.engine.speculative.throughput import ThroughputSettings
 
@@ -25,7 +27,7 @@ async def _start(nursery, policy):
     spec_out, spec_in = open_mailbox(SPECULATION_MAILBOX, "speculation")
     replies_out, replies_in = open_mailbox(reply_mailbox_size(), "speculation_replies")
     await nursery.start(run_speculation, policy, DEFAULT, spec_in, replies_out)
-    return SpeculationLink(outbox=spec_out, replies=replies_in, default=DEFAULT)
+    return SpeculationLink(outbox=spec_out, replies=replies_in)
 
 
 async def test_books_rows_and_answers_each_step(nursery):
@@ -65,15 +67,26 @@ def _plan(decode, new=(), release=()):
         for i, r in enumerate(new)))
 
 
+def _apply(link, plan):
+    """What the scheduler actor does around the core: advice in, proposals decided by
+    engine.orders (every row's own k is DEFAULT's), the plan reported as made."""
+    advice = link.advise(NO_ADVICE)
+    joined = frozenset(new.request_id for new in plan.new_rows)
+    plan = attrs.evolve(plan, propose=propose_sizes(advice, plan.decode, joined,
+                                                    lambda rid: DEFAULT.num_tokens))
+    link.planned(plan)
+    return plan
+
+
 async def test_link_applies_the_latest_decision_and_releases_ended_rows(nursery):
     # the time policy decides per bucket: B1 speculation 2x faster, B2 3x slower
     policy = SpeculationPolicy(SpecPolicy(throughput=ThroughputSettings(min_samples=1)))
     link = await _start(nursery, policy)
-    plan = link.apply(_plan(["a"], new=["a"]))
+    plan = _apply(link, _plan(["a"], new=["a"]))
     assert plan.propose == (("a", 3),)  # no decision yet: its own k, nothing waits
     await link.report(plan, StepResult(outputs=(), kv_bytes=0), ["a"], {"a"})
     await trio.testing.wait_all_tasks_blocked()
-    assert link.apply(_plan(["a"])).propose == (("a", 3),)  # learning: speculative first
+    assert _apply(link, _plan(["a"])).propose == (("a", 3),)  # learning: speculative first
 
     def result(n, seconds, spec):
         out = RowOutput(request_id="a", tokens=(1,) * n, num_proposed=3 if spec else 0,
@@ -84,7 +97,7 @@ async def test_link_applies_the_latest_decision_and_releases_ended_rows(nursery)
     await link.report(_plan(["a"]), result(4, 0.02, True), ["a"], {"a"})   # 200 tok/s
     await link.report(_plan(["a"]), result(1, 0.01, False), ["a"], {"a"})  # 100 tok/s
     await trio.testing.wait_all_tasks_blocked()
-    assert link.apply(_plan(["a"])).propose == (("a", 3),)
+    assert _apply(link, _plan(["a"])).propose == (("a", 3),)
     assert [(b.bucket, b.mode) for b in policy.statistics().buckets] == [(0, "speculative")]
     # many steps reported without the scheduler reading in between: the reply mailbox
     # never fills (the link reads every waiting decision before each send)
@@ -93,27 +106,27 @@ async def test_link_applies_the_latest_decision_and_releases_ended_rows(nursery)
     # the row ends: its books go with the next report
     await link.report(_plan([]), StepResult(outputs=(), kv_bytes=0), [], set())
     await trio.testing.wait_all_tasks_blocked()
-    assert link.apply(_plan([])).propose == () and policy.statistics().num_rows == 0
+    assert _apply(link, _plan([])).propose == () and policy.statistics().num_rows == 0
     assert link.num_decisions >= 3 and link.num_steps == 4 + 5 * reply_mailbox_size()
 
 
 async def test_new_rows_propose_their_own_k_only_where_the_batch_allows(nursery):
     policy = SpeculationPolicy(SpecPolicy(max_batch=2, time_policy=False))
     link = await _start(nursery, policy)
-    plan = link.apply(_plan(["a", "b"], new=["a", "b"]))
+    plan = _apply(link, _plan(["a", "b"], new=["a", "b"]))
     assert plan.propose == (("a", 3), ("b", 3))
     await link.report(plan, StepResult(outputs=(), kv_bytes=0), ["a", "b"], {"a", "b"})
     await trio.testing.wait_all_tasks_blocked()
     # a third row joins: the last decision (batch 2) let new rows propose, so it does
-    plan = link.apply(_plan(["a", "b", "c"], new=["c"]))
+    plan = _apply(link, _plan(["a", "b", "c"], new=["c"]))
     assert plan.propose == (("a", 3), ("b", 3), ("c", 3))
     await link.report(plan, StepResult(outputs=(), kv_bytes=0), ["a", "b", "c"],
                       {"a", "b", "c"})
     await trio.testing.wait_all_tasks_blocked()
     # batch 3 is over the cap: nobody proposes, and a row opened now waits for a decision
-    plan = link.apply(_plan(["a", "b", "c", "d"], new=["d"]))
+    plan = _apply(link, _plan(["a", "b", "c", "d"], new=["d"]))
     assert plan.propose == () and link.new_rows is False
     await link.report(plan, StepResult(outputs=(), kv_bytes=0), ["b"], {"b", "d"})
     await trio.testing.wait_all_tasks_blocked()
-    assert link.apply(_plan(["b", "d"])).propose == (("b", 3), ("d", 3))
+    assert _apply(link, _plan(["b", "d"])).propose == (("b", 3), ("d", 3))
     assert policy.statistics().num_rows == 2 and link.open_rows == {"b", "d"}

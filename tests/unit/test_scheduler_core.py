@@ -200,9 +200,9 @@ def test_fail_all_finishes_everything_and_clears_releases(core):
 
 
 def test_illegal_transition_raises_and_changes_nothing(core):
-    from tqserve.engine.scheduler import _Row
+    from tqserve.engine.scheduler import Row
 
-    row = _Row("x", (1,), SamplingParams())
+    row = Row("x", (1,), SamplingParams())
     with pytest.raises(IllegalTransition):
         row.move(RowState.DECODING)
     assert row.state is RowState.QUEUED

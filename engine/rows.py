@@ -1,0 +1,73 @@
+"""The books of one request's row in the sans-io core (engine.scheduler): its lifecycle
+state machine (QUEUED -> PREFILLING -> DECODING -> FINISHED), what it holds and has made,
+and the prefill groups rows are batched into. Plain data; no I/O, no MLX.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import attrs
+
+from tqserve.engine.sampling import SamplingParams
+from tqserve.engine.speculative.policy import RequestChoice
+from tqserve.engine.structured import ResponseFormat
+
+
+class RowState(enum.Enum):
+    QUEUED = "queued"
+    PREFILLING = "prefilling"
+    DECODING = "decoding"
+    FINISHED = "finished"
+
+
+_TRANSITIONS = {
+    RowState.QUEUED: {RowState.PREFILLING, RowState.FINISHED},
+    RowState.PREFILLING: {RowState.DECODING, RowState.FINISHED},
+    RowState.DECODING: {RowState.FINISHED},
+    RowState.FINISHED: set(),
+}
+
+
+class IllegalTransition(RuntimeError):
+    """A row was asked to move along an edge the lifecycle does not have."""
+
+
+@attrs.define
+class Row:
+    request_id: str
+    prompt: tuple[int, ...]
+    params: SamplingParams
+    state: RowState = RowState.QUEUED
+    row_id: int | None = None
+    num_prefilled: int = 0
+    num_generated: int = 0
+    reuse: str | None = None
+    cached: int = 0
+    cached_tier: str | None = None
+    generated: list[int] = attrs.Factory(list)
+    response_format: ResponseFormat | None = None
+    looked_up: bool = False  # the prefix cache was asked for a donor
+    snapshot_prompt: bool = True  # with a prefix cache: snapshot the prompt when it joins
+    held: bool = False       # queued, not schedulable: its donor's KV is loading
+    num_proposed: int = 0
+    num_accepted: int = 0
+    num_verify_steps: int = 0
+    speculative: RequestChoice = None
+    group: int = 0           # its prefill group, once started
+    pad: int = 0             # its left padding in that group
+
+    def move(self, new: RowState) -> None:
+        if new not in _TRANSITIONS[self.state]:
+            raise IllegalTransition(f"{self.request_id}: {self.state.value} -> {new.value}")
+        self.state = new
+
+
+@attrs.define
+class Group:
+    """Rows prefilled together (module doc): `done` of `width` columns are prefilled."""
+
+    group_id: int
+    rows: list[str]
+    width: int
+    done: int = 0
