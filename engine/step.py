@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import attrs
 
+from tqserve.engine.prompt_logprobs import PromptEntry
 from tqserve.engine.sampling import SamplingParams
 from tqserve.engine.speculative.policy import RequestChoice
 from tqserve.engine.structured import ResponseFormat
@@ -92,6 +93,8 @@ class RowOutput:
     num_accepted: int = 0   # of which the target kept (len(tokens) - 1 when it proposed)
     grammar_done: bool = False  # the row's grammar is complete: nothing but EOS could follow
     error: str | None = None    # the row's grammar failed: finish it with this message
+    # with the row's first token, when it asked: one entry per prompt position
+    prompt_logprobs: tuple[PromptEntry, ...] | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -152,6 +155,7 @@ class TokenOut:
     top_logprobs: tuple[tuple[tuple[int, float], ...], ...] | None = None
     final: bool = False
     stop_token: bool = False
+    prompt_logprobs: tuple[PromptEntry, ...] | None = None  # with a row's first token
 
 
 @attrs.frozen(kw_only=True)
