@@ -29,7 +29,7 @@ FUNCTION_CAPS = {  # path:function: (lines today, why)
     "api/anthropic.py:register": (123, "the Anthropic routes as closures"),
     "api/openai.py:register": (113, "the OpenAI routes as closures"),
     "api/router/http.py:register": (78, "the proxied routes as closures"),
-    "engine/runner.py:_execute": (75, "one step's phases in order"),
+    "engine/runner.py:_execute": (66, "one step's phases in order"),
     "api/anthropic.py:messages": (75, "the Messages request's fields"),
     "api/metrics.py:collect": (70, "one line per Prometheus family"),
     "api/router/cli.py:build_parser": (68, "the router's flags (not yet in groups)"),
