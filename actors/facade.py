@@ -26,6 +26,7 @@ from tqserve.actors.prefix_cache import PrefixCache, PrefixCacheStatistics
 from tqserve.actors.scheduler import GroupFailed
 from tqserve.engine.config import Config
 from tqserve.engine.model import LoadedModel
+from tqserve.engine.prompt_logprobs import MAX_PROMPT_LOGPROBS_TOKENS
 from tqserve.engine.request import GenerateRequest
 from tqserve.engine.runner import Runner
 from tqserve.engine.scheduler import SchedulerCore
@@ -138,6 +139,11 @@ class Engine:
         bad = next((t for t in tokens if t >= vocab), None)
         if bad is not None:
             raise ValueError(f"prompt_tokens holds id {bad}, outside the vocabulary (size {vocab})")
+        if (request.params.prompt_logprobs is not None
+                and len(tokens) > MAX_PROMPT_LOGPROBS_TOKENS):
+            raise ValueError(f"prompt holds {len(tokens)} tokens, more than the limit of "
+                             f"{MAX_PROMPT_LOGPROBS_TOKENS} with prompt_logprobs (echo with "
+                             f"logprobs)")
         self._core.check_kv_alone(len(tokens), request.params.max_tokens)
         if len(tokens) + request.params.max_tokens > limit:
             raise ValueError(

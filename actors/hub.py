@@ -6,7 +6,9 @@ Receives: Queued/Done/Error from admission and the scheduler, and one StepTokens
 engine step holding every row's new tokens (HUB_MAILBOX).
 Sends: Cancel to admission, from `run_hub_cancels` only (a reply edge). Each token of a
 StepTokens becomes one `Token` event whose text is that token's own text (held back only
-for incomplete UTF-8 or a possible stop-string match). When a stop string appears, the
+for incomplete UTF-8 or a possible stop-string match); a row's prompt logprobs, when it
+asked for them, go out as one `PromptLogprobs` event before its first Token. When a stop
+string appears, the
 token that completes it is delivered with the text before the stop string, later tokens are
 dropped, and Cancel(reason="stop", num_tokens=delivered) goes out at once, so the row is
 freed within a step or two (tokens already sampled in between are never delivered); the
@@ -29,7 +31,8 @@ import attrs
 import trio
 
 from tqserve.actors.mailbox import Inbox, Outbox
-from tqserve.actors.messages import Cancel, Done, Error, Event, RowTokens, StepTokens, Token
+from tqserve.actors.messages import (Cancel, Done, Error, Event, PromptLogprobs, RowTokens,
+                                     StepTokens, Token)
 from tqserve.engine.detokenize import TextStream
 
 MakeTextStream = Callable[[tuple[str, ...]], TextStream]
@@ -110,6 +113,8 @@ class Hub:
         if stream is None or stream.stopped:
             self._num_dropped += len(row.token_ids)
             return
+        if row.prompt_logprobs is not None:
+            self._send(row.request_id, PromptLogprobs.of(stream.label, row.prompt_logprobs))
         last = len(row.token_ids) - 1
         for i, token in enumerate(row.token_ids):
             if i == last and row.stop_token:

@@ -5,7 +5,7 @@ registered classes (SamplingParams) encode the same way. Tuples travel as
 msgpack arrays and are restored through each class's converters. Mailboxes carry
 the encoded bytes (see `actors.mailbox`), so nothing but data crosses an edge.
 
-Client-facing events (`Queued`, `Token`, `Done`, `Error`) are also what
+Client-facing events (`Queued`, `PromptLogprobs`, `Token`, `Done`, `Error`) are also what
 `Engine.generate` yields and what the WebSocket sends (`to_wire()`).
 """
 
@@ -117,6 +117,41 @@ class Token:
                 "top_logprobs": top}
 
 
+def _prompt_entries(value: Any) -> tuple[tuple[int, float | None, tuple], ...] | None:
+    if value is None:
+        return None
+    return tuple((int(t), None if lp is None else float(lp), _tuple_of_pairs(top) or ())
+                 for t, lp, top in value)
+
+
+@attrs.frozen(kw_only=True)
+class PromptLogprobs:
+    """-> hub -> client, before a request's first token when it asked for prompt
+    logprobs: per prompt position its token id, its logprob given the tokens before it
+    and the top alternatives there (None at position 0: nothing precedes it)."""
+
+    request_id: str
+    token_ids: tuple[int, ...] = attrs.field(converter=lambda v: tuple(int(t) for t in v))
+    logprobs: tuple[float | None, ...] = attrs.field(
+        converter=lambda v: tuple(None if x is None else float(x) for x in v))
+    top_logprobs: tuple[tuple[tuple[int, float], ...] | None, ...] = attrs.field(
+        converter=lambda v: tuple(_tuple_of_pairs(top) for top in v))
+
+    @classmethod
+    def of(cls, request_id: str, entries: tuple[tuple[int, float | None, tuple], ...]
+           ) -> PromptLogprobs:
+        """From the engine's entries (engine.step.PromptEntry)."""
+        return cls(request_id=request_id, token_ids=[t for t, _, _ in entries],
+                   logprobs=[lp for _, lp, _ in entries],
+                   top_logprobs=[None if lp is None else top for _, lp, top in entries])
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"type": "prompt_logprobs", "id": self.request_id,
+                "token_ids": list(self.token_ids), "logprobs": list(self.logprobs),
+                "top_logprobs": [None if top is None else [list(p) for p in top]
+                                 for top in self.top_logprobs]}
+
+
 def _tuple_of_floats(value: Any) -> tuple[float, ...] | None:
     return None if value is None else tuple(float(v) for v in value)
 
@@ -131,7 +166,8 @@ class RowTokens:
     row accepted some. `index` numbers the first; `logprobs`/`top_logprobs` hold one entry
     per token when the request asked for them. `final`: the row finished with the last
     token (its held-back text is flushed); `stop_token`: that token is a stop token (its
-    text is empty)."""
+    text is empty). `prompt_logprobs`: with a row's first token, when it asked for them
+    (engine.prompt_logprobs' entries)."""
 
     request_id: str
     index: int
@@ -141,6 +177,8 @@ class RowTokens:
         default=None, converter=_tuple_of_tops)
     final: bool = False
     stop_token: bool = False
+    prompt_logprobs: tuple[tuple[int, float | None, tuple], ...] | None = attrs.field(
+        default=None, converter=_prompt_entries)
 
 
 @attrs.frozen(kw_only=True)
@@ -263,10 +301,11 @@ class SpecDecision:
     new_rows: bool = True
 
 
-Event = Queued | Token | Done | Error
+Event = Queued | PromptLogprobs | Token | Done | Error
 
 _CLASSES: dict[str, type] = {cls.__name__: cls for cls in (
-    Submit, Cancel, Dequeued, Lease, Release, KvUsage, Queued, Token, RowTokens, StepTokens,
+    Submit, Cancel, Dequeued, Lease, Release, KvUsage, Queued, PromptLogprobs, Token,
+    RowTokens, StepTokens,
     Done, Error, SpecOpen, RowVerified, SpecStep, SpecDecision, SamplingParams, ResponseFormat,
     SpecChoice)}
 

@@ -141,7 +141,7 @@ class _Scheduler:
         starts and finishes in order (a row's tokens always precede its Done)."""
         rows = [RowTokens(request_id=e.request_id, index=e.index, token_ids=e.token_ids,
                           logprobs=e.logprobs, top_logprobs=e.top_logprobs, final=e.final,
-                          stop_token=e.stop_token)
+                          stop_token=e.stop_token, prompt_logprobs=e.prompt_logprobs)
                 for e in events if isinstance(e, TokenOut)]
         if rows:
             await self.hub.send(StepTokens(rows=rows))

@@ -36,7 +36,8 @@ from quart_trio import QuartTrio
 from tqserve.api.httpcommon import new_id
 from tqserve.api.metrics import Metrics
 
-OPEN_PATHS = frozenset({"/health", "/", "/static/playground.js", "/static/playground.css"})
+OPEN_PATHS = frozenset({"/health", "/", "/static/playground.js", "/static/playground.css",
+                        "/static/playground_chat.js"})
 WS_PROTOCOL = "tqserve"  # the subprotocol a key-carrying upgrade offers and is given
 KEY_PROTOCOL_PREFIX = "tqserve.bearer."
 

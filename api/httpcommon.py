@@ -16,7 +16,7 @@ from typing import Any, AsyncIterator, Callable
 
 import attrs
 
-from tqserve.actors.messages import Done, Error, Event, Queued, Token
+from tqserve.actors.messages import Done, Error, Event, PromptLogprobs, Queued, Token
 from tqserve.engine.request import GenerateRequest
 
 log = logging.getLogger("tqserve.api")
@@ -167,6 +167,7 @@ class Outcome:
 
     text: str = ""
     token_ids: list[int] = attrs.Factory(list)
+    prompt_logprobs: PromptLogprobs | None = None  # asked for (echo): before the first token
     done: Done | None = None
     error: Error | None = None
 
@@ -184,6 +185,8 @@ class Run:
                 self.outcome.text += event.text
                 self.outcome.token_ids.append(event.token_id)
                 yield event
+            elif isinstance(event, PromptLogprobs):
+                self.outcome.prompt_logprobs = event
             elif isinstance(event, Done):
                 self.outcome.done = event
             elif isinstance(event, Error):

@@ -5,7 +5,8 @@ Non-streaming answers one JSON object; `"stream": true` answers server-sent even
 (`data: {chunk}` ... `data: [DONE]`), with a final usage chunk when
 `stream_options.include_usage` is true. Logprobs come in each endpoint's own shape, in
 streamed chunks too: completions take `logprobs: N` (0..20 alternatives) and answer
-`{tokens, token_logprobs, top_logprobs, text_offset}`; chat takes `logprobs: true` plus
+`{tokens, token_logprobs, top_logprobs, text_offset}` (with `echo`, the prompt's tokens
+first: engine.prompt_logprobs); chat takes `logprobs: true` plus
 `top_logprobs: N` and answers `{content: [{token, logprob, bytes, top_logprobs}]}`.
 Every generated token is reported, the end-of-text token too (its text is empty).
 finish_reason is "stop", "length" (or "tool_calls") only when true: an output cut short (the server's
@@ -133,7 +134,8 @@ def register(app: QuartTrio, engine: Engine, metrics: Metrics) -> None:
 
     async def respond(body: Body, chat: bool, prompts: list[dict[str, Any]],
                       params: dict[str, Any], plan: ToolPlan | None = None,
-                      echoes: list[str] | None = None) -> Response:
+                      echoes: list[str] | None = None, echo_logprobs: bool = False,
+                      ) -> Response:
         """Admit one request per choice (each prompt n times), then answer them."""
         include_usage = _stream_options(body)
         n = body.get("n", int, 1)
@@ -171,8 +173,8 @@ def register(app: QuartTrio, engine: Engine, metrics: Metrics) -> None:
             return ChatOutput(think=thinks, family=plan.family if plan else None,
                               schemas=plan.schemas if plan else None)
 
-        choices = [Choice(i, run, chat, text_of, output, (echoes or [""] * len(runs))[i // n])
-                   for i, run in enumerate(runs)]
+        choices = [Choice(i, run, chat, text_of, output, (echoes or [""] * len(runs))[i // n],
+                          echo_logprobs) for i, run in enumerate(runs)]
         base = base_of(rid, chat, served.primary)
         firsts = list(range(0, len(runs), n))
         want_logprobs = params.get("logprobs", False)
@@ -196,14 +198,13 @@ def register(app: QuartTrio, engine: Engine, metrics: Metrics) -> None:
                            "logprobs")
         if logprobs is not None:
             params.update(logprobs=True, top_logprobs=logprobs)
-        echoes = None
-        if body.get("echo", bool, False):
-            if logprobs is not None:
-                raise ApiError(400, "echo with logprobs is not supported: the prompt's "
-                                    "logprobs are not computed", "echo")
-            echoes = [p.get("prompt") or engine.model.tokenizer.decode(
-                list(p["prompt_tokens"])) for p in prompts]
-        return await respond(body, False, prompts, params, echoes=echoes)
+        echo = body.get("echo", bool, False)
+        if echo and logprobs is not None:  # the prompt's logprobs too (engine.prompt_logprobs)
+            params["prompt_logprobs"] = logprobs
+        echoes = [p.get("prompt") or engine.model.tokenizer.decode(list(p["prompt_tokens"]))
+                  for p in prompts] if echo else None
+        return await respond(body, False, prompts, params, echoes=echoes,
+                             echo_logprobs=echo and logprobs is not None)
 
     @app.post("/v1/chat/completions")
     async def chat_completions() -> Response:

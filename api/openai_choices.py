@@ -17,7 +17,7 @@ from typing import Any, AsyncIterator, Callable
 import trio
 from quart import Response, jsonify
 
-from tqserve.actors.messages import Token
+from tqserve.actors.messages import PromptLogprobs, Token
 from tqserve.api.chatout import ChatOutput, Delta
 from tqserve.api.ending import complete
 from tqserve.api.httpcommon import SSE_HEADERS, ApiError, Run, sse, start_run
@@ -80,6 +80,18 @@ class Logprobs:
         return {"token": text, "logprob": tok.logprob, "offset": self.offset - len(tok.text),
                 "top": {self.text_of(t): lp for t, lp in top}}
 
+    def prompt(self, prompt: PromptLogprobs | None) -> list[dict[str, Any]]:
+        """The echoed prompt's entries (completions shape; the first has no logprob)."""
+        entries, offset = [], 0
+        if prompt is None:
+            return []
+        for token, lp, top in zip(prompt.token_ids, prompt.logprobs, prompt.top_logprobs):
+            text = self.text_of(token)
+            entries.append({"token": text, "logprob": lp, "offset": offset, "top": None
+                            if top is None else {self.text_of(t): v for t, v in top}})
+            offset += len(text)
+        return entries
+
     def block(self, entries: list[dict[str, Any]]) -> dict[str, Any]:
         if self.chat:
             return {"content": entries}
@@ -93,7 +105,8 @@ class Choice:
     """One choice's run and what its answer is built from."""
 
     def __init__(self, index: int, run: Run, chat: bool, text_of: Callable[[int], str],
-                 make_output: Callable[[], ChatOutput], echo: str = "") -> None:
+                 make_output: Callable[[], ChatOutput], echo: str = "",
+                 echo_logprobs: bool = False) -> None:
         self.index = index
         self.run = run
         self.chat = chat
@@ -101,6 +114,9 @@ class Choice:
         self.lp.offset = len(echo)
         self.out = make_output()
         self.echo = echo
+        # echo with logprobs: the prompt's logprobs come before its first token (streamed,
+        # the echo chunk waits for them)
+        self.echo_logprobs = echo_logprobs
         self.num_calls = 0  # tool calls streamed so far: the next one's index
 
     def finish_reason(self) -> str:
@@ -111,6 +127,8 @@ class Choice:
 
     def whole(self, entries: list[dict[str, Any]] | None) -> dict[str, Any]:
         """The non-streamed choice (the run has ended)."""
+        if entries is not None and self.echo_logprobs:
+            entries = self.lp.prompt(self.run.outcome.prompt_logprobs) + entries
         choice: dict[str, Any] = {"index": self.index,
                                   "logprobs": self.lp.block(entries) if entries is not None
                                   else None}
@@ -207,10 +225,14 @@ def streamed(choices: list[Choice], base: dict[str, Any], want_logprobs: bool,
             for c in choices:
                 if chat:
                     yield chunk(c.index, {"role": "assistant", "content": ""})
-                elif c.echo:
+                elif c.echo and not c.echo_logprobs:
                     yield chunk(c.index, c.echo)
             async with _merged(choices) as items:
                 async for choice, tok in items:
+                    if choice.echo_logprobs:  # its prompt's logprobs came before this
+                        choice.echo_logprobs = False
+                        prompt = choice.lp.prompt(choice.run.outcome.prompt_logprobs)
+                        yield chunk(choice.index, choice.echo, choice.lp.block(prompt))
                     if tok is None:
                         for piece in ended(choice):
                             yield piece

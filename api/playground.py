@@ -1,13 +1,16 @@
-"""The playground page at `/`: a prompt box that streams over the WebSocket.
+"""The playground page at `/`: a prompt box that streams over the WebSocket, and a chat
+mode (the chat template applied server-side, a system prompt, tools and their calls).
 
-Serves three package-data files from api/static (HTML, CSS, JS; no CDN, no network
+Serves four package-data files from api/static (HTML, CSS, JS; no CDN, no network
 beyond this server) and the loaded model's vocabulary as text, which the page needs
 because `top_logprobs` in token frames carry token ids only. The page itself talks to:
 
     GET /                        playground.html
-    GET /static/<name>           playground.css, playground.js (a fixed list; no paths)
+    GET /static/<name>           playground.css, playground.js, playground_chat.js (a
+                                 fixed list; no paths)
     GET /playground/vocab.json   {"model": str, "tokens": [text of id 0, id 1, ...]}
     WS  /v1/stream               generate / cancel, as any client
+    POST /v1/chat/completions    chat mode: streamed, with logprobs, tools and usage
     GET /health                  the model's name for the header
 
 Every page response carries a Content-Security-Policy that allows scripts, styles and
@@ -29,6 +32,7 @@ STATIC_TYPES = {
     "playground.html": "text/html; charset=utf-8",
     "playground.css": "text/css; charset=utf-8",
     "playground.js": "text/javascript; charset=utf-8",
+    "playground_chat.js": "text/javascript; charset=utf-8",
 }
 PAGE_HEADERS = {
     "Content-Security-Policy": ("default-src 'none'; script-src 'self'; style-src 'self'; "

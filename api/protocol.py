@@ -7,10 +7,10 @@ Client -> server:
     {"type": "generate", "id": str, "prompt": str | "prompt_tokens": [int] |
      "messages": [{"role", "content"}], "max_tokens", "temperature", "top_p",
      "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
-     "logit_bias", "seed", "logprobs", "top_logprobs", "stop", "stop_token_ids",
-     "response_format", "speculative"}
+     "logit_bias", "seed", "logprobs", "top_logprobs", "prompt_logprobs", "stop",
+     "stop_token_ids", "response_format", "speculative"}
     {"type": "cancel", "id": str}
-Server -> client: queued, token, done, error (see actors.messages).
+Server -> client: queued, prompt_logprobs (asked for), token, done, error (actors.messages).
 
 Every problem raises ProtocolError with a code and a message naming the field;
 unknown fields are refused (a typo must not silently fall back to a default).
@@ -30,7 +30,8 @@ from tqserve.engine.sampling import SamplingParams
 MAX_ID_LENGTH = 128
 _SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p",
                     "repetition_penalty", "seed", "logprobs", "top_logprobs", "stop",
-                    "stop_token_ids", "presence_penalty", "frequency_penalty", "logit_bias")
+                    "stop_token_ids", "presence_penalty", "frequency_penalty", "logit_bias",
+                    "prompt_logprobs")
 _PROMPT_FIELDS = ("prompt", "prompt_tokens", "messages")
 _GENERATE_FIELDS = frozenset(("type", "id", "response_format", "speculative") + _PROMPT_FIELDS
                              + _SAMPLING_FIELDS)

@@ -32,6 +32,9 @@ proposer keeps state (draft, MTP) pairs every snapshot with that state for the s
 tokens (engine.speculative.state; no paired snapshot where none is exact), and a row built
 from a paired snapshot gets both parts.
 
+Prompt logprobs (engine.prompt_logprobs): a row asking for them prefills alone, and its
+chunks' logits give its prompt's entries, handed out with its first token.
+
 Failure: `step_hook(plan)`, when set, runs in the middle of each step (after the prefill,
 before the joins): the place where a fault test raises. After a failed step `reset()`
 drops every row; `retain(keys)` drops the snapshots nobody indexed.
@@ -68,10 +71,13 @@ import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
 from tqserve.engine.fastpath import DecodeForward
-from tqserve.engine.kv.slots import is_slot_batch, retire_order, slot_batch
+from tqserve.engine.kv.slots import (as_decode_batch, is_slot_batch, retire_order,
+                                     slot_capacity)
 from tqserve.engine.prefill import PrefillGroups
+from tqserve.engine.prompt_logprobs import PromptLogprobsBook
 from tqserve.engine.sampling import LazySample, RowSampler, build_sample, finalize_sample
-from tqserve.engine.step import RowOutput, SnapshotMade, SpillPayload, StepPlan, StepResult
+from tqserve.engine.step import (PrefillChunk, RowOutput, SnapshotMade, SpillPayload, StepPlan,
+                                 StepResult)
 from tqserve.engine.snapshot import (Snapshot, describe, extract_snapshot, from_planes,
                                      header_extra, layer_kind, row_from_snapshot,
                                      snapshot_kinds, snapshot_of_row, to_planes)
@@ -107,30 +113,8 @@ class RunnerStatistics:
     step_gap_seconds: float   # their sum: the runner thread idled, the trio side worked
 
 
-def _as_batch(cache: Any, is_batch: bool = False) -> Any:
-    """One row's cache (or a prefill group's batch cache) as the decode batch's cache:
-    plain, affine and TurboQuant layers go into per-row slots (engine.kv.slots: later
-    joins and retirements move only their own rows); other kinds through their class's
-    `merge` (a batch as is)."""
-    slots = slot_batch(cache)
-    if slots is not None:
-        return slots
-    return cache if is_batch else type(cache).merge([cache])
-
-
 def _cache_nbytes(cache: list[Any] | None) -> int:
     return sum(c.nbytes for c in cache) if cache else 0
-
-
-def _slot_capacity(cache: list[Any] | None) -> tuple[int, int]:
-    """(row slots, positions) allocated by the decode batch's slot store (the first
-    layer's; a delayed batch's plain and converted parts together), (0, 0) for none."""
-    layer = cache[0] if cache else None
-    parts = [getattr(layer, "slots", None),
-             getattr(getattr(layer, "quantized", None), "slots", None)]
-    stats = [p.statistics() for p in parts if p is not None]
-    return (sum(s.row_capacity for s in stats), max((s.position_capacity for s in stats),
-                                                    default=0))
 
 
 class Runner:
@@ -169,6 +153,7 @@ class Runner:
         self._num_step_gaps = 0
         self._step_gap_seconds = 0.0
         self._groups = PrefillGroups(model)
+        self._prompt_logprobs = PromptLogprobsBook()
 
     def execute(self, plan: StepPlan) -> StepResult:
         """Run one step: snapshot, release, spill, admit, prefill, join, decode.
@@ -183,6 +168,7 @@ class Runner:
         self._step_mode = None
         self._step_shape = None
         result = self._execute(plan)
+        result = attrs.evolve(result, outputs=self._prompt_logprobs.attach(result.outputs))
         end = time.perf_counter()
         clean = self._step_mode is not None and not (
             plan.new_rows or plan.prefill or plan.join or plan.release or plan.spill
@@ -226,8 +212,10 @@ class Runner:
                 cache = self._make_cache(self._model)
                 if new.group and PrefillGroups.can_batch(cache) and not (
                         self.speculator is not None
-                        and self.speculator.wants_hidden(new.request_id)):
-                    # (an MTP row prefills alone: its head reads the target's hidden states)
+                        and self.speculator.wants_hidden(new.request_id)) and (
+                        new.params.prompt_logprobs is None):
+                    # (an MTP row prefills alone: its head reads the target's hidden states;
+                    # so does a row asking for prompt logprobs: it reads its own logits)
                     self._groups.add(new.request_id, new.group, new.pad, cache)
                     cache = None
             self._rows[new.request_id] = _RowRuntime(
@@ -237,24 +225,13 @@ class Runner:
                 last_token=new.prompt[-1],
                 grammar=self._open_grammar(new.response_format),
             )
+            self._prompt_logprobs.open(new.request_id, new.prompt, new.params.prompt_logprobs)
         for key in plan.drop:
             self._snapshots.pop(key, None)
         grouped = [c for c in plan.prefill if c.request_id in self._groups]
         self._num_forward_tokens += self._groups.run(
             grouped, {c.request_id: self._rows[c.request_id].prompt for c in grouped})
-        for chunk in plan.prefill:
-            if chunk.request_id in self._groups or chunk.start == chunk.end:
-                continue
-            row = self._rows[chunk.request_id]
-            if row.cache is None:
-                raise RuntimeError(f"{chunk.request_id} prefilled after joining the batch")
-            tokens = mx.array(row.prompt[chunk.start:chunk.end])[None]
-            if self.speculator is not None:
-                self.speculator.prefill(self._model, chunk.request_id, tokens, row.cache)
-            else:
-                self._model(tokens, cache=row.cache)
-            mx.eval([c.state for c in row.cache])
-            self._num_forward_tokens += chunk.end - chunk.start
+        self._prefill_alone(plan.prefill)
         snapshots += self._snapshot_prompts(plan.prompt_snapshot)
         writes = tuple(self._payload(s.key, self._snapshots[s.key])
                        for s in snapshots) if plan.persist else ()
@@ -270,7 +247,7 @@ class Runner:
             self._step_shape = ("speculative", len(self._batch), 1 + max(ks))
             outputs = self._finalize(ready) if ready is not None else self._speculate(ks)
             return StepResult(outputs=outputs, kv_bytes=self.kv_bytes(),
-                              kv_capacity=_slot_capacity(self._batch_cache),
+                              kv_capacity=slot_capacity(self._batch_cache),
                               snapshots=snapshots, spills=spills, writes=writes)
         if self._batch:
             self._step_mode = "plain" if ready is not None else "switch"
@@ -282,8 +259,27 @@ class Runner:
             self._launch(ready)
         outputs = self._finalize(ready) if ready is not None else ()
         return StepResult(outputs=outputs, kv_bytes=self.kv_bytes(),
-                          kv_capacity=_slot_capacity(self._batch_cache), snapshots=snapshots,
+                          kv_capacity=slot_capacity(self._batch_cache), snapshots=snapshots,
                           spills=spills, writes=writes)
+
+    def _prefill_alone(self, chunks: Iterable[PrefillChunk]) -> None:
+        """The chunks of rows prefilling on their own caches (not in a group)."""
+        for chunk in chunks:
+            if chunk.request_id in self._groups or chunk.start == chunk.end:
+                continue
+            row = self._rows[chunk.request_id]
+            if row.cache is None:
+                raise RuntimeError(f"{chunk.request_id} prefilled after joining the batch")
+            tokens = mx.array(row.prompt[chunk.start:chunk.end])[None]
+            if self.speculator is not None:
+                logits = self.speculator.prefill(self._model, chunk.request_id, tokens,
+                                                 row.cache)
+            else:
+                logits = self._model(tokens, cache=row.cache)
+            mx.eval([c.state for c in row.cache])
+            self._prompt_logprobs.add(chunk.request_id, logits, row.prompt, chunk.start,
+                                      chunk.end)
+            self._num_forward_tokens += chunk.end - chunk.start
 
     def _proposal_sizes(self, propose: tuple[tuple[str, int], ...]) -> list[int]:
         """Tokens each batch row proposes this step (the plan's sizes, cut to what the row
@@ -451,6 +447,7 @@ class Runner:
             if self._rows.pop(rid, None) is not None and self.speculator is not None:
                 self.speculator.close_row(rid)
         self._groups.release(request_ids)
+        self._prompt_logprobs.drop(request_ids)
         if not gone.intersection(self._batch):
             return
         if all(is_slot_batch(c) for c in self._batch_cache or ()):
@@ -478,7 +475,7 @@ class Runner:
         if row.cache is None:
             raise RuntimeError(f"{request_id} joined twice")
         if self._batch_cache is None:
-            self._batch_cache = [_as_batch(c) for c in row.cache]
+            self._batch_cache = [as_decode_batch(c) for c in row.cache]
         else:
             for mine, theirs in zip(self._batch_cache, row.cache):
                 mine.extend(theirs if is_slot_batch(mine) else type(theirs).merge([theirs]))
@@ -492,7 +489,7 @@ class Runner:
             return
         rows, cache = taken
         if self._batch_cache is None:
-            self._batch_cache = [_as_batch(c, is_batch=True) for c in cache]
+            self._batch_cache = [as_decode_batch(c, is_batch=True) for c in cache]
         else:
             for mine, theirs in zip(self._batch_cache, cache):
                 mine.extend(theirs)
@@ -560,6 +557,7 @@ class Runner:
             self.speculator.close_all(list(self._rows))
         self._rows.clear()
         self._groups.clear()
+        self._prompt_logprobs.clear()
         self._batch = []
         self._batch_cache = None
         self._pending = None

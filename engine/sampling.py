@@ -121,6 +121,9 @@ class SamplingParams:
     frequency_penalty: float = attrs.field(default=0.0, validator=_in_range(-2.0, 2.0))
     logit_bias: tuple[tuple[int, float], ...] = attrs.field(default=(), converter=bias_pairs,
                                                            validator=check_bias)
+    # each prompt token's logprob and this many alternatives (engine.prompt_logprobs)
+    prompt_logprobs: int | None = attrs.field(
+        default=None, validator=attrs.validators.optional(_int_range(0, MAX_TOP_LOGPROBS)))
 
     @property
     def greedy(self) -> bool:

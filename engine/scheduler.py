@@ -151,7 +151,7 @@ class SchedulerCore:
                 break
             free -= 1
             taking.append(row)
-            if not row.looked_up:
+            if not row.looked_up and row.params.prompt_logprobs is None:  # reuses no prefix
                 out.append((rid, row.prompt))
         return out
 
@@ -384,7 +384,8 @@ class SchedulerCore:
                 request_id=row.request_id, index=first, token_ids=tuple(out.tokens[:n]),
                 logprobs=out.logprobs[:n] if out.logprobs is not None else None,
                 top_logprobs=out.top_logprobs[:n] if out.top_logprobs is not None else None,
-                final=reason is not None, stop_token=stop_token))
+                final=reason is not None, stop_token=stop_token,
+                prompt_logprobs=out.prompt_logprobs))
             if reason is not None:
                 events.append(self._finish(row, reason))
         return events

@@ -16,6 +16,11 @@ from tqserve.engine.speculative.policy import RequestChoice
 from tqserve.engine.structured import ResponseFormat
 
 
+# one prompt position's prompt logprob (engine.prompt_logprobs): (token id, its logprob or
+# None for the first position, the top-N (id, logprob) there)
+PromptEntry = tuple[int, float | None, tuple[tuple[int, float], ...]]
+
+
 @attrs.frozen(kw_only=True)
 class NewRow:
     """A row to create: from scratch, or (reuse set) from the first `cached` positions of
@@ -118,6 +123,8 @@ class RowOutput:
     num_accepted: int = 0   # of which the target kept (len(tokens) - 1 when it proposed)
     grammar_done: bool = False  # the row's grammar is complete: nothing but EOS could follow
     error: str | None = None    # the row's grammar failed: finish it with this message
+    # with the row's first token, when it asked: one entry per prompt position
+    prompt_logprobs: tuple[PromptEntry, ...] | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -178,6 +185,7 @@ class TokenOut:
     top_logprobs: tuple[tuple[tuple[int, float], ...], ...] | None = None
     final: bool = False
     stop_token: bool = False
+    prompt_logprobs: tuple[PromptEntry, ...] | None = None  # with a row's first token
 
 
 @attrs.frozen(kw_only=True)

@@ -17,42 +17,21 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
-import time
-import urllib.request
 from pathlib import Path
+
+from tqserve.tools.agent_server import serving
 
 REPO = Path(__file__).resolve().parent.parent
 TEMPLATE = REPO / "tests" / "api" / "templates" / "chatml_tools.jinja"
 MODEL_NAME = "tqserve-local"
-START_TIMEOUT_S = 120  # a guard on the server's start (model load), never a measurement
 RUN_TIMEOUT_S = 900    # a guard on Codex's run on a slow CPU
 
 
 def codex_binary() -> str | None:
     return os.environ.get("TQSERVE_CODEX") or shutil.which("codex")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_healthy(url: str, server: subprocess.Popen) -> None:
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            raise RuntimeError(f"tqserve serve exited with {server.returncode}")
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=2):
-                return
-        except OSError:
-            time.sleep(0.2)
-    raise RuntimeError(f"tqserve did not answer {url}/health in {START_TIMEOUT_S} s")
 
 
 def run_codex(url: str, prompt: str, codex: str) -> subprocess.CompletedProcess:
@@ -85,23 +64,12 @@ def main(argv: list[str] | None = None) -> int:
         done = run_codex(args.url.rstrip("/"), args.prompt, codex)
         print(done.stdout + done.stderr)
         return done.returncode
-    port = _free_port()
-    cmd = [sys.executable, "-c", "from tqserve.api.cli import run; run()", "serve",
-           "--port", str(port),
-           "--served-model-name", MODEL_NAME, "--default-max-tokens", str(args.max_tokens),
-           "--chat-template", args.chat_template]
+    flags = ["--served-model-name", MODEL_NAME, "--default-max-tokens", str(args.max_tokens),
+             "--chat-template", args.chat_template]
     if args.model:
-        cmd += ["--model", args.model]
-    with tempfile.TemporaryFile("w+") as log:
-        server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-        try:
-            _wait_healthy(f"http://127.0.0.1:{port}", server)
-            done = run_codex(f"http://127.0.0.1:{port}", args.prompt, codex)
-        finally:
-            server.terminate()
-            server.wait(timeout=60)
-        log.seek(0)
-        access = [line for line in log if "tqserve.access" in line]
+        flags += ["--model", args.model]
+    with serving(flags) as (url, access):
+        done = run_codex(url, args.prompt, codex)
     print(done.stdout + done.stderr)
     print("".join(access), end="")
     return done.returncode

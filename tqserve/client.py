@@ -9,7 +9,8 @@
   request id (chosen here unless given). One reader task files incoming frames by id.
 * Frames: msgpack (binary) by default, JSON text with `binary=False`; the wire encoding is
   written here (no import of the server's packages).
-* Events are typed: `QueuedEvent`, `TokenEvent`, `DoneEvent`, `ErrorEvent`. An `error`
+* Events are typed: `QueuedEvent`, `PromptLogprobsEvent` (asked with `prompt_logprobs=N`),
+  `TokenEvent`, `DoneEvent`, `ErrorEvent`. An `error`
   frame for a request is yielded as an `ErrorEvent` and ends its stream.
 * Reconnect: when the socket drops, every request in flight on it fails with
   `ConnectionLost` (raised from its `generate()` loop); nothing is restarted silently,
@@ -67,6 +68,17 @@ class TokenEvent:
 
 
 @attrs.frozen(kw_only=True)
+class PromptLogprobsEvent:
+    """Each prompt token's logprob given the tokens before it (None for the first) and
+    its top alternatives, before the request's first token."""
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float | None, ...]
+    top_logprobs: tuple[tuple[tuple[int, float], ...] | None, ...]
+
+
+@attrs.frozen(kw_only=True)
 class DoneEvent:
     request_id: str
     finish_reason: str
@@ -84,7 +96,7 @@ class ErrorEvent:
     message: str
 
 
-Event = QueuedEvent | TokenEvent | DoneEvent | ErrorEvent
+Event = QueuedEvent | PromptLogprobsEvent | TokenEvent | DoneEvent | ErrorEvent
 
 
 def parse_event(obj: dict[str, Any]) -> Event:
@@ -99,6 +111,12 @@ def parse_event(obj: dict[str, Any]) -> Event:
                           text=obj["text"], logprob=obj.get("logprob"),
                           top_logprobs=None if top is None else tuple(
                               (int(t), float(lp)) for t, lp in top))
+    if kind == "prompt_logprobs":
+        return PromptLogprobsEvent(
+            request_id=rid, token_ids=tuple(obj["token_ids"]), logprobs=tuple(obj["logprobs"]),
+            top_logprobs=tuple(None if top is None else tuple((int(t), float(lp))
+                                                              for t, lp in top)
+                               for top in obj["top_logprobs"]))
     if kind == "done":
         usage = obj.get("usage", {})
         return DoneEvent(request_id=rid, finish_reason=obj["finish_reason"],

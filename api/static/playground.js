@@ -37,6 +37,7 @@ const ui = {
   schema: $("schema"), generate: $("generate"), cancel: $("cancel"), error: $("error"),
   output: $("output"), tooltip: $("tooltip"), connection: $("connection"),
   status: $("status"), model: $("model-name"), keyBox: $("key-box"), key: $("api-key"),
+  modeChat: $("mode-chat"),
 };
 const KEY_STORE = "tqserve-api-key";
 const state = {
@@ -241,6 +242,7 @@ function resetOutput(prompt) {
 async function generate(event) {
   event.preventDefault();
   if (state.current) return;
+  if (ui.modeChat.checked) return sendChat();  // playground_chat.js
   clearError();
   let frame;
   try {
@@ -266,6 +268,11 @@ async function generate(event) {
 }
 
 function cancel() {
+  if (state.current && state.current.abort) {  // a chat request (playground_chat.js)
+    state.current.abort.abort();
+    ui.cancel.disabled = true;
+    return;
+  }
   if (!state.current || !state.socket) return;
   state.socket.send(JSON.stringify({type: "cancel", id: state.current.id}));
   ui.cancel.disabled = true;

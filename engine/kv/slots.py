@@ -151,3 +151,25 @@ def is_slot_batch(cache: Any) -> bool:
     """Whether a batch cache keeps its rows in slots (joins take single rows as they are,
     retirements want `retire_order`)."""
     return isinstance(cache, (RowSlotsKVCache, SlotsCache))
+
+
+def as_decode_batch(cache: Any, is_batch: bool = False) -> Any:
+    """One row's cache (or a prefill group's batch cache) as the decode batch's cache:
+    plain, affine and TurboQuant layers go into per-row slots (later joins and
+    retirements move only their own rows); other kinds through their class's `merge`
+    (a batch as is)."""
+    slots = slot_batch(cache)
+    if slots is not None:
+        return slots
+    return cache if is_batch else type(cache).merge([cache])
+
+
+def slot_capacity(cache: list[Any] | None) -> tuple[int, int]:
+    """(row slots, positions) allocated by the decode batch's slot store (the first
+    layer's; a delayed batch's plain and converted parts together), (0, 0) for none."""
+    layer = cache[0] if cache else None
+    parts = [getattr(layer, "slots", None),
+             getattr(getattr(layer, "quantized", None), "slots", None)]
+    stats = [p.statistics() for p in parts if p is not None]
+    return (sum(s.row_capacity for s in stats), max((s.position_capacity for s in stats),
+                                                    default=0))

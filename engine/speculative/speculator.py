@@ -136,13 +136,15 @@ class Speculator:
         return (layout, {name: planes[name] for name in own},
                 {name: planes[name] for name in rest})
 
-    def prefill(self, model: Any, request_id: str, tokens: mx.array, cache: list[Any]) -> None:
-        """A prefill chunk of the row's own cache; hands the hidden states to its MTP head."""
+    def prefill(self, model: Any, request_id: str, tokens: mx.array,
+                cache: list[Any]) -> mx.array:
+        """A prefill chunk of the row's own cache; hands the hidden states to its MTP head.
+        Returns the chunk's logits (lazy)."""
         if not self.wants_hidden(request_id):
-            model(tokens, cache=cache)
-            return
-        _, hidden = forward_with_hidden(model, tokens, cache)
+            return model(tokens, cache=cache)
+        logits, hidden = forward_with_hidden(model, tokens, cache)
         self.record_hidden(request_id, hidden)
+        return logits
 
     def record_hidden(self, request_id: str, hidden: mx.array) -> None:
         choice = self.choice(request_id)

@@ -92,12 +92,13 @@ def key_protocol(key: str) -> str:
 async def test_browsers_give_the_key_as_a_subprotocol_and_load_the_page_without_it(
         nursery, draft_model):
     """A browser cannot set headers on a WebSocket upgrade (the playground's case): the key
-    rides as a subprotocol. The page's three files hold no data and load without the key;
+    rides as a subprotocol. The page's four files hold no data and load without the key;
     the vocabulary does not."""
     key = "sk?ey>="  # base64 writes it with "/", "+" and "=": the URL-safe form carries them
     server = await start_server(nursery, draft_model, api_key=key)
     async with httpx.AsyncClient(timeout=60) as raw:
-        for path in ("/", "/static/playground.js", "/static/playground.css"):
+        for path in ("/", "/static/playground.js", "/static/playground.css",
+                     "/static/playground_chat.js"):
             assert (await raw.get(server.url + path)).status_code == 200, path
         assert (await raw.get(server.url + "/playground/vocab.json")).status_code == 401
         with_key = await raw.get(server.url + "/playground/vocab.json",

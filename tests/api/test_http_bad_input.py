@@ -24,7 +24,7 @@ CASES = [
     ("/v1/completions", {"prompt": "a", "seed": -1}, "seed"),
     ("/v1/completions", {"prompt": "a", "temperature": "hot"}, "temperature"),
     ("/v1/completions", {"prompt": "a", "max_tokens": 2.5}, "max_tokens"),
-    ("/v1/completions", {"prompt": "a", "echo": True, "logprobs": 1}, "echo"),
+    ("/v1/completions", {"prompt": "a", "echo": "yes", "logprobs": 1}, "echo"),
     ("/v1/completions", {"prompt": "a", "n": 17}, "n"),
     ("/v1/completions", {"prompt": ["a"] * 9, "n": 2}, "n"),
     ("/v1/completions", {"prompt": "a", "presence_penalty": 2.5}, "presence_penalty"),

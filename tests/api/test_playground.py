@@ -19,6 +19,7 @@ import httpx
 import pytest
 import trio
 
+from tests.api.chatkit import TEMPLATE, WEATHER_TOOL
 from tests.api.wsclient import LONG_PROMPT, STATS_POLL_SLEEP, STATS_POLLS, run_alone, stats
 from tests.conftest import start_server
 from tqserve.tools.playground_shot import chromium_missing, launch_chromium, run_in_page, take_screenshot
@@ -39,7 +40,9 @@ async def test_playground_routes(server, draft_model):
         assert page.headers["content-type"] == "text/html; charset=utf-8"
         assert "script-src 'self'" in page.headers["content-security-policy"]
         assert '<script src="/static/playground.js"' in page.text
-        for name, kind in (("playground.js", "text/javascript"), ("playground.css", "text/css")):
+        assert '<script src="/static/playground_chat.js"' in page.text
+        for name, kind in (("playground.js", "text/javascript"), ("playground.css", "text/css"),
+                           ("playground_chat.js", "text/javascript")):
             response = await client.get(f"{server.url}/static/{name}")
             assert response.status_code == 200, name
             assert response.headers["content-type"].startswith(kind), name
@@ -284,6 +287,100 @@ async def test_playground_asks_for_the_api_key_and_then_streams(nursery, draft_m
                 run_in_page(page, PROMPT, max_tokens=8, temperature=0, top_logprobs=2)
                 assert len(dom_tokens(page)) == 8
                 assert summary(page)["finish"] == "length" and error_text(page) == ""
+            finally:
+                context.close()
+
+    await trio.to_thread.run_sync(browse)
+
+
+CHAT_SYSTEM = "You are a helpful assistant. Answer in one short sentence."
+CHAT_TURNS = ["What is the capital of France?", "And of Germany?"]
+
+
+def chat_reply(page: Any) -> dict[str, Any]:
+    """The last assistant turn of the transcript: its text, tints and tool calls."""
+    return page.eval_on_selector_all(".msg.assistant", """boxes => {
+        const box = boxes[boxes.length - 1];
+        const spans = [...box.querySelectorAll('.ctok')];
+        return {text: spans.map(s => s.textContent).join(''),
+                logprobs: spans.map(s => s.dataset.logprob === undefined ? null
+                                         : Number(s.dataset.logprob)),
+                calls: [...box.querySelectorAll('.tool-call')].map(c => ({
+                    name: c.dataset.name, arguments: c.dataset.arguments}))}; }""")
+
+
+def check_chat(page: Any, url: str, answers: list[str]) -> None:
+    """Chat mode against the instruct model; runs in a worker thread."""
+    sent: list[dict[str, Any]] = []
+    page.on("request", lambda r: r.url.endswith("/v1/chat/completions")
+            and sent.append(r.post_data_json))
+    console_errors: list[str] = []
+    page.on("console", lambda m: m.type == "error" and console_errors.append(m.text))
+    page.on("pageerror", lambda exc: console_errors.append(str(exc)))
+    page.goto(url + "/")
+    page.wait_for_selector("#connection[data-state='open']")
+    page.check("#mode-chat")
+    page.wait_for_selector("#chat-box:not([hidden])")
+    for control in ("system", "tools", "tool-choice"):
+        assert page.eval_on_selector(f"#{control}", "e => e.labels.length") == 1, control
+    page.fill("#system", CHAT_SYSTEM)
+    history: list[dict[str, Any]] = []
+    for turn, answer in zip(CHAT_TURNS, answers):
+        run_in_page(page, turn, max_tokens=24, temperature=0, top_logprobs=2)
+        history.append({"role": "user", "content": turn})
+        assert sent[-1]["messages"] == [{"role": "system", "content": CHAT_SYSTEM}, *history]
+        assert sent[-1]["stream"] is True and sent[-1]["logprobs"] is True
+        assert "tools" not in sent[-1]
+        reply = chat_reply(page)
+        assert reply["text"] == answer and reply["calls"] == []
+        assert all(isinstance(lp, float) and lp <= 0 for lp in reply["logprobs"])
+        assert summary(page)["finish"] in ("stop", "length") and error_text(page) == ""
+        history.append({"role": "assistant", "content": answer})
+    roles = page.eval_on_selector_all(".msg", "boxes => boxes.map(b => b.dataset.role)")
+    assert roles == ["user", "assistant"] * 2
+
+    # A forced tool call: the page sends the tools and shows the call the model returns.
+    page.click("#new-chat")
+    page.fill("#tools", json.dumps([WEATHER_TOOL]))
+    page.select_option("#tool-choice", "required")
+    run_in_page(page, "What is the weather in Paris?", max_tokens=48, temperature=0)
+    assert sent[-1]["tools"] == [WEATHER_TOOL] and sent[-1]["tool_choice"] == "required"
+    assert len(sent[-1]["messages"]) == 2  # the new chat forgot the history
+    (call,) = chat_reply(page)["calls"]
+    assert call["name"] == "get_weather"
+    assert set(json.loads(call["arguments"])) == {"city", "unit"}
+    assert summary(page)["finish"] == "tool_calls" and error_text(page) == ""
+
+    # Bad tools JSON never leaves the page.
+    num_sent = len(sent)
+    page.fill("#tools", "[not json")
+    run_in_page(page, "Hi", max_tokens=4, temperature=0)
+    assert len(sent) == num_sent and error_text(page).startswith("tools is not valid JSON")
+    assert console_errors == []
+
+
+@pytest.mark.skipif(BROWSER_MISSING is not None, reason=str(BROWSER_MISSING))
+async def test_playground_chat_mode(nursery, instruct_model, tmp_path: Path):
+    import openai
+    from playwright.sync_api import sync_playwright
+
+    server = await start_server(nursery, instruct_model, chat_template=str(TEMPLATE))
+    api = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    messages: list[dict[str, Any]] = [{"role": "system", "content": CHAT_SYSTEM}]
+    answers = []
+    for turn in CHAT_TURNS:  # the reference: the same conversation through the SDK
+        messages.append({"role": "user", "content": turn})
+        got = await api.chat.completions.create(model="m", messages=messages, max_tokens=24,
+                                                temperature=0)
+        answers.append(got.choices[0].message.content)
+        messages.append({"role": "assistant", "content": answers[-1]})
+    assert all(answers)
+
+    def browse() -> None:
+        with sync_playwright() as playwright:
+            context = launch_chromium(playwright, tmp_path / "profile")
+            try:
+                check_chat(context.new_page(), server.url, answers)
             finally:
                 context.close()
 

@@ -28,6 +28,11 @@ EXAMPLES = [
             top_logprobs=((9, -0.5), (3, -1.25))),
     m.Token(request_id="r1", index=1, token_id=9, text=""),
     m.RowTokens(request_id="r1", index=0, token_ids=(9,)),
+    m.RowTokens(request_id="r1", index=0, token_ids=(9,),
+                prompt_logprobs=((4, None, ()), (7, -1.5, ((7, -1.5), (2, -1.75))))),
+    m.PromptLogprobs(request_id="r1", token_ids=(4, 7), logprobs=(None, -1.5),
+                     top_logprobs=(None, ((7, -1.5), (2, -1.75)))),
+    m.PromptLogprobs.of("r1", ((4, None, ()), (7, -0.5, ()))),
     m.StepTokens(rows=(
         m.RowTokens(request_id="r1", index=3, token_ids=(9, 4, 2), logprobs=(-0.5, -1.0, -0.25),
                     top_logprobs=(((9, -0.5),), ((4, -1.0),), ((2, -0.25),)), final=True,
@@ -80,6 +85,9 @@ def test_wire_forms_are_plain_objects():
                   top_logprobs=((7, -0.1),))
     assert tok.to_wire() == {"type": "token", "id": "a", "index": 2, "token_id": 7, "text": "x",
                              "logprob": -0.1, "top_logprobs": [[7, -0.1]]}
+    prompt = m.PromptLogprobs.of("a", ((4, None, ()), (7, -1.5, ((7, -1.5),))))
+    assert prompt.to_wire() == {"type": "prompt_logprobs", "id": "a", "token_ids": [4, 7],
+                                "logprobs": [None, -1.5], "top_logprobs": [None, [[7, -1.5]]]}
     done = m.Done(request_id="a", finish_reason="stop", prompt_tokens=1, completion_tokens=2)
     assert done.to_wire()["usage"] == {"prompt_tokens": 1, "completion_tokens": 2,
                                        "cached_tokens": 0,
