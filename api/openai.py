@@ -135,7 +135,7 @@ def register(app: QuartTrio, engine: Engine, metrics: Metrics) -> None:
     async def respond(body: Body, chat: bool, prompts: list[dict[str, Any]],
                       params: dict[str, Any], plan: ToolPlan | None = None,
                       echoes: list[str] | None = None, echo_logprobs: bool = False,
-                      ) -> Response:
+                      score_only: bool = False) -> Response:
         """Admit one request per choice (each prompt n times), then answer them."""
         include_usage = _stream_options(body)
         n = body.get("n", int, 1)
@@ -174,7 +174,7 @@ def register(app: QuartTrio, engine: Engine, metrics: Metrics) -> None:
                               schemas=plan.schemas if plan else None)
 
         choices = [Choice(i, run, chat, text_of, output, (echoes or [""] * len(runs))[i // n],
-                          echo_logprobs) for i, run in enumerate(runs)]
+                          echo_logprobs, score_only) for i, run in enumerate(runs)]
         base = base_of(rid, chat, served.primary)
         firsts = list(range(0, len(runs), n))
         want_logprobs = params.get("logprobs", False)
@@ -201,10 +201,15 @@ def register(app: QuartTrio, engine: Engine, metrics: Metrics) -> None:
         echo = body.get("echo", bool, False)
         if echo and logprobs is not None:  # the prompt's logprobs too (engine.prompt_logprobs)
             params["prompt_logprobs"] = logprobs
+        # echo with max_tokens 0 scores the prompt (eval harnesses): one token is generated
+        # (the engine's rows make at least one) and left out of the answer and its usage
+        score_only = echo and params["max_tokens"] == 0
+        if score_only:
+            params["max_tokens"] = 1
         echoes = [p.get("prompt") or engine.model.tokenizer.decode(list(p["prompt_tokens"]))
                   for p in prompts] if echo else None
         return await respond(body, False, prompts, params, echoes=echoes,
-                             echo_logprobs=echo and logprobs is not None)
+                             echo_logprobs=echo and logprobs is not None, score_only=score_only)
 
     @app.post("/v1/chat/completions")
     async def chat_completions() -> Response:

@@ -48,12 +48,13 @@ def chat_message(out: ChatOutput) -> dict[str, Any]:
     return message
 
 
-def usage(runs: list[Run], firsts: list[int]) -> dict[str, Any]:
-    """Prompt tokens once per prompt (the choices at `firsts`), completions of all."""
+def usage(runs: list[Run], firsts: list[int], score_only: bool = False) -> dict[str, Any]:
+    """Prompt tokens once per prompt (the choices at `firsts`), completions of all (none
+    when the request only scored its prompt)."""
     dones = [runs[i].outcome.done for i in firsts]
     prompt = sum(d.prompt_tokens for d in dones if d is not None)
     cached = sum(d.cached_tokens for d in dones if d is not None)
-    completion = sum(len(r.outcome.token_ids) for r in runs)
+    completion = 0 if score_only else sum(len(r.outcome.token_ids) for r in runs)
     extra = dones[0].speculative_usage() if len(runs) == 1 and dones[0] is not None else {}
     return {"prompt_tokens": prompt, "completion_tokens": completion,
             "total_tokens": prompt + completion,
@@ -106,7 +107,7 @@ class Choice:
 
     def __init__(self, index: int, run: Run, chat: bool, text_of: Callable[[int], str],
                  make_output: Callable[[], ChatOutput], echo: str = "",
-                 echo_logprobs: bool = False) -> None:
+                 echo_logprobs: bool = False, score_only: bool = False) -> None:
         self.index = index
         self.run = run
         self.chat = chat
@@ -117,16 +118,22 @@ class Choice:
         # echo with logprobs: the prompt's logprobs come before its first token (streamed,
         # the echo chunk waits for them)
         self.echo_logprobs = echo_logprobs
+        # echo with max_tokens 0: the prompt is scored, the one token generated is not shown
+        self.score_only = score_only
         self.num_calls = 0  # tool calls streamed so far: the next one's index
 
     def finish_reason(self) -> str:
         done = complete(self.run.outcome)  # a cut output raises ApiError
+        if self.score_only:
+            return "length"
         if self.out.calls and done.finish_reason == "stop":
             return "tool_calls"
         return done.finish_reason
 
     def whole(self, entries: list[dict[str, Any]] | None) -> dict[str, Any]:
         """The non-streamed choice (the run has ended)."""
+        if entries is not None and self.score_only:
+            entries = []
         if entries is not None and self.echo_logprobs:
             entries = self.lp.prompt(self.run.outcome.prompt_logprobs) + entries
         choice: dict[str, Any] = {"index": self.index,
@@ -137,7 +144,7 @@ class Choice:
             self.out.finish()
             choice["message"] = chat_message(self.out)
         else:
-            choice["text"] = self.echo + self.run.outcome.text
+            choice["text"] = self.echo + ("" if self.score_only else self.run.outcome.text)
         choice["finish_reason"] = self.finish_reason()
         return choice
 
@@ -198,7 +205,8 @@ async def whole(choices: list[Choice], base: dict[str, Any], want_logprobs: bool
             for c in choices:
                 await c.run.aclose()
     body = [c.whole(entries[c.index] if want_logprobs else None) for c in choices]
-    return jsonify({**base, "choices": body, "usage": usage([c.run for c in choices], firsts)})
+    return jsonify({**base, "choices": body, "usage": usage([c.run for c in choices], firsts,
+                                                            choices[0].score_only)})
 
 
 def streamed(choices: list[Choice], base: dict[str, Any], want_logprobs: bool,
@@ -237,7 +245,7 @@ def streamed(choices: list[Choice], base: dict[str, Any], want_logprobs: bool,
                         for piece in ended(choice):
                             yield piece
                         continue
-                    if not tok.text and not want_logprobs:
+                    if choice.score_only or (not tok.text and not want_logprobs):
                         continue
                     lp = choice.lp.block([choice.lp.entry(tok)]) if want_logprobs else None
                     if chat:
@@ -247,7 +255,8 @@ def streamed(choices: list[Choice], base: dict[str, Any], want_logprobs: bool,
                         yield chunk(choice.index, tok.text, lp)
             if include_usage:
                 yield sse({**chunk_base, "choices": [],
-                           "usage": usage([c.run for c in choices], firsts)})
+                           "usage": usage([c.run for c in choices], firsts,
+                                          choices[0].score_only)})
             yield sse("[DONE]")
         except ApiError as cut:  # a cut output: no finish_reason, the client raises
             yield sse(error_body(cut.status, cut.message, cut.param, cut.code))

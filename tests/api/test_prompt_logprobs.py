@@ -108,6 +108,33 @@ async def test_completions_echo_with_logprobs_through_the_openai_sdk(big_server,
     assert bare.choices[0].text == choice.text and bare.choices[0].logprobs is None
 
 
+async def test_max_tokens_0_with_echo_scores_the_prompt_only(big_server, big_model):
+    """What eval harnesses send to score a text: the prompt back with its logprobs, no
+    completion (usage 0, finish_reason length); streamed the same."""
+    ids = big_model.tokenizer.encode(PROMPT)
+    want, _ = reference(big_model, ids)
+    api = client(big_server)
+    got = await api.completions.create(model="m", prompt=PROMPT, echo=True, logprobs=1,
+                                       max_tokens=0, temperature=0)
+    (choice,) = got.choices
+    assert (choice.text, choice.finish_reason) == (PROMPT, "length")
+    assert (got.usage.prompt_tokens, got.usage.completion_tokens) == (len(ids), 0)
+    assert len(choice.logprobs.tokens) == len(ids) and "".join(choice.logprobs.tokens) == PROMPT
+    assert choice.logprobs.token_logprobs[1:] == pytest.approx(want, abs=TOLERANCE)
+    stream = await api.completions.create(model="m", prompt=PROMPT, echo=True, logprobs=1,
+                                          max_tokens=0, temperature=0, stream=True,
+                                          stream_options={"include_usage": True})
+    chunks = [c async for c in stream]
+    texts = [c.choices[0].text for c in chunks if c.choices]
+    assert "".join(texts) == PROMPT
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 0
+    # without echo, max_tokens 0 is still refused, naming the field
+    with pytest.raises(openai.BadRequestError) as caught:
+        await api.completions.create(model="m", prompt=PROMPT, max_tokens=0)
+    assert "max_tokens" in caught.value.message
+
+
 async def test_a_prompt_over_the_limit_is_refused_naming_it(big_server):
     api = client(big_server)
     too_long = [5] * (MAX_PROMPT_LOGPROBS_TOKENS + 1)
