@@ -95,10 +95,10 @@ def test_cli_help_describes_every_flag_with_its_default(command):
     assert "--max-tokens-cap" in entries and "(default: 4096)" in entries["--max-tokens-cap"]
 
 
-@pytest.mark.parametrize("command", ["bench", "bench-kv", "bench-prefix", "bench-gpu", "eval-kv",
-                                     "bench-spec", "bench-tp"])
+@pytest.mark.parametrize("command", ["bench", "bench mlx-lm", "bench kv", "bench prefix",
+                                     "bench gpu", "eval-kv", "bench spec", "bench tp"])
 def test_tool_help_shows_every_default(command):
-    result = run([sys.executable, "-m", "tqserve.api.cli", command, "--help"])
+    result = run([sys.executable, "-m", "tqserve.api.cli", *command.split(), "--help"])
     assert result.returncode == 0, result.stderr
     entries = [" ".join(e.split())
                for e in re.split(r"\n  (?=-)", result.stdout.split("options:")[1]) if e.strip()]
