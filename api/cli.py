@@ -85,10 +85,11 @@ def _check_cache_dir(path: str) -> None:
 def _config(args: argparse.Namespace) -> Config:
     import attrs
 
+    from tqserve.api.kvflag import OLD_FLAGS, kv_fields
     from tqserve.engine.config import Config
 
-    fields = {f.name for f in attrs.fields(Config)}
-    return Config(**{k: v for k, v in vars(args).items() if k in fields})
+    fields = {f.name for f in attrs.fields(Config)} - set(OLD_FLAGS)
+    return Config(**{k: v for k, v in vars(args).items() if k in fields}, **kv_fields(args))
 
 
 _GENERATE_FLAGS = ("max_tokens", "temperature", "seed")  # SamplingParams fields with a flag
