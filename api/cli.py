@@ -1,9 +1,7 @@
-"""`tqserve` command line: serve | generate | route | ray-serve | replay | attack | bench | bench-kv |
-bench-prefix | eval-kv | bench-gpu | bench-spec.
+"""`tqserve` command line: serve | generate | route | ray-serve | replay | bench NAME | eval-kv.
 
-serve and generate map their flags 1:1 onto engine.config.Config; bench, bench-kv,
-bench-prefix and eval-kv hand their arguments to tools.bench, tools.bench_kv,
-tools.bench_prefix and tools.eval_kv.
+serve and generate map their flags 1:1 onto engine.config.Config; the other commands hand
+their arguments to the module api.commands names (`bench kv` to tools.bench_kv, ...).
 
 Bad arguments print one line and exit with code 2; a model that cannot be loaded
 too. Nothing here prints a traceback for the user's mistakes. SIGINT and SIGTERM, from
@@ -21,6 +19,8 @@ import sys
 from typing import TYPE_CHECKING, Any, NoReturn, Sequence
 
 from tqserve import blas
+from tqserve.api.commands import (BENCHES, COMMANDS, OLD_BENCHES, REMOVED, TOOL_HELP as _TOOL_HELP,
+                                  TOOLS, bench_help)
 from tqserve.api.flags import add_config_flags
 from tqserve.api.signals import SIGNALS, SignalLatch
 
@@ -50,7 +50,8 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="tqserve", description="Serve LLMs on MLX.",
                      formatter_class=HelpFormatter)
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser,
+                                metavar="{" + ",".join(COMMANDS) + "}")
     serve = sub.add_parser("serve", help="run the WebSocket server",
                            formatter_class=HelpFormatter)
     add_config_flags(serve, server=True)
@@ -59,24 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="generate from one prompt, printing as it streams",
                          formatter_class=HelpFormatter)
     add_config_flags(gen, server=False)
-    for name, text in (("bench", "tqserve vs mlx-lm, side by side (tools/bench)"),
-                       ("bench-kv", "TurboQuant vs plain decode speed (tools/bench_kv)"),
-                       ("bench-prefix", "prefix cache TTFT cold/RAM/SSD and snapshot bytes "
-                                        "(tools/bench_prefix)"),
-                       ("bench-gpu", "tqserve vs mlx-lm at B1..B64 on random Qwen3 shapes "
-                                     "(tools/bench_gpu)"),
-                       ("bench-spec", "speculative decoding per method vs plain at B1/B4/B8 "
-                                      "(tools/bench_spec)"),
-                       ("bench-tp", "tensor parallel (serve --distributed) vs one process "
-                                    "(tools/bench_tp)"),
-                       ("eval-kv", "KV-cache quality: perplexity and KL (tools/eval_kv)"),
-                       ("replay", "replay, record-verify and A/B traces (tools/replay)"),
-                       ("route", "prefix-aware router in front of N servers (api/router)"),
-                       ("ray-serve", "N replicas on Ray Serve, a local or joined Ray cluster "
-                                     "(api/rayserve; pip install 'tqserve[ray]')"),
-                       ("route-sim", "predicted prefix reuse for N routed replicas on a "
-                                     "Mooncake trace (tools/route_sim)"),
-                       ("attack", "bounded attack run on a loopback server (tools/attack)")):
+    for name, text in _TOOL_HELP:
         sub.add_parser(name, help=text, add_help=False)
     gen.add_argument("--prompt", required=True, help="the text to continue")
     gen.add_argument("--max-tokens", type=int, default=128,
@@ -101,10 +85,11 @@ def _check_cache_dir(path: str) -> None:
 def _config(args: argparse.Namespace) -> Config:
     import attrs
 
+    from tqserve.api.kvflag import OLD_FLAGS, kv_fields
     from tqserve.engine.config import Config
 
-    fields = {f.name for f in attrs.fields(Config)}
-    return Config(**{k: v for k, v in vars(args).items() if k in fields})
+    fields = {f.name for f in attrs.fields(Config)} - set(OLD_FLAGS)
+    return Config(**{k: v for k, v in vars(args).items() if k in fields}, **kv_fields(args))
 
 
 _GENERATE_FLAGS = ("max_tokens", "temperature", "seed")  # SamplingParams fields with a flag
@@ -190,12 +175,24 @@ def _leaves(group: BaseExceptionGroup) -> list[BaseException]:
     return out
 
 
-_TOOLS = {"replay": "tqserve.tools.replay.cli", "bench": "tqserve.tools.bench", "bench-kv": "tqserve.tools.bench_kv",
-          "eval-kv": "tqserve.tools.eval_kv", "bench-prefix": "tqserve.tools.bench_prefix",
-          "bench-gpu": "tqserve.tools.bench_gpu", "attack": "tqserve.tools.attack",
-          "route": "tqserve.api.router.cli", "ray-serve": "tqserve.api.rayserve.cli",
-          "route-sim": "tqserve.tools.route_sim",
-          "bench-spec": "tqserve.tools.bench_spec", "bench-tp": "tqserve.tools.bench_tp"}
+def _tool(argv: list[str]) -> tuple[str, list[str]] | None:
+    """The tool module a command hands its remaining arguments to, or None (serve,
+    generate, or a mistake the parser reports). An old `bench-NAME` prints one deprecation
+    line first; `attack` and `route-sim` left the CLI (api.commands)."""
+    if not argv:
+        return None
+    command, rest = argv[0], argv[1:]
+    if command == "bench":
+        if rest and rest[0] in BENCHES:
+            return BENCHES[rest[0]], rest[1:]
+        return BENCHES["mlx-lm"], rest
+    if command in OLD_BENCHES:
+        print(f"tqserve: {command} is deprecated: use tqserve bench {OLD_BENCHES[command]}",
+              file=sys.stderr, flush=True)
+        return BENCHES[OLD_BENCHES[command]], rest
+    if command in TOOLS:
+        return TOOLS[command], rest
+    return None
 
 
 def _blas_line(choice: str) -> str | None:
@@ -237,8 +234,15 @@ def _follow(config: Config, group: Any) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in _TOOLS:  # the tools parse their own flags
-        return int(importlib.import_module(_TOOLS[argv[0]]).main(argv[1:]))
+    if argv and argv[0] in REMOVED:
+        print(f"tqserve: error: {argv[0]} is not a tqserve command; run it as "
+              f"python -m {REMOVED[argv[0]]}", file=sys.stderr)
+        return 2
+    if argv[:1] == ["bench"] and argv[1:2] in (["-h"], ["--help"]):
+        print(bench_help(), flush=True)  # then mlx-lm's flags: the NAME-less bench's
+    tool = _tool(argv)
+    if tool is not None:  # the tools parse their own flags
+        return int(importlib.import_module(tool[0]).main(tool[1]))
     with SignalLatch() as latch:  # before MLX's import, the first SIGINT/SIGTERM counts
         return _command(argv, latch)
 

@@ -89,18 +89,21 @@ def _model(g: Any, defaults: Any) -> None:
 
 
 def _kv(g: Any, defaults: Any, server: bool) -> None:
+    from tqserve.api.kvflag import kv_type
     from tqserve.engine.kv.affine import KV_BITS, KV_GROUP_SIZES
 
-    g.add_argument("--turboquant", default=None, metavar="kXvY",
-                   help="TurboQuant KV cache with X key bits and Y value bits (1..8), e.g. k4v4 "
-                        "(default: off)")
-    g.add_argument("--quantized-kv-start", type=int, default=0,
-                   help="rows stay full precision until this many tokens, then convert")
-    g.add_argument("--kv-quant", type=int, choices=KV_BITS, default=None,
-                   help="affine (mlx-lm kv_bits) KV cache with this many bits; "
-                        "--turboquant wins if both are given (default: off)")
-    g.add_argument("--kv-group-size", type=int, choices=KV_GROUP_SIZES,
-                   default=defaults.kv_group_size, help="elements per scale/bias of --kv-quant")
+    g.add_argument("--kv", type=kv_type, default=None, metavar="FORMAT",
+                   help="KV cache format: plain; turboquant:kXvY[,start=N] (X key and Y "
+                        "value bits, 1..8; rows stay full precision for their first N "
+                        "tokens); affine:BITS[,group=G] (bits 4 or 8, G elements per scale: "
+                        "32, 64 or 128) (default: plain)")
+    # the four flags --kv replaced: hidden, one deprecation line (api.kvflag)
+    hidden = argparse.SUPPRESS
+    g.add_argument("--turboquant", default=None, help=hidden)
+    g.add_argument("--quantized-kv-start", type=int, default=None, help=hidden)
+    g.add_argument("--kv-quant", type=int, choices=KV_BITS, default=None, help=hidden)
+    g.add_argument("--kv-group-size", type=int, choices=KV_GROUP_SIZES, default=None,
+                   help=hidden)
     g.add_argument("--warmup", choices=("auto", "on", "off"),
                    default=defaults.warmup if server else "off",
                    help="run each decode batch size (1, 2, 4, ... --max-batch) once at start, "

@@ -114,7 +114,7 @@ async def attack(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="tqserve attack", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m tqserve.tools.attack", description=__doc__.split("\n")[0])
     for name, default in (("fuzz", 2000), ("cancels", 500), ("pings", 5000), ("slowloris", 200),
                           ("random", 100), ("connections", 500), ("bombs", 100),
                           ("oversize", 100), ("overload", 200), ("seed", 0), ("idle", 1000),

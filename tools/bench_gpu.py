@@ -198,7 +198,7 @@ def table(report: dict[str, Any]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="tqserve bench-gpu", description=__doc__.splitlines()[0],
+    p = argparse.ArgumentParser(prog="tqserve bench gpu", description=__doc__.splitlines()[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--shape", default="qwen3-8b", choices=("qwen3-0.6b", "qwen3-8b", "bundled"),
                    help="random-weight model shape")

@@ -168,7 +168,7 @@ def _table(report: dict[str, Any]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="tqserve bench-kv", description=__doc__.splitlines()[0],
+    p = argparse.ArgumentParser(prog="tqserve bench kv", description=__doc__.splitlines()[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     src = p.add_mutually_exclusive_group()
     src.add_argument("--model", default="../shared/models/pycoder-29m",

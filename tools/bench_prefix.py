@@ -239,7 +239,7 @@ def format_table(report: dict[str, Any]) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="tqserve bench-prefix", description=__doc__.splitlines()[0],
+    p = argparse.ArgumentParser(prog="tqserve bench prefix", description=__doc__.splitlines()[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", default=DEFAULT_MODEL, help="model dir (relative to the repo)")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),

@@ -1,6 +1,6 @@
 """Speculative decoding vs plain decoding, per method, at several batch sizes, one run.
 
-    tqserve bench-spec [--model PATH] [--draft-model PATH] [--dtype float32|bfloat16]
+    tqserve bench spec [--model PATH] [--draft-model PATH] [--dtype float32|bfloat16]
                        [--blas auto|none|PATH] [--batches 1,4,8] [--methods lookup,draft,mtp]
                        [--new-tokens N] [--num-speculative-tokens K] [--warmup-tokens N]
                        [--no-time-policy] [--quick] [--out FILE]
@@ -160,7 +160,7 @@ def format_table(report: dict[str, Any]) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="tqserve bench-spec", description=__doc__.split("\n")[0],
+    p = argparse.ArgumentParser(prog="tqserve bench spec", description=__doc__.split("\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", default=DEFAULT_MODEL, help="target model (relative to the repo)")
     p.add_argument("--draft-model", default=None, help="draft model (default: the bundled one)")

@@ -90,7 +90,7 @@ async def _bench(args: argparse.Namespace, ranks: int) -> dict[str, float]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="tqserve bench-tp", description=__doc__.split("\n")[0],
+    p = argparse.ArgumentParser(prog="tqserve bench tp", description=__doc__.split("\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", default=DEFAULT_MODEL, help="model directory (float32)")
     p.add_argument("--ranks", type=int, default=2, help="ranks of the tensor-parallel group")

@@ -1,7 +1,7 @@
-"""`tqserve route-sim TRACE`: what prefix-aware routing predicts for N replicas on a
-Mooncake trace, with no server (the router's own sans-io route table decides).
+"""`python -m tqserve.tools.route_sim TRACE`: what prefix-aware routing predicts for N
+replicas on a Mooncake trace, with no server (the router's own sans-io route table decides).
 
-    tqserve route-sim ../shared/traces/mooncake_conversation_trace.jsonl --replicas 1 2 4 8
+    python -m tqserve.tools.route_sim mooncake_conversation_trace.jsonl --replicas 1 2 4 8
 
 Every request of the trace, in arrival order, is routed by `api.router.core.RouteTable`
 (policy prefix, then round-robin) with its 512-token hash blocks as the prefix blocks.
@@ -84,7 +84,7 @@ def simulate(rows: Sequence[tuple[int, list[int]]], replicas: int, policy: str,
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = _Parser(prog="tqserve route-sim", description=__doc__.split("\n\n")[0])
+    p = _Parser(prog="python -m tqserve.tools.route_sim", description=__doc__.split("\n\n")[0])
     p.add_argument("trace", help="Mooncake .jsonl")
     p.add_argument("--replicas", type=int, nargs="+", default=[1, 2, 3, 4, 8])
     p.add_argument("--replica-blocks", type=int, default=None,
@@ -99,7 +99,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ValueError("--replica-blocks must be >= 1")
         rows = read_trace(args.trace)[:args.max_requests]
     except (OSError, ValueError) as exc:
-        print(f"tqserve route-sim: error: {exc}", file=sys.stderr)
+        print(f"route_sim: error: {exc}", file=sys.stderr)
         return 2
     out = []
     print(f"{'replicas':>8} {'policy':>12} {'reused':>8} {'balance':>8}")

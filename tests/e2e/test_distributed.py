@@ -296,7 +296,7 @@ async def test_two_ranks_turboquant_then_a_rank_dies(big_model: Any) -> None:
     make_cache = cache_factory_for(big_model.model, "k4v4")
     prompts = {f"q{i}": p for i, p in enumerate(PROMPTS[:4])}
     want = {p: reference(big_model, p, make_cache) for p in prompts.values()}
-    group = Group("--turboquant", "k4v4", "--max-batch", "8", "--distributed-timeout",
+    group = Group("--kv", "turboquant:k4v4", "--max-batch", "8", "--distributed-timeout",
                   str(TIMEOUT))
     try:
         await group.started()
@@ -359,7 +359,7 @@ async def test_without_a_launcher_affine_then_a_rank_dies_while_idle(
         env = dict(os.environ, PYTHONPATH=str(REPO), MLX_RANK=str(rank),
                    MLX_HOSTFILE=str(hostfile))
         procs.append(subprocess.Popen(
-            [*SERVE, "--kv-quant", "8", "--distributed-timeout", "4"], cwd=REPO, env=env,
+            [*SERVE, "--kv", "affine:8", "--distributed-timeout", "4"], cwd=REPO, env=env,
             text=True,
             stdout=subprocess.PIPE, stderr=err.open("w") if rank == 0 else subprocess.DEVNULL))
     try:

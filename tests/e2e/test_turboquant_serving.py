@@ -419,8 +419,8 @@ def test_cli_refuses_head_dim_96(tmp_path):
     path = make_qwen3_dir(tmp_path, head_dim=96)
     env = dict(os.environ, PYTHONPATH=str(REPO))
     result = subprocess.run(
-        [sys.executable, "-m", "tqserve.api.cli", "generate", "--model", str(path), "--turboquant",
-         "k4v4", "--prompt", "x"], cwd=REPO, env=env, capture_output=True, text=True,
+        [sys.executable, "-m", "tqserve.api.cli", "generate", "--model", str(path), "--kv",
+         "turboquant:k4v4", "--prompt", "x"], cwd=REPO, env=env, capture_output=True, text=True,
         timeout=120)
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()

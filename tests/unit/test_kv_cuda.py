@@ -85,7 +85,7 @@ def test_encode_kernel_matches_codec(bits, head_dim):
 
 
 def test_many_rows_of_a_single_row_cache():
-    """A single-row cache fed a B > 1 block (as bench-kv --rows does) decodes every row."""
+    """A single-row cache fed a B > 1 block (as bench kv --rows does) decodes every row."""
     cache = TurboQuantKVCache(4, 4, 128, fused_decode=True)
     cache.update_and_fetch(mx.random.normal((5, 2, 300, 128), key=mx.random.key(1)),
                            mx.random.normal((5, 2, 300, 128), key=mx.random.key(2)))
