@@ -91,6 +91,19 @@ def _sampling(body: Body, default_max_tokens: int, max_tokens_field: str = "max_
     return params
 
 
+def _echo_params(params: dict[str, Any], echo: bool, logprobs: int | None) -> bool:
+    """Completions' `echo` into `params`: with logprobs, the prompt's too
+    (engine.prompt_logprobs). True for echo with max_tokens 0, which only scores the
+    prompt (eval harnesses): one token is generated (the engine's rows make at least one)
+    and left out of the answer and its usage."""
+    if echo and logprobs is not None:
+        params["prompt_logprobs"] = logprobs
+    if echo and params["max_tokens"] == 0:
+        params["max_tokens"] = 1
+        return True
+    return False
+
+
 def _stream_options(body: Body) -> bool:
     """include_usage from stream_options (ignored without stream: true, as vLLM)."""
     stream = body.get("stream", bool, False)
@@ -199,13 +212,7 @@ def register(app: QuartTrio, engine: Engine, metrics: Metrics) -> None:
         if logprobs is not None:
             params.update(logprobs=True, top_logprobs=logprobs)
         echo = body.get("echo", bool, False)
-        if echo and logprobs is not None:  # the prompt's logprobs too (engine.prompt_logprobs)
-            params["prompt_logprobs"] = logprobs
-        # echo with max_tokens 0 scores the prompt (eval harnesses): one token is generated
-        # (the engine's rows make at least one) and left out of the answer and its usage
-        score_only = echo and params["max_tokens"] == 0
-        if score_only:
-            params["max_tokens"] = 1
+        score_only = _echo_params(params, echo, logprobs)
         echoes = [p.get("prompt") or engine.model.tokenizer.decode(list(p["prompt_tokens"]))
                   for p in prompts] if echo else None
         return await respond(body, False, prompts, params, echoes=echoes,
