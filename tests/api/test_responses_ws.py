@@ -77,8 +77,11 @@ async def test_shutdown_fails_the_response_then_closes_1001(nursery, draft_model
     url = server.url.replace("http://", "ws://") + "/v1/responses"
     with trio.fail_after(120):  # a hang guard
         async with open_websocket_url(url) as ws:
+            # greedy: the bundled model's answer to "x" runs to 2,000 tokens without an
+            # EOS, so the shutdown (grace 0.2 s) always finds it running (sampled, an EOS
+            # in the grace period ended it `completed` once in CI)
             await ws.send_message(json.dumps({"type": "response.create", "input": "x",
-                                              "max_output_tokens": 2000}))
+                                              "max_output_tokens": 2000, "temperature": 0}))
             while json.loads(await ws.get_message())["type"] != "response.output_text.delta":
                 pass
             trigger.set()
