@@ -21,7 +21,6 @@ here: the gate only looks at the admission books (an O(1) read) when a connectio
 
 from __future__ import annotations
 
-import hmac
 import json
 import logging
 import time
@@ -30,7 +29,9 @@ from typing import Any, Callable
 import trio
 from hypercorn.events import RawData
 from hypercorn.trio.tcp_server import MAX_RECV, TCPServer
+from werkzeug.datastructures import Headers
 
+from tqserve.api.auth import key_ok
 from tqserve.api.httpconn import RETRY_AFTER_SECONDS
 
 GENERATION_PATHS = frozenset((b"/v1/completions", b"/v1/chat/completions", b"/v1/messages",
@@ -51,7 +52,6 @@ class OverloadGate:
         self.reason = reason
         self.on_refused = on_refused
         self.api_key = api_key
-        self.num_refused = 0
 
     def answer(self, head: bytes, opened: float) -> bytes | None:
         """The canned 429 for this request head, or None: hypercorn answers it."""
@@ -60,8 +60,9 @@ class OverloadGate:
         if line_end < 0 or head_end < 0:
             return None
         parts = head[:line_end].split(b" ")
-        if (len(parts) != 3 or parts[0] != b"POST" or not parts[2].startswith(b"HTTP/1.")
-                or parts[1].split(b"?", 1)[0] not in GENERATION_PATHS):
+        path = parts[1].split(b"?", 1)[0] if len(parts) == 3 else b""
+        if parts[0] != b"POST" or not parts[-1].startswith(b"HTTP/1.") or (
+                path not in GENERATION_PATHS):
             return None
         headers = _headers(head[line_end + 2:head_end])
         if headers is None or b"origin" in headers or not self._key_ok(headers):
@@ -69,20 +70,18 @@ class OverloadGate:
         reason = self.reason()
         if reason is None:
             return None
-        self.num_refused += 1
         self.on_refused()
-        path = parts[1].split(b"?", 1)[0]
         access_log.info("id=- route=POST %s status=429 outcome=overloaded prompt_tokens=- "
                         "completion_tokens=0 cached_tokens=- ttft_ms=- total_ms=%.1f",
                         path.decode("ascii", "replace"), (time.perf_counter() - opened) * 1000)
         return refusal_bytes(path, reason)
 
     def _key_ok(self, headers: dict[bytes, bytes]) -> bool:
+        """The server's own key check (api.auth.key_ok) on the raw head's headers."""
         if self.api_key is None:
             return True
-        auth = headers.get(b"authorization", b"")
-        given = auth[7:].strip() if auth[:7].lower() == b"bearer " else headers.get(b"x-api-key")
-        return given is not None and hmac.compare_digest(given, self.api_key.encode("utf-8"))
+        return key_ok(self.api_key, Headers([(k.decode("latin-1"), v.decode("latin-1"))
+                                             for k, v in headers.items()]))
 
 
 def _headers(block: bytes) -> dict[bytes, bytes] | None:
