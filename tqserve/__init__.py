@@ -15,7 +15,11 @@ pyproject.toml maps each onto its place here (an editable install does the same)
 import importlib as _importlib
 from typing import TYPE_CHECKING, Any
 
+from tqserve.fdlimit import guard as _guard_descriptor_limit
+
 __version__ = "0.1.0"
+
+_guard_descriptor_limit()  # before anything imports mlx_lm.utils (tqserve/fdlimit.py)
 
 _FRONT_DOOR = {  # public name -> the module that defines it
     "open_engine": "tqserve.actors.engine",

@@ -9,6 +9,7 @@ started from the app's cancelled task), and so did the close after `Connection: 
 
 from __future__ import annotations
 
+import resource
 import subprocess
 import sys
 
@@ -138,10 +139,11 @@ async def test_max_connections_counts_http_connections(nursery, draft_model):
 
 def test_descriptor_limit_is_raised_to_fit_the_cap_or_the_cap_lowered():
     """A soft RLIMIT_NOFILE below what the cap needs is raised; a hard limit too low
-    lowers the cap with one warning line (each in a fresh process: limits stick)."""
+    lowers the cap with one warning line (each in a fresh process: limits stick). The
+    limits are set after the import, as a server has imported mlx-lm before it listens."""
     code = ("import resource, sys\n"
-            "resource.setrlimit(resource.RLIMIT_NOFILE, (int(sys.argv[1]), int(sys.argv[2])))\n"
             "from tqserve.api.hardening import fit_descriptor_limit\n"
+            "resource.setrlimit(resource.RLIMIT_NOFILE, (int(sys.argv[1]), int(sys.argv[2])))\n"
             "fits = fit_descriptor_limit(1024)\n"
             "print(fits, resource.getrlimit(resource.RLIMIT_NOFILE)[0])\n")
 
@@ -155,3 +157,29 @@ def test_descriptor_limit_is_raised_to_fit_the_cap_or_the_cap_lowered():
     (fits, soft), warning = run(200, 400)
     assert (fits, soft) == ("144", "400")
     assert "--max-connections lowered from 1024 to 144" in warning
+
+
+def test_importing_mlx_lm_through_tqserve_keeps_the_users_descriptor_limits():
+    """mlx_lm.utils sets (2048, 4096) at import: alone it dies where the hard limit is below
+    4,096 and lowers one above it; imported after tqserve it only raises the soft limit
+    within the hard one (tqserve/fdlimit.py)."""
+    code = ("import resource, sys\n"
+            "resource.setrlimit(resource.RLIMIT_NOFILE, (int(sys.argv[1]), int(sys.argv[2])))\n"
+            "if sys.argv[3] == 'tqserve':\n"
+            "    import tqserve.engine.model\n"
+            "import mlx_lm.utils\n"
+            "print(*resource.getrlimit(resource.RLIMIT_NOFILE))\n")
+
+    def run(soft: int, hard: int, first: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-c", code, str(soft), str(hard), first],
+                              capture_output=True, text=True, timeout=120)
+
+    alone = run(200, 400, "mlx_lm")
+    assert alone.returncode != 0 and "not allowed to raise maximum limit" in alone.stderr
+    kept = run(200, 400, "tqserve")
+    assert kept.returncode == 0 and kept.stdout.split() == ["400", "400"], kept.stderr
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or hard > 4096:
+        high = 8192 if hard == resource.RLIM_INFINITY else hard
+        assert run(300, high, "mlx_lm").stdout.split() == ["2048", "4096"]
+        assert run(300, high, "tqserve").stdout.split() == ["2048", str(high)]
