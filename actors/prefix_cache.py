@@ -1,6 +1,7 @@
 """Prefix cache: the RAM and SSD tiers around the sans-io PrefixIndex, and the writer task.
 
-Owns: the PrefixIndex (books of both tiers), the SsdTier (files), the write queue.
+Owns: the PrefixIndex (books of both tiers; its KV event log, stamped with time.time),
+the SsdTier (files), the write queue.
 The snapshots' arrays live in the Runner (runner thread), keyed by the RAM keys here;
 only keys, token ids and numbers cross into this module, plus plane bytes on their way
 to disk (produced on the runner thread, never tensors).
@@ -49,8 +50,7 @@ ranks' shards under --distributed) goes through actors.spill, the SSD tier's onl
 this module owns the index and indexes what spill reports. The writer task (spill's)
 hands each queued write back to `write` here, which publishes it once durable (same trio
 thread, no await in between), so there is no edge back and the graph stays a DAG.
-Shutdown: the scheduler stops first; then `close_writes` closes the queue and the writer
-drains what was queued before returning (open_engine's exit path).
+Shutdown: the scheduler stops, then `close_writes` closes the queue; the writer drains it.
 
 Acknowledgement: a snapshot is acknowledged when its file is durable (actors.spill) on
 every rank; then "snapshot acknowledged <key>" is logged on tqserve.prefix. Files dropped
@@ -61,6 +61,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -68,6 +69,7 @@ import attrs
 import trio
 
 from tqserve.actors.spill import Spill, SnapshotWrite, reuse_bound
+from tqserve.engine.kvevents import KvEventLog
 from tqserve.engine.namespaces import CacheNamespaces
 from tqserve.engine.prefix import PrefixEntry, PrefixIndex, Tier
 from tqserve.engine.step import Finished, SpillPayload, StepAdvice, StepPlan, StepResult
@@ -121,7 +123,7 @@ class PrefixCache:
         self.namespace = namespace  # the state-free one
         self.namespaces = namespaces or CacheNamespaces(base=namespace)
         self.fingerprint = fingerprint
-        self.index = PrefixIndex(ram_budget)
+        self.index = PrefixIndex(ram_budget, KvEventLog(clock=time.time))
         # the SSD tier's only owner (actors.spill): every file operation goes through it
         self.spill = (Spill(tier, fingerprint=fingerprint, group=group)
                       if tier is not None else None)
@@ -365,12 +367,13 @@ class PrefixCache:
             await self.group.send_orders()
 
     def _publish_ram(self, entry: PrefixEntry) -> None:
-        superseded, over = self.index.publish(entry, Tier.RAM, self._next_tick())
-        for key in superseded:
-            self._tokens.pop(key, None)
-            self._on_disk.discard(key)
-        self._drop += superseded
-        self._evict(over)
+        with self.index.events.batch():  # one KV event batch with the evictions it causes
+            superseded, over = self.index.publish(entry, Tier.RAM, self._next_tick())
+            for key in superseded:
+                self._tokens.pop(key, None)
+                self._on_disk.discard(key)
+            self._drop += superseded
+            self._evict(over)
 
     def _evict(self, keys: Iterable[str]) -> None:
         """RAM entries over the budget (marked SPILLING): with write-through, or when their
@@ -445,8 +448,7 @@ class PrefixCache:
             self._end_pending(job)
             # A disk error was logged once by the tier (storage.health), not per snapshot.
             log.log(logging.DEBUG if put.disk_error else logging.WARNING,
-                    "snapshot %s abandoned: %s",
-                    key, problem)
+                    "snapshot %s abandoned: %s", key, problem)
             await self._tier_shrank()  # a write may find the tier gone cold
             return False
         log.info("snapshot acknowledged %s", key)
@@ -467,8 +469,7 @@ class PrefixCache:
     async def _tier_shrank(self) -> None:
         """After a write: the tier holds fewer entries than the index knows (it evicted
         some, or went cold): forget those."""
-        if self.spill is not None and (self.spill.num_entries
-                                       < self.index.statistics().ssd_entries):
+        if self.spill is not None and self.spill.num_entries < self.index.statistics().ssd_entries:
             await self._forget_gone()
 
     def _end_pending(self, job: SnapshotWrite) -> None:
@@ -508,9 +509,8 @@ class PrefixCache:
             ssd_bytes=index.ssd_bytes, ssd_entries=index.ssd_entries,
             hits_ram=index.hits_ram, hits_ssd=index.hits_ssd, misses=index.misses,
             spills=self._counts["spills"], spills_dropped=self._counts["spills_dropped"],
-            quarantined=errors.get("quarantined", 0),
+            quarantined=errors.get("quarantined", 0), ssd_errors=errors.get("ssd_errors", 0),
             ssd_write_errors=errors.get("ssd_write_errors", 0),
-            ssd_errors=errors.get("ssd_errors", 0),
             ssd_state=spill.tier.statistics().state if spill is not None else "off",
             writes_pending=spill.num_queued if spill is not None else 0,
             loads_pending=len(self._loading))

@@ -1,16 +1,17 @@
 """Prefix index: the books of reusable KV snapshots over token ids, across RAM and SSD.
 
 Sans-io: no clock (callers pass a `tick`), no files, no MLX; entries are token ids plus
-numbers, keyed by opaque strings the caller chooses.
+numbers, keyed by opaque strings the caller chooses. Every entry indexed or removed (any
+tier, any removal path) feeds the KV event log `events` (engine.kvevents); one publish
+or `spilled` is one netted batch (a RAM entry replaced by its SSD twin emits nothing).
 
 Structure: a radix tree per namespace (a token trie with path compression: one node per
 branch point or entry end, each holding the run of tokens from its parent). Every node
 lists, per tier, the matchable entries whose tokens pass through it, most recently used
 last; so walking a new prompt down the tree finds, at each node on the path, every donor
 sharing at least that node's depth with it, and the best one is the first usable one in
-recency order. Chosen over hashed blocks because reuse is exact to the token (a block hash
-rounds every hit down to the block size, which on short prompts and multi-turn
-continuations loses most of the reuse).
+recency order. Chosen over hashed blocks: reuse is exact to the token (a block hash
+rounds every hit down to the block size: on short prompts most of the reuse).
 
 Cost (asserted by tests through `statistics().entries_visited`, never by time):
   * lookup: O(prompt length) token comparisons, plus the entries it examines: the winner
@@ -26,18 +27,15 @@ Reusable length of a donor for a prompt P sharing d tokens with it:
     n = min(d, len(P) - 1, covered)   (the last prompt token must run to give logits)
     usable iff n >= minimum_reusable_offset (a converted TurboQuant row is never cut
     below its precision boundary) and (n == covered or the donor is trimmable).
-The longest usable n wins; ties prefer RAM over SSD, then the most recently used (or
-published).
+The longest usable n wins; ties prefer RAM over SSD, then the most recently used.
 
 Namespaces: `cache_namespace(fingerprint, kv_scheme, speculation)` hashes the model
-fingerprint, the KV scheme and the speculation state the snapshots carry ("none", or a
-proposer's state identity: engine.namespaces says which a request uses); entries of
-different namespaces live in different trees and never match.
+fingerprint, KV scheme and speculation state of the snapshots ("none", or a proposer's
+state identity: engine.namespaces); different namespaces' trees never match.
 
-Supersession: adding entry E drops an entry A of the same tier and namespace whose tokens
-are a prefix of E's, only when E can serve every length A could: E's
-minimum_reusable_offset <= A's, and E is trimmable (or covers exactly A's tokens). So an
-earlier plain donor survives a converted descendant, whose boundary is higher.
+Supersession: adding E drops an entry A of its tier and namespace whose tokens are a
+prefix of E's only when E serves every length A could (E's minimum_reusable_offset <= A's,
+and E is trimmable or covers exactly A's tokens): a plain donor outlives a converted one.
 
 RAM budget: `ram_budget` bytes; `publish` returns the coldest unpinned RAM entries over
 the budget, marked SPILLING until the caller reports `spilled(key, ssd_entry)`,
@@ -54,6 +52,8 @@ import hashlib
 from collections.abc import Iterator, Sequence
 
 import attrs
+
+from tqserve.engine.kvevents import KvEventLog
 
 
 class Tier(enum.Enum):
@@ -139,10 +139,11 @@ def _common(edge: tuple[int, ...], tokens: Sequence[int], start: int) -> int:
 class PrefixIndex:
     """Entries across tiers, their radix tree per namespace, the RAM budget and use order."""
 
-    def __init__(self, ram_budget: int) -> None:
+    def __init__(self, ram_budget: int, events: KvEventLog | None = None) -> None:
         if ram_budget < 0:
             raise ValueError(f"ram_budget must be >= 0, got {ram_budget}")
         self.ram_budget = ram_budget
+        self.events = events if events is not None else KvEventLog()
         self._entries: dict[str, PrefixEntry] = {}
         self._tier: dict[str, Tier] = {}
         self._used: dict[str, int] = {}
@@ -189,10 +190,8 @@ class PrefixIndex:
         return None
 
     def publish(self, entry: PrefixEntry, tier: Tier, tick: int) -> tuple[list[str], list[str]]:
-        """Index `entry` in `tier`. Returns (superseded keys, RAM keys over the budget).
-
-        Superseded keys are gone from the index; keys over the budget are marked SPILLING.
-        """
+        """Index `entry` in `tier`. Returns (superseded keys, gone from the index; RAM keys
+        over the budget, marked SPILLING)."""
         if entry.key in self._entries:
             raise ValueError(f"entry {entry.key} is already indexed")
         if entry.minimum_reusable_offset > entry.covered:
@@ -202,15 +201,14 @@ class PrefixIndex:
         if tier not in (Tier.RAM, Tier.SSD):
             raise ValueError(f"an entry is published in RAM or SSD, not {tier.name}")
         path = self._insert_path(entry.namespace, entry.tokens)
-        superseded = []
-        for node in path:
-            for key in node.ends:
-                self._counts["entries_visited"] += 1
-                if (self._tier[key] is tier and self._pins.get(key, 0) == 0
-                        and self._supersedes(entry, self._entries[key])):
-                    superseded.append(key)
-        for key in superseded:
-            self._remove(key)
+        superseded = [key for node in path for key in node.ends
+                      if self._tier[key] is tier and self._pins.get(key, 0) == 0
+                      and self._supersedes(entry, self._entries[key])]
+        self._counts["entries_visited"] += sum(len(node.ends) for node in path)
+        with self.events.batch():
+            for key in superseded:
+                self._remove(key)
+            self.events.add(entry.key, entry.tokens)
         self._counts["superseded"] += len(superseded)
         self._entries[entry.key] = entry
         self._tier[entry.key] = tier
@@ -341,21 +339,20 @@ class PrefixIndex:
 
     def spilled(self, key: str, ssd_entry: PrefixEntry | None) -> None:
         """A spill finished: re-index under `ssd_entry` (SSD), or drop it (None: failed)."""
-        if key in self._entries:
-            self._remove(key)
-        if ssd_entry is not None and ssd_entry.key not in self._entries:
-            self.publish(ssd_entry, Tier.SSD, self._used.get(key, 0))
+        with self.events.batch():
+            if key in self._entries:
+                self._remove(key)
+            if ssd_entry is not None and ssd_entry.key not in self._entries:
+                self.publish(ssd_entry, Tier.SSD, self._used.get(key, 0))
 
     def unspill(self, key: str) -> None:
-        """A SPILLING entry whose spill never happened (a failed step, or a hit took it
-        back) is back in RAM."""
+        """A SPILLING entry whose spill never ran (a failed step, a hit) is back in RAM."""
         if self._tier.get(key) is Tier.SPILLING:
             self._retier(key, Tier.RAM)
 
     def pending(self, key: str) -> None:
-        """A SPILLING entry left RAM, but its file is still being written: PENDING (still
-        matchable) until the caller reports `spilled` or `forget`. ValueError unless
-        SPILLING."""
+        """A SPILLING entry left RAM while its file is written: PENDING (matchable) until
+        the caller reports `spilled` or `forget`. ValueError unless SPILLING."""
         if self._tier.get(key) is not Tier.SPILLING:
             raise ValueError(f"entry {key} is not SPILLING")
         self._retier(key, Tier.PENDING)
@@ -385,6 +382,7 @@ class PrefixIndex:
         del self._entries[key], self._tier[key]
         self._used.pop(key, None)
         path[-1].ends.discard(key)
+        self.events.drop(key)
         parents = [self._roots[entry.namespace], *path[:-1]]
         for parent, node in reversed(list(zip(parents, path))):
             if node.ends or node.children:

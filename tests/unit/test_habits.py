@@ -21,7 +21,6 @@ MODULE_CAPS = {  # path: (lines today, why it is still one module)
     "engine/scheduler.py": (434, "the sans-io core: queue, rows, prefill groups, KV budget"),
     "engine/runner.py": (582, "step execution, prefill, snapshots; splits with one KV family"),
     "storage/tier.py": (498, "the SSD tier's index, recovery and writes"),
-    "engine/prefix.py": (401, "the prefix index and its tiers"),
 }
 FUNCTION_CAPS = {  # path:function: (lines today, why)
     "actors/engine.py:open_engine": (139, "builds the whole actor graph"),
