@@ -25,6 +25,7 @@ from tqserve.actors.messages import Cancel, Error, Event, Submit
 from tqserve.actors.prefix_cache import PrefixCache, PrefixCacheStatistics
 from tqserve.actors.scheduler import GroupFailed
 from tqserve.engine.config import Config
+from tqserve.engine.kvevents import KvEventPage
 from tqserve.engine.model import LoadedModel
 from tqserve.engine.prompt_logprobs import MAX_PROMPT_LOGPROBS_TOKENS
 from tqserve.engine.request import GenerateRequest
@@ -325,6 +326,14 @@ class Engine:
                     "max_batch": self.config.max_batch,
                     "max_queued_requests": self.config.max_queued_requests,
                     "max_queued_tokens": self.config.max_queued_tokens})
+
+    def kv_events(self, since: int = 0) -> KvEventPage | None:
+        """The prefix cache's KV events after batch `since` (engine.kvevents), or None when
+        the prefix cache is off. A pure read of its index's log (same trio thread: no
+        mailbox round trip); ValueError if `since` < 0."""
+        if self.prefix is None:
+            return None
+        return self.prefix.index.events.since(since)
 
     def _speculative_statistics(self) -> SpeculationStatistics | None:
         """The speculation actor's books."""

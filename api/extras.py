@@ -4,11 +4,15 @@
                       -> {"tokens": [int], "count": int, "max_model_len": int}
     POST /detokenize  {"tokens": [int]} -> {"prompt": str}
     POST /v1/embeddings   404 naming what is not served (a generative model only)
+    GET /v1/kv_events?since=N  the prefix cache's KV events after batch N (engine.kvevents;
+                      docs/http-apis.md); 404 when the prefix cache is off
 
 Messages are rendered by the chat template exactly as /v1/chat/completions renders them.
 """
 
 from __future__ import annotations
+
+import re
 
 from quart import Response, jsonify, request
 from quart_trio import QuartTrio
@@ -20,6 +24,7 @@ from tqserve.api.served import ServedNames
 
 TOKENIZE_FIELDS = frozenset(("model", "prompt", "messages", "tools", "tool_choice",
                              "add_special_tokens", "add_generation_prompt"))
+_SINCE = re.compile(r"[0-9]{1,20}")  # a KV event batch seq: decimal digits only
 
 
 def register(app: QuartTrio, engine: Engine) -> None:
@@ -65,3 +70,15 @@ def register(app: QuartTrio, engine: Engine) -> None:
         raise ApiError(404, f"embeddings are not served: {served.primary} is served for "
                             "generation only (/v1/chat/completions, /v1/completions, "
                             "/v1/responses, /v1/messages)", "model", "model_not_found")
+
+    @app.get("/v1/kv_events")
+    async def kv_events() -> Response:
+        since = request.args.get("since", "0")
+        if not _SINCE.fullmatch(since):
+            raise ApiError(400, f"since must be a non-negative integer (a batch seq), got "
+                                f"{since[:40]!r}", "since")
+        page = engine.kv_events(int(since))
+        if page is None:
+            raise ApiError(404, "the prefix cache is off (--no-prefix-cache): no KV events",
+                           code="not_found")
+        return jsonify(page.as_json())

@@ -37,6 +37,7 @@ DOORS = {
     ("_books", "statistics"): "statistics",
     ("_core", "statistics"): "statistics",
     ("prefix", "statistics"): "statistics",
+    ("prefix", "index"): "kv_events: a pure read of the index's KV event log (issue 26)",
     ("_speculation", "statistics"): "statistics",
 }
 
