@@ -12,11 +12,14 @@ loads no model and serves any backend model, and two prompts that share a text p
 share its token prefix too, up to the BPE merge at the cut, which costs at most one block.
 Only whole blocks count (a tail shorter than a block names no reusable prefix).
 
-Policy `prefix`: the backend that owns the deepest known key of the prompt (the longest
-prefix routed before, remembered in a bounded LRU of key -> backend) gets it, if
-* the match covers at least `min_match_fraction` of the prompt's blocks (a prompt that
-  shares only a short system prompt with earlier ones is spread by load instead, as
-  SGLang's cache-aware router does: every replica soon holds that short prefix), and
+Policy `prefix`: a backend that holds the deepest known key of the prompt gets it: one
+its KV events say it holds (`observe`; the Ray Serve router reads them, engine.kvevents),
+or the one the longest prefix was routed to before (a bounded LRU of key -> backend);
+of several, the least loaded. It gets it if
+* what it holds beyond what the least loaded backend holds too covers at least
+  `min_match_fraction` of the prompt's blocks (a prompt that shares only a short system
+  prompt with earlier ones is spread by load instead, as SGLang's cache-aware router does:
+  every replica soon holds that short prefix, and then it decides nothing), and
 * the owner is not overloaded: its in-flight count is less than the least loaded
   routable backend's plus `spill_threshold`; otherwise it spills to the least loaded.
 Without a match the least loaded routable backend gets it (ties rotate). The chosen
@@ -33,14 +36,16 @@ from __future__ import annotations
 import enum
 import hashlib
 import itertools
-import struct
 from collections import OrderedDict
 from typing import Any, Sequence
 
 import attrs
 
+from tqserve.engine.kvevents import block_hashes
+
 POLICIES = ("prefix", "round-robin")
 _KEY_BYTES = 8
+Key = bytes | int  # a text key (bytes) or a token block hash (int, as in KV events)
 
 
 class BackendState(enum.Enum):
@@ -82,12 +87,11 @@ def _chain(seed: bytes, blocks: Sequence[bytes]) -> tuple[bytes, ...]:
     return tuple(keys)
 
 
-def token_keys(tokens: Sequence[int], block_tokens: int) -> tuple[bytes, ...]:
-    """Chained keys of the whole `block_tokens`-id blocks of a token prompt."""
-    n = len(tokens) // block_tokens
-    blocks = [struct.pack(f"<{block_tokens}q", *tokens[i * block_tokens:(i + 1) * block_tokens])
-              for i in range(n)]
-    return _chain(b"tokens", blocks)
+def token_keys(tokens: Sequence[int], block_tokens: int) -> tuple[int, ...]:
+    """Chained keys of the whole `block_tokens`-id blocks of a token prompt: the block
+    hashes of the engine's KV events (engine.kvevents), so a router that reads a replica's
+    events finds its prompts' blocks there."""
+    return block_hashes(tokens, block_tokens)
 
 
 def text_keys(text: str, block_chars: int) -> tuple[bytes, ...]:
@@ -99,7 +103,7 @@ def text_keys(text: str, block_chars: int) -> tuple[bytes, ...]:
 
 
 def prefix_keys(fields: dict[str, Any], *, block_tokens: int, block_chars: int
-                ) -> tuple[bytes, ...]:
+                ) -> tuple[Key, ...]:
     """The prefix keys of a request body (WebSocket generate, OpenAI or Anthropic JSON).
 
     Reads `prompt_tokens` (ids), `prompt` (text, or OpenAI's list of ids / one-string
@@ -183,7 +187,8 @@ class RouteTable:
             raise ValueError("backends: the same backend is listed twice")
         self.config = config
         self._backends = {name: _Backend() for name in backends}
-        self._owner: OrderedDict[bytes, str] = OrderedDict()
+        self._owner: OrderedDict[Key, str] = OrderedDict()  # routed here last (LRU)
+        self._holders: dict[Key, set[str]] = {}  # backends whose KV events say they hold it
         self._turn = itertools.count()
         self._retries = 0
         self._no_backend = 0
@@ -229,8 +234,51 @@ class RouteTable:
         for key in [k for k, owner in self._owner.items() if owner == backend]:
             del self._owner[key]
         self._backends[backend].owned = 0
+        self.observe(backend, (), self.held_by(backend))
 
-    def choose(self, keys: Sequence[bytes], exclude: Sequence[str] = ()) -> Route:
+    def set_backends(self, names: Sequence[str]) -> None:
+        """The backend set changed (a cluster's replicas): new ones are HEALTHY (whoever
+        lists them has checked them), gone ones are forgotten with their keys."""
+        for name in [n for n in self._backends if n not in names]:
+            self._forget(name)
+            del self._backends[name]
+        for name in names:
+            backend = self._backends.setdefault(name, _Backend())
+            if backend.state is BackendState.UNKNOWN:
+                backend.state = BackendState.HEALTHY
+
+    def set_load(self, backend: str, in_flight: int) -> None:
+        """Set a backend's load from outside (Ray's queue length) instead of counting."""
+        self._backends[backend].in_flight = max(0, in_flight)
+
+    def held_by(self, backend: str) -> list[Key]:
+        """The keys `backend`'s KV events say it holds."""
+        return [k for k, held in self._holders.items() if backend in held]
+
+    def observe(self, backend: str, stored: Sequence[Key], removed: Sequence[Key]) -> None:
+        """What `backend`'s KV events say it now holds (`stored`) or dropped (`removed`);
+        a key it dropped is no longer routed to it for affinity."""
+        for key in stored:
+            self._holders.setdefault(key, set()).add(backend)
+        for key in removed:
+            held = self._holders.get(key)
+            if held is not None:
+                held.discard(backend)
+                if not held:
+                    del self._holders[key]
+            if self._owner.get(key) == backend:
+                del self._owner[key]
+                self._backends[backend].owned -= 1
+
+    def _owner_of(self, key: Key, candidates: Sequence[str]) -> str | None:
+        """The least loaded candidate that holds `key` (KV events) or had it routed."""
+        owners = [n for n in self._holders.get(key, ()) if n in candidates]
+        routed = self._owner.get(key)
+        if routed is not None and routed in candidates and routed not in owners:
+            owners.append(routed)
+        return min(owners, key=lambda n: self._backends[n].in_flight, default=None)
+
+    def choose(self, keys: Sequence[Key], exclude: Sequence[str] = ()) -> Route:
         """The backend for a request with these prefix keys (not one of `exclude`).
         Raises NoHealthyBackend when none is routable."""
         candidates = [n for n in self.routable() if n not in exclude]
@@ -245,17 +293,26 @@ class RouteTable:
         idle = [n for n in candidates if self._backends[n].in_flight == least]
         fallback = idle[next(self._turn) % len(idle)]
         for depth in range(len(keys), 0, -1):
-            owner = self._owner.get(keys[depth - 1])
-            if owner is None or owner not in candidates:
+            owner = self._owner_of(keys[depth - 1], candidates)
+            if owner is None:
                 continue
-            if depth < self.config.min_match_fraction * len(keys):
-                break
+            base = self._depth_held(fallback, keys, depth)  # what the least loaded has too
+            if depth - base < self.config.min_match_fraction * len(keys):
+                return Route(backend=fallback, reason="least_loaded", matched_blocks=base)
             if self._backends[owner].in_flight - least >= self.config.spill_threshold:
                 return Route(backend=fallback, reason="spill", matched_blocks=depth)
             return Route(backend=owner, reason="affinity", matched_blocks=depth)
         return Route(backend=fallback, reason="least_loaded")
 
-    def started(self, route: Route, keys: Sequence[bytes], *, retry: bool = False) -> None:
+    def _depth_held(self, backend: str, keys: Sequence[Key], below: int) -> int:
+        """The deepest of keys[:below] that `backend` holds or had routed (0: none)."""
+        for depth in range(below, 0, -1):
+            key = keys[depth - 1]
+            if backend in self._holders.get(key, ()) or self._owner.get(key) == backend:
+                return depth
+        return 0
+
+    def started(self, route: Route, keys: Sequence[Key], *, retry: bool = False) -> None:
         """The request went to `route.backend`: count it, and make it own `keys`."""
         b = self._backends[route.backend]
         b.in_flight += 1
@@ -299,3 +356,32 @@ class RouteTable:
                                            num_routed=dict(b.routed), num_failures=b.failures,
                                            num_owned_keys=b.owned)
                       for n, b in self._backends.items()})
+
+
+class KvFeed:
+    """Applies replicas' KV event windows to a RouteTable (the Ray Serve router's feed).
+
+    A window is what a replica reports with its load: `kv_next` (its last batch's seq) and
+    `kv_batches`, the last batches as (seq, stored keys, removed keys). Batches already
+    applied are skipped; a window that starts after the last batch applied (the reader
+    missed some) starts that replica's holdings afresh from the window."""
+
+    def __init__(self) -> None:
+        self.seen: dict[str, int] = {}
+        self.num_resyncs = 0
+
+    def absorb(self, table: RouteTable, backend: str, window: dict[str, Any]) -> None:
+        batches = window.get("kv_batches") or []
+        last = self.seen.get(backend, 0)
+        if not batches or int(window.get("kv_next", 0)) <= last:
+            return
+        if last > 0 and int(batches[0][0]) > last + 1:
+            self.num_resyncs += 1
+            table.observe(backend, (), table.held_by(backend))
+        for seq, stored, removed in batches:
+            if int(seq) > last:
+                table.observe(backend, stored, removed)
+        self.seen[backend] = int(window["kv_next"])
+
+    def forget(self, backend: str) -> None:
+        self.seen.pop(backend, None)

@@ -55,8 +55,10 @@ def test_hashes_are_the_routers_token_keys():
     """api.router.core keys a token prompt with the same chain (the router reads events)."""
     from tqserve.api.router.core import token_keys
     tokens = [(31 * i) % 50_000 for i in range(100)]
-    assert block_digests(tokens, 16) == token_keys(tokens, 16)
-    assert block_digests(tokens, 8) == token_keys(tokens, 8)
+    assert block_hashes(tokens, 16) == token_keys(tokens, 16)
+    assert block_hashes(tokens, 8) == token_keys(tokens, 8)
+    assert [int.from_bytes(d, "big") for d in block_digests(tokens, 16)] == list(
+        token_keys(tokens, 16))
 
 
 def test_publish_stores_whole_blocks_and_a_sharing_entry_only_its_new_one():

@@ -2,9 +2,9 @@
 
 import pytest
 
-from tqserve.api.router.core import (TRANSITIONS, BackendState, HealthEvent, NoHealthyBackend,
-                                     RouteTable, RoutingConfig, prefix_keys, text_keys,
-                                     token_keys)
+from tqserve.api.router.core import (TRANSITIONS, BackendState, HealthEvent, KvFeed,
+                                     NoHealthyBackend, Route, RouteTable, RoutingConfig,
+                                     prefix_keys, text_keys, token_keys)
 
 A, B, C = "http://a:1", "http://b:1", "http://c:1"
 
@@ -150,3 +150,74 @@ def test_health_checks_need_consecutive_failures_to_take_a_backend_out():
     t.set_health(B, HealthEvent.DRAIN)
     assert t.checked(B, False) is BackendState.DRAINING
     assert t.checked(B, False) is BackendState.DRAINING
+
+
+def test_kv_events_make_a_backend_hold_keys_and_drop_them():
+    """Keys a backend's KV events say it holds route there (the least loaded of several
+    holders); keys it removed do not, even where they were routed there before."""
+    table = _table(min_match_fraction=0.0)
+    keys = token_keys(list(range(64)), 16)
+    table.observe(B, keys, ())
+    assert table.choose(keys) == Route(backend=B, reason="affinity", matched_blocks=4)
+    table.observe(C, keys[:2], ())
+    table.set_load(B, 3)
+    assert table.choose(keys).backend == B  # C holds only 2 of 4 blocks
+    assert table.choose(keys[:2]).backend == C  # both hold it: the less loaded
+    table.set_load(B, 0)
+    table.started(Route(backend=A, reason="least_loaded"), keys)  # routed to A last
+    table.observe(B, (), keys)
+    table.observe(C, (), keys[:2])
+    assert table.held_by(B) == [] and table.held_by(C) == []
+    assert table.choose(keys).backend == A  # only the routed-before memory is left
+    table.observe(A, (), keys)  # A's cache dropped them too: no affinity anywhere
+    assert table.choose(keys).reason == "least_loaded"
+
+
+def test_set_backends_follows_a_changing_replica_set():
+    table = RouteTable(["r1", "r2"], RoutingConfig())
+    table.set_backends(["r1", "r2"])
+    assert table.routable() == ["r1", "r2"]  # listed by the cluster: healthy
+    keys = token_keys(list(range(32)), 16)
+    table.observe("r2", keys, ())
+    table.set_backends(["r1", "r3"])  # r2 died, r3 replaced it
+    assert table.names == ("r1", "r3") and table.held_by("r2") == []
+    assert table.choose(keys).reason == "least_loaded"
+    table.set_load("r1", 2)
+    assert table.choose(()).backend == "r3"
+
+
+def test_kv_feed_applies_each_batch_once_and_resyncs_after_a_gap():
+    table = RouteTable(["r1"], RoutingConfig())
+    table.set_backends(["r1"])
+    feed = KvFeed()
+    feed.absorb(table, "r1", {"kv_next": 2, "kv_batches": [(1, [10, 11], []), (2, [12], [])]})
+    assert sorted(table.held_by("r1")) == [10, 11, 12]
+    # the next report repeats batch 2 and adds 3: only 3 applies (11 removed once)
+    feed.absorb(table, "r1", {"kv_next": 3, "kv_batches": [(2, [12], []), (3, [], [11])]})
+    assert sorted(table.held_by("r1")) == [10, 12] and feed.num_resyncs == 0
+    feed.absorb(table, "r1", {"kv_next": 3, "kv_batches": [(3, [11], [])]})  # nothing new
+    assert sorted(table.held_by("r1")) == [10, 12]
+    # batches 4..6 were missed: start afresh from the window
+    feed.absorb(table, "r1", {"kv_next": 8, "kv_batches": [(7, [20], []), (8, [21], [])]})
+    assert sorted(table.held_by("r1")) == [20, 21] and feed.num_resyncs == 1
+    feed.absorb(table, "r1", {})  # prefix cache off: nothing
+    assert feed.seen == {"r1": 8}
+
+
+def test_a_head_every_backend_holds_decides_nothing():
+    """Affinity counts what the holder has beyond what the least loaded backend holds too:
+    a system prompt two backends hold does not pin new conversations to either."""
+    table = _table(min_match_fraction=0.25)
+    head = list(range(32))  # 2 blocks every conversation starts with
+    first = token_keys(head + list(range(100, 164)), 16)   # 6 blocks, on A
+    table.observe(A, first, ())
+    table.observe(B, first[:2], ())
+    table.set_load(A, 1)
+    table.set_load(B, 1)
+    new = token_keys(head + list(range(500, 628)), 16)     # 10 blocks, shares the head
+    assert table.choose(new) == Route(backend=C, reason="least_loaded", matched_blocks=0)
+    table.set_load(C, 2)
+    table.set_load(B, 0)
+    assert table.choose(new) == Route(backend=B, reason="least_loaded", matched_blocks=2)
+    follow = token_keys(head + list(range(100, 164)) + list(range(900, 916)), 16)  # 7
+    assert table.choose(follow) == Route(backend=A, reason="affinity", matched_blocks=6)
