@@ -15,6 +15,7 @@ BENCHES = {  # tqserve bench NAME -> tool module, and what it measures
     "gpu": "tqserve.tools.bench_gpu",
     "spec": "tqserve.tools.bench_spec",
     "tp": "tqserve.tools.bench_tp",
+    "ray": "tqserve.tools.bench_ray",
 }
 BENCH_HELP = {
     "mlx-lm": "tqserve vs mlx-lm, side by side (the default NAME)",
@@ -23,8 +24,10 @@ BENCH_HELP = {
     "gpu": "tqserve vs mlx-lm at B1..B64 on random Qwen3 shapes",
     "spec": "speculative decoding per method vs plain at B1/B4/B8",
     "tp": "tensor parallel (serve --distributed) vs one process",
+    "ray": "a trace through Ray Serve: prefix router vs Ray's default",
 }
-OLD_BENCHES = {f"bench-{name}": name for name in BENCHES if name != "mlx-lm"}  # hidden
+OLD_BENCHES = {f"bench-{name}": name for name in BENCHES  # hidden
+               if name not in ("mlx-lm", "ray")}
 TOOLS = {
     "route": "tqserve.api.router.cli",
     "ray-serve": "tqserve.api.rayserve.cli",

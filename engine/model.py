@@ -244,3 +244,19 @@ def load_model(model: str | Path = DEFAULT_MODEL, dtype: str = "auto",
         vocab_size=int(config.get("vocab_size", len(tokenizer.vocab))),
         quantized_weights=weights,
     )
+
+
+def load_tokenizer(model: str | Path = DEFAULT_MODEL) -> Any | None:
+    """The tokenizer alone (mlx-lm's wrapper, as load_model's) of a model directory or hub
+    id, without its weights; None for a GGUF file (its vocabulary lives in the weights
+    file) or where it cannot be loaded (the caller goes without: a router's keys)."""
+    try:
+        path = _resolve_path(model)
+        if path.is_file():
+            return None
+        from mlx_lm.utils import load_tokenizer as mlx_lm_tokenizer
+
+        return mlx_lm_tokenizer(path)
+    except Exception as exc:  # a router's convenience: never fatal
+        logger.warning("no tokenizer for %s: %s", model, exc)
+        return None

@@ -45,6 +45,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-gpus", type=float, default=0.0,
                    help="GPUs Ray reserves for each replica")
     p.add_argument("--route-prefix", default="/", help="URL prefix of the application")
+    p.add_argument("--router", choices=("prefix", "pow2"), default="prefix",
+                   help="replica choice: prefix affinity fed by KV events (tqserve's), or "
+                        "Ray Serve's power-of-two-choices default")
+    p.add_argument("--spill-threshold", type=int, default=8,
+                   help="prefix router: a replica holding the prefix but this many requests "
+                        "busier than the least loaded one spills the request there")
+    p.add_argument("--min-match-fraction", type=float, default=0.25,
+                   help="prefix router: affinity only when the held prefix covers this "
+                        "fraction of the prompt's 16-token blocks")
+    p.add_argument("--front-replicas", type=int, default=1,
+                   help="replicas of the front deployment (reads, keys and relays requests)")
     p.add_argument("--address", default=None,
                    help="join this Ray cluster (e.g. auto, or ray://head:10001) instead of "
                         "starting a local one (default: start one)")
@@ -91,7 +102,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             num_replicas=args.replicas, max_replicas=args.max_replicas,
             target_ongoing_requests=args.target_ongoing_requests, num_cpus=args.num_cpus,
             num_gpus=args.num_gpus, max_ongoing_requests=args.max_ongoing_requests,
-            route_prefix=args.route_prefix)
+            route_prefix=args.route_prefix, router=args.router,
+            spill_threshold=args.spill_threshold, min_match_fraction=args.min_match_fraction,
+            front_replicas=args.front_replicas)
     except ValueError as exc:
         print(f"tqserve: error: {exc}", file=sys.stderr)
         return 2
@@ -110,7 +123,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                  else f"replicas: {ray_config.num_replicas}")
         print(f"tqserve: serving {config.model} on {url} through Ray Serve ({scale}; "
               "WebSocket /v1/stream, HTTP /v1/completions, /v1/chat/completions, "
-              "/v1/messages)", flush=True)
+              f"/v1/messages, /v1/responses; router {ray_config.router})", flush=True)
         name = _wait_for_signal()
         serve.delete(APP_NAME)  # each replica: lifespan shutdown, the engine closes
         print(f"tqserve: shut down on {name}", file=sys.stderr, flush=True)

@@ -1,15 +1,21 @@
-"""The Ray Serve deployment: each replica one tqserve engine and its app (api.app).
+"""The Ray Serve application: a front (the ingress) and the replicas, each one engine.
 
 A replica starts trio as a guest in its asyncio loop (api.rayserve.guest), opens the engine
-there and serves the same quart-trio app as `tqserve serve` (create_app: the OpenAI and
-Anthropic HTTP APIs, WebSocket /v1/stream, /health, /v1/stats, /metrics), behind Ray
-Serve's HTTP proxy. The lifespan protocol is answered here: shutdown is the engine's clean
-shutdown (api.server.close_app), within Ray's graceful_shutdown_timeout_s.
+there and runs the same quart-trio app as `tqserve serve` (create_app: the OpenAI and
+Anthropic HTTP APIs, WebSocket /v1/stream, /health, /v1/stats, /metrics). The front
+(api.rayserve.front) is the application's ingress behind Ray Serve's HTTP proxy: it reads
+each request, keys it by prompt and calls a replica through a handle (`http`, `ws`,
+`cancel`: api.rayserve.relay), whose request router (api.rayserve.routing.PrefixRouter, or
+Ray's power-of-two with `router="pow2"`) picks the replica. Ray's graceful shutdown calls
+`__del__`: the engine's clean shutdown (api.server.close_app), within
+graceful_shutdown_timeout_s.
 
 Ray reads each replica's health from `check_health` (the guest run still going, the engine
-admitting) and its load from `record_routing_stats` (rows and queue: what a request router
-or an operator reads). Autoscaling is Ray's, on ongoing requests per replica: a request
-running or queued in the engine counts, so `target_ongoing_requests` is a queue depth.
+admitting) and its load and KV events from `record_routing_stats` (rows and queue, and
+the last KV_WINDOW batches of the prefix cache's KV events, every STATS_PERIOD seconds:
+what the prefix router reads). Autoscaling is Ray's, on ongoing requests per replica: a
+request running or queued in the engine counts, so `target_ongoing_requests` is a queue
+depth.
 """
 
 from __future__ import annotations
@@ -23,19 +29,31 @@ import trio
 from ray import serve
 from ray.serve.config import AutoscalingConfig
 
-from tqserve.api.rayserve.guest import GuestEnded, GuestRun, Message
+from tqserve.api.rayserve.guest import GuestEnded, GuestRun
+from tqserve.api.rayserve.relay import CancelCall, HttpCall, WsCall, WsRequests, serve_http
 
 log = logging.getLogger("tqserve.rayserve")
+KV_BLOCK_TOKENS = 16   # engine.kvevents.BLOCK_TOKENS: the block the routers' keys use
 APP_NAME = "tqserve"
 DEPLOYMENT_NAME = "TqserveReplica"
 HEALTH_PERIOD = 2.0    # seconds between Ray's health checks of a replica
 HEALTH_TIMEOUT = 10.0  # seconds a health check may take before the replica counts as dead
+STATS_PERIOD = 1.0     # seconds between routing-stats reports (what routers know of KV)
+KV_WINDOW = 256        # KV event batches each report carries (a router applies the new ones)
+ROUTERS = ("prefix", "pow2")  # tqserve's prefix policy, or Ray's power-of-two default
 
 
 def _at_least(low: float, flag: str) -> Any:
     def check(_inst: Any, _attr: Any, value: float) -> None:
         if value < low:
             raise ValueError(f"{flag} must be >= {low:g}, got {value:g}")
+    return check
+
+
+def _at_most(high: float, flag: str) -> Any:
+    def check(_inst: Any, _attr: Any, value: float) -> None:
+        if value > high:
+            raise ValueError(f"{flag} must be <= {high:g}, got {value:g}")
     return check
 
 
@@ -53,6 +71,14 @@ class RayServeConfig:
     max_ongoing_requests: int = attrs.field(default=0,
                                             validator=_at_least(0, "--max-ongoing-requests"))
     route_prefix: str = "/"
+    router: str = attrs.field(default="prefix", validator=attrs.validators.in_(ROUTERS))
+    front_replicas: int = attrs.field(default=1, validator=_at_least(1, "--front-replicas"))
+    # the prefix router's knobs (api.router.core): a holder this many requests busier than
+    # the least loaded replica spills; affinity from any matched block (0.0: new prefixes
+    # are what spread the load, and a shared head is still reused)
+    spill_threshold: int = attrs.field(default=8, validator=_at_least(1, "--spill-threshold"))
+    min_match_fraction: float = attrs.field(default=0.25, validator=[
+        _at_least(0.0, "--min-match-fraction"), _at_most(1.0, "--min-match-fraction")])
 
     def __attrs_post_init__(self) -> None:
         if self.max_replicas and self.max_replicas < self.num_replicas:
@@ -78,37 +104,35 @@ async def _run_engine(config: Any, stop: trio.Event, *,
                     "--shutdown-timeout", report.num_in_flight, report.num_ended)
 
 
-@serve.ingress()
 class TqserveReplica:
-    """One replica: a tqserve engine, its HTTP/WebSocket app, its health and load."""
+    """One replica: a tqserve engine, its HTTP/WebSocket app, its health and load. The
+    front (api.rayserve.front) calls it; Ray Serve's graceful shutdown calls `__del__`,
+    which is the engine's clean shutdown."""
 
     async def __init__(self, config: Any) -> None:
         self._config = config
         self._guest = GuestRun()
+        self._ws = WsRequests()
         self._engine, self._app = await self._guest.start(
             functools.partial(_run_engine, config))
 
-    async def __serve_build_asgi_app__(self) -> Any:
-        async def app(scope: Message, receive: Any, send: Any) -> None:
-            await self._asgi(scope, receive, send)
+    async def __del__(self) -> None:
+        await self._guest.stop()
 
-        return app  # a plain coroutine function: uvicorn takes a bound method for ASGI 2
+    async def http(self, call: HttpCall) -> Any:
+        """One HTTP request from the front: the app's ASGI messages (api.rayserve.relay)."""
+        async for message in serve_http(self._guest, self._app, call):
+            yield message
 
-    async def _asgi(self, scope: Message, receive: Any, send: Any) -> None:
-        if scope["type"] == "lifespan":
-            await self._lifespan(receive, send)
-            return
-        await self._guest.asgi(self._app, scope, receive, send)
+    async def ws(self, call: WsCall) -> Any:
+        """One WebSocket generate request from the front: this replica's id, then frames."""
+        yield {"replica": serve.get_replica_context().replica_id.unique_id}
+        async for frame in self._ws.serve(self._guest, self._app, call):
+            yield frame
 
-    async def _lifespan(self, receive: Any, send: Any) -> None:
-        while True:
-            message = await receive()
-            if message["type"] == "lifespan.startup":
-                await send({"type": "lifespan.startup.complete"})
-            elif message["type"] == "lifespan.shutdown":
-                await self._guest.stop()
-                await send({"type": "lifespan.shutdown.complete"})
-                return
+    async def cancel(self, call: CancelCall) -> bool:
+        """A client's cancel of a WebSocket request running here."""
+        return self._ws.cancel(call)
 
     async def check_health(self) -> None:
         """Raise (Ray then replaces the replica) when the engine has stopped or failed."""
@@ -121,14 +145,43 @@ class TqserveReplica:
     async def record_routing_stats(self) -> dict[str, Any]:
         """The replica's load, read by Ray Serve's request routers (and the tests)."""
         stats = await self._guest.call(self._engine.statistics)
+        window = await self._guest.call(lambda: kv_window(self._engine))
         return {"rows_active": stats.rows_active, "rows_queued": stats.rows_queued,
                 "kv_bytes": stats.kv_bytes, "streams_open": stats.streams_open,
-                "requests_total": stats.requests_total}
+                "requests_total": stats.requests_total, **window}
 
 
-def build_app(config: Any, ray_config: RayServeConfig) -> Any:
-    """The bound Ray Serve application: `serve.run(build_app(...))`."""
+def kv_window(engine: Any) -> dict[str, Any]:
+    """The last KV_WINDOW batches of the engine's KV events (engine.kvevents), compact:
+    `kv_next` (the last batch's seq) and `kv_batches` [(seq, stored block hashes, removed
+    block hashes)]; nothing with the prefix cache off."""
+    page = engine.kv_events(0)
+    if page is None:
+        return {}
+    batches = []
+    for batch in page.batches[-KV_WINDOW:]:
+        stored = [h for e in batch.events if type(e).__name__ == "BlockStored"
+                  for h in e.block_hashes]
+        removed = [h for e in batch.events if type(e).__name__ == "BlockRemoved"
+                   for h in e.block_hashes]
+        batches.append((batch.seq, stored, removed))
+    return {"kv_next": page.next, "kv_batches": batches}
+
+
+def _replica_options(config: Any, ray_config: RayServeConfig) -> dict[str, Any]:
+    from ray.serve.config import RequestRouterConfig
+
+    from tqserve.api.rayserve.routing import ROUTER_CLASS
+
     per_replica = config.max_batch + config.max_queued_requests  # what admission holds
+    router: dict[str, Any] = {"request_routing_stats_period_s": STATS_PERIOD,
+                              "request_routing_stats_timeout_s": HEALTH_TIMEOUT}
+    if ray_config.router == "prefix":
+        router.update(request_router_class=ROUTER_CLASS,
+                      request_router_kwargs={
+                          "block_tokens": KV_BLOCK_TOKENS,
+                          "spill_threshold": ray_config.spill_threshold,
+                          "min_match_fraction": ray_config.min_match_fraction})
     options: dict[str, Any] = {
         "name": DEPLOYMENT_NAME,
         "ray_actor_options": {"num_cpus": ray_config.num_cpus,
@@ -137,6 +190,7 @@ def build_app(config: Any, ray_config: RayServeConfig) -> Any:
         "health_check_period_s": HEALTH_PERIOD,
         "health_check_timeout_s": HEALTH_TIMEOUT,
         "graceful_shutdown_timeout_s": config.shutdown_timeout + 5.0,
+        "request_router_config": RequestRouterConfig(**router),
     }
     if ray_config.max_replicas > ray_config.num_replicas:
         options["autoscaling_config"] = AutoscalingConfig(
@@ -145,4 +199,31 @@ def build_app(config: Any, ray_config: RayServeConfig) -> Any:
             target_ongoing_requests=ray_config.target_ongoing_requests or config.max_batch)
     else:
         options["num_replicas"] = ray_config.num_replicas
-    return serve.deployment(TqserveReplica).options(**options).bind(config)
+    return options
+
+
+def build_app(config: Any, ray_config: RayServeConfig) -> Any:
+    """The bound Ray Serve application: `serve.run(build_app(...))`. Its ingress is the
+    front (api.rayserve.front), which calls the replica deployment through a handle."""
+    from tqserve.api.rayserve.front import FRONT_NAME, FrontConfig, TqserveFront
+
+    replicas = serve.deployment(TqserveReplica).options(
+        **_replica_options(config, ray_config)).bind(config)
+    front = FrontConfig(block_tokens=KV_BLOCK_TOKENS, max_body_bytes=config.max_message_bytes,
+                        max_message_bytes=config.max_message_bytes,
+                        max_streams_per_connection=config.max_streams_per_connection,
+                        api_key=config.api_key, allowed_origins=config.allowed_origins,
+                        chat_template=_template(config.chat_template))
+    per_front = ray_config.num_replicas * (ray_config.max_ongoing_requests or (
+        config.max_batch + config.max_queued_requests)) * 4
+    return serve.deployment(TqserveFront).options(
+        name=FRONT_NAME, num_replicas=ray_config.front_replicas,
+        ray_actor_options={"num_cpus": 0}, max_ongoing_requests=max(256, per_front),
+    ).bind(replicas, front, str(config.model))
+
+
+def _template(path: Any) -> str | None:
+    if path is None:
+        return None
+    with open(path, encoding="utf-8") as f:
+        return f.read()

@@ -37,7 +37,7 @@ def test_bench_help_names_every_benchmark_then_the_default_ones_flags():
     result = cli("bench", "--help")
     assert result.returncode == 0, result.stderr
     names = re.findall(r"^  (\S+)  ", result.stdout.split("NAME:\n")[1].split("\n\n")[0], re.M)
-    assert names == list(BENCHES) == ["mlx-lm", "kv", "prefix", "gpu", "spec", "tp"]
+    assert names == list(BENCHES) == ["mlx-lm", "kv", "prefix", "gpu", "spec", "tp", "ray"]
     assert "usage: tqserve bench [-h] [--model MODEL]" in result.stdout  # tools/bench's
 
 
@@ -72,3 +72,14 @@ def test_a_removed_tool_exits_2_naming_its_module(command, module):
     direct = subprocess.run([sys.executable, "-m", module, "--help"], cwd=REPO, env=env,
                             capture_output=True, text=True, timeout=120)
     assert direct.returncode == 0 and f"usage: python -m {module} " in direct.stdout
+
+
+def test_bench_ray_names_bad_input_with_exit_2():
+    """`tqserve bench ray` (a new name: no deprecated bench-ray alias) refuses an unknown
+    policy and a missing trace with one line each."""
+    assert "bench-ray" not in cli("--help").stdout
+    bad = cli("bench", "ray", "--policies", "single,random")
+    assert bad.returncode == 2 and "--policies: unknown ['random']" in bad.stderr
+    missing = cli("bench", "ray", "--trace", "no/such/trace.jsonl")
+    assert missing.returncode == 2 and "--trace: no file at" in missing.stderr
+    assert "Traceback" not in bad.stderr + missing.stderr
