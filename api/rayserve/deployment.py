@@ -115,6 +115,7 @@ class TqserveReplica:
         self._ws = WsRequests()
         self._engine, self._app = await self._guest.start(
             functools.partial(_run_engine, config))
+        self._metrics = RayMetrics(serve.get_replica_context().replica_id.unique_id)
 
     async def __del__(self) -> None:
         await self._guest.stop()
@@ -146,15 +147,47 @@ class TqserveReplica:
         """The replica's load, read by Ray Serve's request routers (and the tests)."""
         stats = await self._guest.call(self._engine.statistics)
         window = await self._guest.call(lambda: kv_window(self._engine))
-        return {"rows_active": stats.rows_active, "rows_queued": stats.rows_queued,
-                "kv_bytes": stats.kv_bytes, "streams_open": stats.streams_open,
-                "requests_total": stats.requests_total, **window}
+        report = {"rows_active": stats.rows_active, "rows_queued": stats.rows_queued,
+                  "kv_bytes": stats.kv_bytes, "streams_open": stats.streams_open,
+                  "requests_total": stats.requests_total}
+        self._metrics.set(report, window)
+        return {**report, **window}
+
+
+class RayMetrics:
+    """The replica's load as Ray metrics, so Ray's own Prometheus export (every node's
+    metrics agent) carries every replica at once, tagged `replica`. Names are vLLM's with
+    `_` for `:` (Ray refuses colons; its exporter adds `ray_`): e.g.
+    `ray_vllm_num_requests_running`. Set at each routing-stats report (STATS_PERIOD)."""
+
+    GAUGES = {  # metric -> (description, the report's field)
+        "vllm_num_requests_running": ("Requests in the running batch", "rows_active"),
+        "vllm_num_requests_waiting": ("Requests waiting to run", "rows_queued"),
+        "tqserve_kv_bytes": ("KV cache bytes the rows hold", "kv_bytes"),
+        "tqserve_streams_open": ("Open client streams", "streams_open"),
+        "tqserve_requests_total": ("Requests admitted since start", "requests_total"),
+    }
+
+    def __init__(self, replica: str) -> None:
+        from ray.util.metrics import Gauge
+
+        self._tags = {"replica": replica}
+        self._gauges = {name: Gauge(name, description=text, tag_keys=("replica",))
+                        for name, (text, _) in self.GAUGES.items()}
+        self._blocks = Gauge("tqserve_prefix_blocks",
+                             description="16-token blocks the prefix cache holds (KV events)",
+                             tag_keys=("replica",))
+
+    def set(self, report: dict[str, Any], window: dict[str, Any]) -> None:
+        for name, (_, field) in self.GAUGES.items():
+            self._gauges[name].set(float(report[field]), tags=self._tags)
+        self._blocks.set(float(window.get("kv_blocks", 0)), tags=self._tags)
 
 
 def kv_window(engine: Any) -> dict[str, Any]:
     """The last KV_WINDOW batches of the engine's KV events (engine.kvevents), compact:
-    `kv_next` (the last batch's seq) and `kv_batches` [(seq, stored block hashes, removed
-    block hashes)]; nothing with the prefix cache off."""
+    `kv_next` (the last batch's seq), `kv_batches` [(seq, stored block hashes, removed
+    block hashes)] and `kv_blocks` (blocks held); nothing with the prefix cache off."""
     page = engine.kv_events(0)
     if page is None:
         return {}
@@ -165,7 +198,7 @@ def kv_window(engine: Any) -> dict[str, Any]:
         removed = [h for e in batch.events if type(e).__name__ == "BlockRemoved"
                    for h in e.block_hashes]
         batches.append((batch.seq, stored, removed))
-    return {"kv_next": page.next, "kv_batches": batches}
+    return {"kv_next": page.next, "kv_batches": batches, "kv_blocks": page.num_blocks}
 
 
 def _replica_options(config: Any, ray_config: RayServeConfig) -> dict[str, Any]:

@@ -32,6 +32,7 @@ pytestmark = pytest.mark.ray
 BOUND = 60.0          # seconds any one wait may take before the test fails (never hangs)
 LONG_TOKENS = 1500    # a streamed request long enough to be in flight at the kill
 NUM_LOAD = 6          # requests in flight when a replica is killed (1 WebSocket, 5 SSE)
+METRICS: dict[str, int] = {}  # the port of Ray's Prometheus export on this node
 
 
 def _free_port() -> int:
@@ -44,7 +45,9 @@ def _free_port() -> int:
 def proxy() -> Iterator[str]:
     """The proxy's URL, with the tqserve app of 2 replicas running behind it."""
     port = _free_port()
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    METRICS["port"] = _free_port()
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+             _metrics_export_port=METRICS["port"])
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         config = Config(dtype="float32", max_batch=4, max_queued_requests=16,
@@ -213,6 +216,29 @@ def test_ray_serve_replicas(proxy: str) -> None:
                           f"replica {rid} holding no rows")
         assert stats["rows_queued"] == 0 and stats["kv_bytes"] == 0
     assert httpx.get(proxy + "/v1/stats", timeout=BOUND).json()["rows_active"] == 0
+
+
+def test_replica_metrics_reach_rays_prometheus_export(proxy: str) -> None:
+    """Every replica's load, as Ray metrics with vLLM's names, in Ray's own Prometheus
+    export: one scrape of the node shows each replica, tagged by its id."""
+    _completion(proxy)
+
+    def scrape() -> dict[str, float] | None:
+        try:
+            text = httpx.get(f"http://127.0.0.1:{METRICS['port']}/metrics", timeout=10).text
+        except httpx.HTTPError:
+            return None
+        served = {}
+        for line in text.splitlines():
+            if line.startswith("ray_tqserve_requests_total{"):
+                replica = line.split('replica="', 1)[1].split('"', 1)[0]
+                served[replica] = float(line.rsplit(" ", 1)[1])
+        running = [ln for ln in text.splitlines()
+                   if ln.startswith("ray_vllm_num_requests_running{")]
+        return served if len(served) >= 2 and running and sum(served.values()) > 0 else None
+
+    served = _wait_for(scrape, "2 replicas in Ray's metrics export")
+    assert set(_running_ids()) <= set(served)  # every live replica is there
 
 
 @pytest.mark.parametrize("argv, message", [
