@@ -270,13 +270,14 @@ class RouteTable:
                 del self._owner[key]
                 self._backends[backend].owned -= 1
 
+    def _has(self, backend: str, key: Key) -> bool:
+        """Whether `backend` holds `key` (its KV events) or had it routed there last."""
+        return backend in self._holders.get(key, ()) or self._owner.get(key) == backend
+
     def _owner_of(self, key: Key, candidates: Sequence[str]) -> str | None:
-        """The least loaded candidate that holds `key` (KV events) or had it routed."""
-        owners = [n for n in self._holders.get(key, ()) if n in candidates]
-        routed = self._owner.get(key)
-        if routed is not None and routed in candidates and routed not in owners:
-            owners.append(routed)
-        return min(owners, key=lambda n: self._backends[n].in_flight, default=None)
+        """The least loaded candidate that has `key`."""
+        return min((n for n in candidates if self._has(n, key)),
+                   key=lambda n: self._backends[n].in_flight, default=None)
 
     def choose(self, keys: Sequence[Key], exclude: Sequence[str] = ()) -> Route:
         """The backend for a request with these prefix keys (not one of `exclude`).
@@ -305,12 +306,8 @@ class RouteTable:
         return Route(backend=fallback, reason="least_loaded")
 
     def _depth_held(self, backend: str, keys: Sequence[Key], below: int) -> int:
-        """The deepest of keys[:below] that `backend` holds or had routed (0: none)."""
-        for depth in range(below, 0, -1):
-            key = keys[depth - 1]
-            if backend in self._holders.get(key, ()) or self._owner.get(key) == backend:
-                return depth
-        return 0
+        """The deepest of keys[:below] that `backend` has (0: none)."""
+        return next((d for d in range(below, 0, -1) if self._has(backend, keys[d - 1])), 0)
 
     def started(self, route: Route, keys: Sequence[Key], *, retry: bool = False) -> None:
         """The request went to `route.backend`: count it, and make it own `keys`."""
