@@ -31,9 +31,10 @@ from ray.serve.config import AutoscalingConfig
 
 from tqserve.api.rayserve.guest import GuestEnded, GuestRun
 from tqserve.api.rayserve.relay import CancelCall, HttpCall, WsCall, WsRequests, serve_http
+from tqserve.engine.kvevents import BLOCK_TOKENS, BlockRemoved, BlockStored
 
 log = logging.getLogger("tqserve.rayserve")
-KV_BLOCK_TOKENS = 16   # engine.kvevents.BLOCK_TOKENS: the block the routers' keys use
+KV_BLOCK_TOKENS = BLOCK_TOKENS  # the KV events' block: the routers' keys use it too
 APP_NAME = "tqserve"
 DEPLOYMENT_NAME = "TqserveReplica"
 HEALTH_PERIOD = 2.0    # seconds between Ray's health checks of a replica
@@ -74,8 +75,8 @@ class RayServeConfig:
     router: str = attrs.field(default="prefix", validator=attrs.validators.in_(ROUTERS))
     front_replicas: int = attrs.field(default=1, validator=_at_least(1, "--front-replicas"))
     # the prefix router's knobs (api.router.core): a holder this many requests busier than
-    # the least loaded replica spills; affinity from any matched block (0.0: new prefixes
-    # are what spread the load, and a shared head is still reused)
+    # the least loaded replica spills; affinity only when what a holder has beyond what
+    # the least loaded replica has too covers min_match_fraction of the prompt's blocks
     spill_threshold: int = attrs.field(default=8, validator=_at_least(1, "--spill-threshold"))
     min_match_fraction: float = attrs.field(default=0.25, validator=[
         _at_least(0.0, "--min-match-fraction"), _at_most(1.0, "--min-match-fraction")])
@@ -145,8 +146,8 @@ class TqserveReplica:
 
     async def record_routing_stats(self) -> dict[str, Any]:
         """The replica's load, read by Ray Serve's request routers (and the tests)."""
-        stats = await self._guest.call(self._engine.statistics)
-        window = await self._guest.call(lambda: kv_window(self._engine))
+        stats, window = await self._guest.call(
+            lambda: (self._engine.statistics(), kv_window(self._engine)))
         report = {"rows_active": stats.rows_active, "rows_queued": stats.rows_queued,
                   "kv_bytes": stats.kv_bytes, "streams_open": stats.streams_open,
                   "requests_total": stats.requests_total}
@@ -193,9 +194,8 @@ def kv_window(engine: Any) -> dict[str, Any]:
         return {}
     batches = []
     for batch in page.batches[-KV_WINDOW:]:
-        stored = [h for e in batch.events if type(e).__name__ == "BlockStored"
-                  for h in e.block_hashes]
-        removed = [h for e in batch.events if type(e).__name__ == "BlockRemoved"
+        stored = [h for e in batch.events if isinstance(e, BlockStored) for h in e.block_hashes]
+        removed = [h for e in batch.events if isinstance(e, BlockRemoved)
                    for h in e.block_hashes]
         batches.append((batch.seq, stored, removed))
     return {"kv_next": page.next, "kv_batches": batches, "kv_blocks": page.num_blocks}

@@ -35,13 +35,6 @@ log = logging.getLogger("tqserve.rayserve")
 ROUTER_CLASS = "tqserve.api.rayserve.routing:PrefixRouter"
 
 
-def keys_of(pending: PendingRequest | None) -> Sequence[Any]:
-    """The prefix keys the front attached to a call (its first argument), or none."""
-    if pending is None or not pending.args:
-        return ()
-    return tuple(getattr(pending.args[0], "prefix_keys", ()) or ())
-
-
 class PrefixRouter(RequestRouter):
     """Prefix affinity with load-aware spill over Ray Serve's replicas (module doc)."""
 
@@ -90,11 +83,13 @@ class PrefixRouter(RequestRouter):
         by_name = {r.replica_id.unique_id: r for r in candidate_replicas}
         for name, n in (await self._loads(candidate_replicas)).items():
             table.set_load(name, n)
-        pin = getattr(pending_request.args[0], "pin", None) if (
-            pending_request is not None and pending_request.args) else None
+        # the front's call (api.rayserve.relay): a cancel names its replica (`pin`), a
+        # request carries its prompt's keys; a call without either goes by load
+        call = pending_request.args[0] if pending_request and pending_request.args else None
+        pin = getattr(call, "pin", None)
         if pin in by_name:  # a cancel goes where its request runs
             return [[by_name[pin]]]
-        keys = keys_of(pending_request)
+        keys = tuple(getattr(call, "prefix_keys", ()) or ())
         route = table.choose(keys, exclude=[n for n in table.names if n not in by_name])
         table.started(route, keys)
         table.finished(route.backend)  # the load is Ray's queue length, not a count here
