@@ -72,7 +72,9 @@ def _text(content: Any) -> str:
 
 def prompt_ids(path: str, fields: dict[str, Any], tokenizer: Any,
                template: str | None) -> tuple[int, ...] | None:
-    """The prompt's token ids as the engine will build them (None: cannot tell here)."""
+    """The prompt's token ids as the engine builds them (engine.request's token_ids on the
+    request's prompt or turns); None where that cannot be told here, and a ValueError (the
+    caller falls back to text keys) for turns or tools the engine would refuse."""
     prompt = fields.get("prompt_tokens", fields.get("prompt"))
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
@@ -80,8 +82,10 @@ def prompt_ids(path: str, fields: dict[str, Any], tokenizer: Any,
         return tuple(prompt)
     if tokenizer is None:
         return None
+    from tqserve.engine.request import GenerateRequest
+
     if isinstance(prompt, str):
-        return tuple(tokenizer.encode(prompt))
+        return GenerateRequest(prompt=prompt).token_ids(tokenizer, template)
     messages = fields.get("messages")
     if path.endswith("/responses"):
         given = fields.get("input")
@@ -96,10 +100,10 @@ def prompt_ids(path: str, fields: dict[str, Any], tokenizer: Any,
              for m in messages if isinstance(m, dict)]
     if isinstance(fields.get("system"), (str, list)):
         turns = [{"role": "system", "content": _text(fields["system"])}, *turns]
-    extra: dict[str, Any] = {"chat_template": template} if template else {}
-    if isinstance(fields.get("tools"), list) and fields["tools"]:
-        extra["tools"] = fields["tools"]
-    return tuple(tokenizer.apply_chat_template(turns, add_generation_prompt=True, **extra))
+    tools = fields.get("tools")
+    request = GenerateRequest(messages=turns,
+                              tools=tools if isinstance(tools, list) and tools else None)
+    return request.token_ids(tokenizer, template)  # the engine's own: template or fallback
 
 
 def route_keys(path: str, fields: Any, tokenizer: Any, config: FrontConfig) -> tuple[Any, ...]:
@@ -108,7 +112,7 @@ def route_keys(path: str, fields: Any, tokenizer: Any, config: FrontConfig) -> t
         return ()
     try:
         ids = prompt_ids(path, fields, tokenizer, config.chat_template)
-    except Exception:  # a template that refuses these messages: the replica will say why
+    except Exception:  # turns, tools or a template the engine refuses: the replica says why
         ids = None
     if ids is not None:
         return token_keys(ids, config.block_tokens)
