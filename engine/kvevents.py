@@ -19,7 +19,9 @@ commit at the outermost end) are netted: a block present before and after emits 
 (a RAM entry replaced by its SSD twin), so every block appears in at most one event of a
 batch. A batch with events gets the next `seq` (from 1) and a timestamp from the injected
 `clock` (the log's only clock reading: the prefix cache passes time.time, tests a
-counter); the last `capacity` batches stay readable through `since(seq)`.
+counter); the last `capacity` batches stay readable through `since(seq)`, fewer when
+their BlockStored events carry more than `max_tokens` token ids together (each event
+keeps its run's ids: long prompts would otherwise hold many MB in the ring).
 
 Sans-io: no files, no MLX, no I/O.
 """
@@ -37,6 +39,7 @@ import attrs
 
 BLOCK_TOKENS = 16      # tokens per block (vLLM's default block_size)
 RING_BATCHES = 4096    # batches kept for readers; an older cursor learns it missed some
+RING_TOKENS = 1 << 20  # token ids the kept batches' BlockStored events carry, at most
 _SEED = b"tokens"      # the chain's seed (api.router.core's token keys use the same)
 _DIGEST_BYTES = 8
 
@@ -129,9 +132,12 @@ class KvEventLog:
     """Refcounts per block over the indexed entries; their changes as batches of events."""
 
     def __init__(self, *, block_tokens: int = BLOCK_TOKENS, capacity: int = RING_BATCHES,
+                 max_tokens: int = RING_TOKENS,
                  clock: Callable[[], float] = lambda: 0.0) -> None:
-        if block_tokens < 1 or capacity < 1:
-            raise ValueError("block_tokens and capacity must be >= 1")
+        if block_tokens < 1 or capacity < 1 or max_tokens < 1:
+            raise ValueError("block_tokens, capacity and max_tokens must be >= 1")
+        self._max_tokens = max_tokens
+        self._ring_tokens = 0  # token ids the ring's BlockStored events hold
         self.block_tokens = block_tokens
         self._clock = clock
         self._held: dict[str, tuple[int, ...]] = {}  # entry key -> its block hashes
@@ -237,4 +243,13 @@ class KvEventLog:
 
     def _record(self, events: tuple[KvEvent, ...]) -> None:
         self._seq += 1
+        if len(self._ring) == self._ring.maxlen:
+            self._ring_tokens -= _num_token_ids(self._ring[0])
         self._ring.append(KvEventBatch(seq=self._seq, ts=float(self._clock()), events=events))
+        self._ring_tokens += _num_token_ids(self._ring[-1])
+        while self._ring_tokens > self._max_tokens and len(self._ring) > 1:
+            self._ring_tokens -= _num_token_ids(self._ring.popleft())
+
+
+def _num_token_ids(batch: KvEventBatch) -> int:
+    return sum(len(e.token_ids) for e in batch.events if isinstance(e, BlockStored))

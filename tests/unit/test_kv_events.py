@@ -160,6 +160,23 @@ def test_namespaces_share_blocks():
     assert log.since(0).next == 1 and log.num_blocks == 2
 
 
+def test_the_ring_keeps_at_most_max_tokens_token_ids():
+    """Long prompts: the ring drops its oldest batches once their BlockStored events carry
+    more than max_tokens ids together (always keeping the newest), and says so."""
+    log = KvEventLog(capacity=100, max_tokens=64)
+    index = PrefixIndex(10_000, log)
+    for i in range(4):  # 32 new tokens (2 blocks) each
+        index.publish(entry(f"e{i}", range(1000 * i, 1000 * i + 32)), Tier.RAM, i)
+    page = log.since(0)
+    assert [b.seq for b in page.batches] == [3, 4] and page.complete is False
+    assert sum(len(e.token_ids) for b in page.batches for e in b.events) == 64
+    index.publish(entry("big", range(9000, 9160)), Tier.RAM, 9)  # 160 ids: over on its own
+    assert [b.seq for b in log.since(0).batches] == [5] and log.since(4).complete
+    index.forget("big")  # the next batch pushes the oversized one out
+    assert [b.seq for b in log.since(0).batches] == [6] and not log.since(4).complete
+    assert log.since(5).complete
+
+
 def test_since_pages_and_ring_overflow_says_incomplete():
     index, log = indexed(capacity=3)
     for i in range(5):
