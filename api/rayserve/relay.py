@@ -27,8 +27,6 @@ import msgpack
 
 from tqserve.api.rayserve.guest import GuestRun, Message
 
-Headers = list[tuple[bytes, bytes]]
-
 
 @attrs.frozen(kw_only=True)
 class HttpCall:
