@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import sys
 import time
 from pathlib import Path
@@ -24,6 +23,7 @@ from typing import Any, Callable, Sequence
 
 import trio
 
+from tqserve.tools.agent_server import free_port
 from tqserve.tools.replay.metrics import ideal_reuse, summarize
 from tqserve.tools.replay.run import replay
 from tqserve.tools.replay.targets import UrlTarget
@@ -33,12 +33,6 @@ POLICIES = ("single", "pow2", "prefix")
 _REPO = Path(__file__).resolve().parents[1]
 TRACE = _REPO.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
 READY_S = 180.0  # seconds an application may take to come up
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def trace_requests(path: Path, families: float, block_tokens: int, max_output: int,

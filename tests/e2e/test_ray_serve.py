@@ -9,7 +9,6 @@ where Ray is not installed (pip install 'tqserve[ray]')."""
 from __future__ import annotations
 
 import json
-import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, wait
@@ -27,6 +26,7 @@ serve = pytest.importorskip("ray.serve", reason="pip install 'tqserve[ray]'")
 from tqserve.api.rayserve.deployment import (APP_NAME, DEPLOYMENT_NAME,  # noqa: E402
                                              RayServeConfig, build_app)
 from tqserve.engine.config import Config  # noqa: E402
+from tqserve.tools.agent_server import free_port  # noqa: E402
 
 pytestmark = pytest.mark.ray
 BOUND = 60.0          # seconds any one wait may take before the test fails (never hangs)
@@ -35,17 +35,11 @@ NUM_LOAD = 6          # requests in flight when a replica is killed (1 WebSocket
 METRICS: dict[str, int] = {}  # the port of Ray's Prometheus export on this node
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def proxy() -> Iterator[str]:
     """The proxy's URL, with the tqserve app of 2 replicas running behind it."""
-    port = _free_port()
-    METRICS["port"] = _free_port()
+    port = free_port()
+    METRICS["port"] = free_port()
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
              _metrics_export_port=METRICS["port"])
     try:
