@@ -262,7 +262,7 @@ def test_ray_serve_cli_refuses_bad_flags(argv: list[str], message: str,
 
 def test_prefix_router_keeps_single_server_reuse_on_a_trace(proxy: str, tmp_path: Any) -> None:
     """The Mooncake trace's kept families replayed through the proxy's WebSocket, closed
-    loop: tqserve's PrefixRouter over 2 replicas reuses >= 0.9x the prompt tokens one
+    loop, one request at a time: tqserve's PrefixRouter over 2 replicas reuses >= 0.9x the prompt tokens one
     replica does; Ray's power-of-two default falls far below. The replicas' KV events
     reach the routing stats, and both replicas serve. (TTFT: `tqserve bench ray`.)"""
     from tqserve.tools.bench_ray import TRACE, run_policy, trace_requests
@@ -280,7 +280,9 @@ def test_prefix_router_keeps_single_server_reuse_on_a_trace(proxy: str, tmp_path
 
     reuse = {}
     for policy in ("single", "pow2", "prefix"):
-        summary = run_policy(config, policy, 2, proxy, reqs, 3,
+        # one request at a time: a prompt repeated while its twin still prefills reuses
+        # nothing on any router, so concurrent replays vary run to run (0.50 or 0.40)
+        summary = run_policy(config, policy, 2, proxy, reqs, 1,
                              before_delete=look if policy == "prefix" else None)
         assert summary["completed"] == len(reqs), summary["errors"]
         reuse[policy] = summary["achieved_reuse_fraction"]
