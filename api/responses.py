@@ -127,6 +127,9 @@ class Responder:
 
     def __init__(self, engine: Engine, metrics: Metrics) -> None:
         self.engine, self.metrics = engine, metrics
+        # what a response's id starts with: a Ray replica puts its own name in it, so that
+        # `previous_response_id` can be routed back to the replica storing the response
+        self.id_prefix = "resp_"
         self.config = engine.config
         self.served = ServedNames(engine)
         self.store = ResponseStore()
@@ -157,8 +160,14 @@ class Responder:
                            ("seed", int)):
             if body.get(name, kind) is not None:
                 params[name] = body.get(name, kind)
-        gen = build_request(params, messages=merge_leading_system(system + history + new),
-                            tools=plan.tools, response_format=response_format)
+        try:
+            gen = build_request(params, messages=merge_leading_system(system + history + new),
+                                tools=plan.tools, response_format=response_format)
+        except ApiError as exc:  # the engine's limits name max_tokens: say the field given
+            if exc.param != "max_tokens":
+                raise
+            raise ApiError(exc.status, exc.message.replace("max_tokens", "max_output_tokens"),
+                           "max_output_tokens", exc.code) from None
         try:
             run = await start_run(self.metrics.track(self.engine.generate(gen, rid), rid,
                                                      route))
@@ -197,7 +206,7 @@ def register(app: QuartTrio, engine: Engine, metrics: Metrics) -> Responder:
     @app.post("/v1/responses")
     async def create() -> Response:
         body = Body(await request.get_data(cache=False), engine.config.max_message_bytes)
-        rid = new_id("resp_")
+        rid = new_id(responder.id_prefix)
         g.tracked = True
         g.request_id = rid
         turn = await responder.start(body, rid, "POST /v1/responses")

@@ -44,7 +44,7 @@ CASES = [
     ("/v1/chat/completions", {"messages": USER, "tools": [{"type": "function", "function": {
         "name": "f"}}], "tool_choice": {"type": "function"}}, "tool_choice"),
     ("/v1/responses", {"input": [{"type": "image"}]}, "input"),
-    ("/v1/responses", {"input": "x", "max_output_tokens": 0}, "max_tokens"),
+    ("/v1/responses", {"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
     ("/v1/chat/completions", {"messages": USER, "response_format": {"type": "xml"}},
      "response_format"),
     ("/v1/chat/completions", {"messages": USER, "response_format": {
