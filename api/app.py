@@ -157,7 +157,8 @@ class _Connection:
             self._changed = trio.Event()
 
 
-def create_app(engine: Engine, connections: Connections | None = None) -> QuartTrio:
+def create_app(engine: Engine, connections: Connections | None = None, *,
+               response_id_prefix: str = "resp_") -> QuartTrio:
     """The ASGI app bound to a running engine (and the server's connection registry)."""
     app = QuartTrio("tqserve")
     connections = connections if connections is not None else Connections()
@@ -171,7 +172,7 @@ def create_app(engine: Engine, connections: Connections | None = None) -> QuartT
         code = (exc.name or "error").lower().replace(" ", "_")
         return jsonify({"error": {"code": code, "message": exc.description}}), exc.code
 
-    apis = register_http_apis(app, engine)  # after: its 404/405 are more specific
+    apis = register_http_apis(app, engine, response_id_prefix)  # after: its 404/405 win
     metrics = apis.metrics
 
     @app.get("/health")

@@ -41,7 +41,7 @@ async def _one(responder: Responder, data: str | bytes) -> None:
             raise ApiError(400, "a frame must be {\"type\": \"response.create\", ...}", "type")
         for name in _WS_ONLY:
             body.obj.pop(name, None)
-        turn = await responder.start(body, new_id("resp_"), "WS /v1/responses")
+        turn = await responder.start(body, new_id(responder.id_prefix), "WS /v1/responses")
     except ApiError as exc:
         await websocket.send(error_frame(exc))
         return

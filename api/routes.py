@@ -36,8 +36,10 @@ class HttpApis:
     responder: Responder    # the Responses API's, for its WebSocket mode
 
 
-def register_http_apis(app: QuartTrio, engine: Engine) -> HttpApis:
-    """Add the HTTP APIs, /metrics and auth to `app`; what the WebSockets share."""
+def register_http_apis(app: QuartTrio, engine: Engine,
+                       response_id_prefix: str = "resp_") -> HttpApis:
+    """Add the HTTP APIs, /metrics and auth to `app`; what the WebSockets share.
+    `response_id_prefix` starts the Responses API's ids (a Ray replica's name goes there)."""
     metrics = Metrics(engine)
     config = engine.config
     auth.install(app, config.api_key, config.allowed_origins, metrics,
@@ -45,6 +47,7 @@ def register_http_apis(app: QuartTrio, engine: Engine) -> HttpApis:
     openai.register(app, engine, metrics)
     anthropic.register(app, engine, metrics)
     responder = responses.register(app, engine, metrics)
+    responder.id_prefix = response_id_prefix
     extras.register(app, engine)
 
     @app.get("/metrics")

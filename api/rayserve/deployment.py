@@ -6,7 +6,7 @@ Anthropic HTTP APIs, WebSocket /v1/stream, /health, /v1/stats, /metrics). The fr
 (api.rayserve.front) is the application's ingress behind Ray Serve's HTTP proxy: it reads
 each request, keys it by prompt and calls a replica through a handle (`http`, `ws`,
 `cancel`: api.rayserve.relay), whose request router (api.rayserve.routing.PrefixRouter, or
-Ray's power-of-two with `router="pow2"`) picks the replica. Ray's graceful shutdown calls
+Ray's power-of-two with `router="pow2"`, routing.Pow2Router) picks the replica. Ray's graceful shutdown calls
 `__del__`: the engine's clean shutdown (api.server.close_app), within
 graceful_shutdown_timeout_s.
 
@@ -30,7 +30,8 @@ from ray import serve
 from ray.serve.config import AutoscalingConfig
 
 from tqserve.api.rayserve.guest import GuestEnded, GuestRun
-from tqserve.api.rayserve.relay import CancelCall, HttpCall, WsCall, WsRequests, serve_http
+from tqserve.api.rayserve.relay import (CancelCall, HttpCall, WsCall, WsRequests,
+                                        response_id_prefix, serve_http)
 from tqserve.engine.kvevents import BLOCK_TOKENS, BlockRemoved, BlockStored
 
 log = logging.getLogger("tqserve.rayserve")
@@ -89,16 +90,18 @@ class RayServeConfig:
             raise ValueError(f"--route-prefix must start with '/', got {self.route_prefix!r}")
 
 
-async def _run_engine(config: Any, stop: trio.Event, *,
+async def _run_engine(config: Any, replica: str, stop: trio.Event, *,
                       task_status: trio.TaskStatus[Any] = trio.TASK_STATUS_IGNORED) -> None:
-    """Inside the guest: the engine and its app until `stop`, then a clean shutdown."""
+    """Inside the guest: the engine and its app until `stop`, then a clean shutdown. The
+    app's response ids carry the replica's name (the front pins follow-ups by it)."""
     from tqserve.actors.engine import open_engine
     from tqserve.api.app import Connections, create_app
     from tqserve.api.server import close_app
 
     async with open_engine(config) as engine:
         connections = Connections()
-        task_status.started((engine, create_app(engine, connections)))
+        app = create_app(engine, connections, response_id_prefix=response_id_prefix(replica))
+        task_status.started((engine, app))
         await stop.wait()
         report = await close_app(engine, connections, config.shutdown_timeout)
         log.warning("engine shut down: %d requests in flight, %d ended at the "
@@ -114,9 +117,10 @@ class TqserveReplica:
         self._config = config
         self._guest = GuestRun()
         self._ws = WsRequests()
+        replica = serve.get_replica_context().replica_id.unique_id
         self._engine, self._app = await self._guest.start(
-            functools.partial(_run_engine, config))
-        self._metrics = RayMetrics(serve.get_replica_context().replica_id.unique_id)
+            functools.partial(_run_engine, config, replica))
+        self._metrics = RayMetrics(replica)
 
     async def __del__(self) -> None:
         await self._guest.stop()
@@ -204,7 +208,7 @@ def kv_window(engine: Any) -> dict[str, Any]:
 def _replica_options(config: Any, ray_config: RayServeConfig) -> dict[str, Any]:
     from ray.serve.config import RequestRouterConfig
 
-    from tqserve.api.rayserve.routing import ROUTER_CLASS
+    from tqserve.api.rayserve.routing import POW2_ROUTER_CLASS, ROUTER_CLASS
 
     per_replica = config.max_batch + config.max_queued_requests  # what admission holds
     router: dict[str, Any] = {"request_routing_stats_period_s": STATS_PERIOD,
@@ -215,6 +219,8 @@ def _replica_options(config: Any, ray_config: RayServeConfig) -> dict[str, Any]:
                           "block_tokens": KV_BLOCK_TOKENS,
                           "spill_threshold": ray_config.spill_threshold,
                           "min_match_fraction": ray_config.min_match_fraction})
+    else:  # Ray's default, honouring the front's pins (api.rayserve.routing)
+        router.update(request_router_class=POW2_ROUTER_CLASS)
     options: dict[str, Any] = {
         "name": DEPLOYMENT_NAME,
         "ray_actor_options": {"num_cpus": ray_config.num_cpus,
@@ -238,7 +244,8 @@ def _replica_options(config: Any, ray_config: RayServeConfig) -> dict[str, Any]:
 def build_app(config: Any, ray_config: RayServeConfig) -> Any:
     """The bound Ray Serve application: `serve.run(build_app(...))`. Its ingress is the
     front (api.rayserve.front), which calls the replica deployment through a handle."""
-    from tqserve.api.rayserve.front import FRONT_NAME, FrontConfig, TqserveFront
+    from tqserve.api.rayserve.front import FRONT_NAME, TqserveFront
+    from tqserve.api.rayserve.keys import FrontConfig
 
     replicas = serve.deployment(TqserveReplica).options(
         **_replica_options(config, ray_config)).bind(config)

@@ -1,11 +1,12 @@
 """The calls the front deployment makes to a replica, and the replica's side of them.
 
 A call is one HTTP request (`HttpCall`: the ASGI scope, the whole body) or one WebSocket
-generate request (`WsCall`: the upgrade's scope and the one client frame), with the prompt's
-prefix keys for the request router (api.rayserve.routing). The replica answers through a
-Ray Serve streaming call: `serve_http` yields the ASGI messages the app sends
-(`http.response.start`, `http.response.body` ...), `serve_ws` yields the frames of the one
-request, ending after its `done` or `error` frame. Both run the replica's own quart-trio app
+request, a `generate` or a Responses `response.create` (`WsCall`: the upgrade's scope and
+the one client frame), with the prompt's prefix keys for the request router
+(api.rayserve.routing) and, for a Responses follow-up, the replica it is pinned to. The
+replica answers through a Ray Serve streaming call: `serve_http` yields the ASGI messages
+the app sends (`http.response.start`, `http.response.body` ...), `WsRequests.serve` the
+frames of the one request, ending after its last (LAST_FRAMES). Both run the replica's own quart-trio app
 (api.app) in the trio guest, so validation, errors, auth and metrics are the server's.
 
 Cancel and disconnect: when the front cancels a streaming call (its client went away), the
@@ -28,11 +29,30 @@ import msgpack
 from tqserve.api.rayserve.guest import GuestRun, Message
 
 
+# the frames that end one request: /v1/stream's, and the Responses socket's (api.responses_ws)
+LAST_FRAMES = frozenset(("done", "error", "response.completed", "response.incomplete",
+                         "response.failed"))
+
+
 @attrs.frozen(kw_only=True)
 class HttpCall:
     scope: Message           # the client's HTTP scope (plain values: picklable)
     body: bytes
     prefix_keys: tuple[Any, ...] = ()
+    pin: str | None = None   # the replica that must answer (it stores the response named)
+
+
+def response_id_prefix(replica: str) -> str:
+    """What a replica's Responses API ids start with: `resp_<replica>_` (its Ray name)."""
+    return f"resp_{replica}_"
+
+
+def replica_of_response(rid: object) -> str | None:
+    """The replica named in a response id of `response_id_prefix`'s form, else None."""
+    if not isinstance(rid, str) or not rid.startswith("resp_"):
+        return None
+    replica, sep, rest = rid[5:].partition("_")
+    return replica if sep and replica.isalnum() and rest else None
 
 
 @attrs.frozen(kw_only=True)
@@ -41,6 +61,7 @@ class WsCall:
     frame: str | bytes       # one generate frame (the client's id kept)
     token: str               # the front's name for this request (a cancel names it)
     prefix_keys: tuple[Any, ...] = ()
+    pin: str | None = None   # the replica that must answer (it stores the response named)
 
 
 @attrs.frozen(kw_only=True)
@@ -134,14 +155,11 @@ class WsRequests:
             async for message in _pump(lambda out: guest.asgi(
                     app, call.scope, inbox.get, lambda m: _ws_out(m, out))):
                 if message["type"] == "refused":  # closed or answered before the accept
-                    rid = frame_kind(call.frame)[1]
-                    yield json.dumps({"type": "error", "id": rid, "code": "refused",
-                                      "message": "the replica refused the WebSocket "
-                                                 f"({message['detail']})"})
+                    yield _refused(call, message["detail"])
                     break
                 frame = message.get("text") or message.get("bytes") or b""
                 yield frame
-                if frame_kind(frame)[0] in ("done", "error"):
+                if frame_kind(frame)[0] in LAST_FRAMES:
                     break
         finally:
             self._inbox.pop(call.token, None)
@@ -154,6 +172,16 @@ class WsRequests:
         key = "bytes" if isinstance(call.frame, bytes) else "text"
         inbox.put_nowait({"type": "websocket.receive", key: call.frame})
         return True
+
+
+def _refused(call: WsCall, detail: str) -> str:
+    """The error frame for a socket the replica refused, in its protocol's shape."""
+    text = f"the replica refused the WebSocket ({detail})"
+    if str(call.scope.get("path", "")).rstrip("/").endswith("/responses"):
+        return json.dumps({"type": "error", "status": 503, "error": {
+            "type": "server_error", "code": "refused", "param": None, "message": text}})
+    return json.dumps({"type": "error", "id": frame_kind(call.frame)[1], "code": "refused",
+                       "message": text})
 
 
 async def _ws_out(message: Message, out: Callable[[Message], Awaitable[None]]) -> None:

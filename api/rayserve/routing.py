@@ -18,6 +18,11 @@ follow-up sent before the next report still finds its replica.
 Load is Ray's own queue length per replica (its cache, probed where missing), the figure
 Ray's power-of-two router uses. Calls without keys (a GET, an unparsable body) go to the
 least loaded replica.
+
+A call that names its replica (`pin`: a WebSocket cancel, a Responses request continuing a
+stored response) goes there while that replica runs, under either router: `Pow2Router` is
+Ray's power-of-two default with only that added. A pinned replica that is gone leaves the
+call to the policy (the replica it reaches answers: 400 or 404 for a lost response).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import logging
 from typing import Any, Sequence
 
 from ray.serve._private.request_router.common import PendingRequest
+from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
 from ray.serve._private.request_router.replica_wrapper import RunningReplica
 from ray.serve.request_router import RequestRouter
 
@@ -33,6 +39,28 @@ from tqserve.api.router.core import KvFeed, RouteTable, RoutingConfig
 
 log = logging.getLogger("tqserve.rayserve")
 ROUTER_CLASS = "tqserve.api.rayserve.routing:PrefixRouter"
+POW2_ROUTER_CLASS = "tqserve.api.rayserve.routing:Pow2Router"
+
+
+def pinned(candidates: Sequence[RunningReplica],
+           pending_request: PendingRequest | None) -> RunningReplica | None:
+    """The candidate the front's call names (`pin`), if it is one of them."""
+    call = pending_request.args[0] if pending_request and pending_request.args else None
+    pin = getattr(call, "pin", None)
+    if pin is None:
+        return None
+    return next((r for r in candidates if r.replica_id.unique_id == pin), None)
+
+
+class Pow2Router(PowerOfTwoChoicesRequestRouter):
+    """Ray's power-of-two choices, but a pinned call goes to its replica (module doc)."""
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None
+                              ) -> list[list[RunningReplica]]:
+        if (replica := pinned(candidate_replicas, pending_request)) is not None:
+            return [[replica]]
+        return await super().choose_replicas(candidate_replicas, pending_request)
 
 
 class PrefixRouter(RequestRouter):
@@ -83,12 +111,11 @@ class PrefixRouter(RequestRouter):
         by_name = {r.replica_id.unique_id: r for r in candidate_replicas}
         for name, n in (await self._loads(candidate_replicas)).items():
             table.set_load(name, n)
-        # the front's call (api.rayserve.relay): a cancel names its replica (`pin`), a
+        # the front's call (api.rayserve.relay): one may name its replica (`pin`), a
         # request carries its prompt's keys; a call without either goes by load
+        if (replica := pinned(candidate_replicas, pending_request)) is not None:
+            return [[replica]]
         call = pending_request.args[0] if pending_request and pending_request.args else None
-        pin = getattr(call, "pin", None)
-        if pin in by_name:  # a cancel goes where its request runs
-            return [[by_name[pin]]]
         keys = tuple(getattr(call, "prefix_keys", ()) or ())
         route = table.choose(keys, exclude=[n for n in table.names if n not in by_name])
         table.started(route, keys)

@@ -25,6 +25,10 @@ serve = pytest.importorskip("ray.serve", reason="pip install 'tqserve[ray]'")
 
 from tqserve.api.rayserve.deployment import (APP_NAME, DEPLOYMENT_NAME,  # noqa: E402
                                              RayServeConfig, build_app)
+from tqserve.api.rayserve.keys import response_pin  # noqa: E402
+from tqserve.api.rayserve.relay import (HttpCall, replica_of_response,  # noqa: E402
+                                        response_id_prefix)
+from tqserve.api.rayserve.routing import pinned  # noqa: E402
 from tqserve.engine.config import Config  # noqa: E402
 from tqserve.tools.agent_server import free_port  # noqa: E402
 
@@ -155,6 +159,24 @@ async def _ws_generate(url: str) -> list[dict[str, Any]]:
         return events
 
 
+async def _ws_responses(url: str, frames: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    """Each frame's events over one Responses WebSocket, up to its last."""
+    last = ("response.completed", "response.incomplete", "response.failed", "error")
+    out: list[list[dict[str, Any]]] = []
+    async with open_websocket_url(url.replace("http://", "ws://") + "/v1/responses") as ws:
+        for frame in frames:
+            if "previous_response_id" in frame and frame["previous_response_id"] is None:
+                done = [run[-1]["response"]["id"] for run in out if "response" in run[-1]]
+                frame = {**frame, "previous_response_id": done[-1]}  # the last one made
+            await ws.send_message(json.dumps(frame))
+            events: list[dict[str, Any]] = []
+            with trio.fail_after(BOUND):
+                while not events or events[-1]["type"] not in last:
+                    events.append(json.loads(await ws.get_message()))
+            out.append(events)
+    return out
+
+
 def test_ray_serve_replicas(proxy: str) -> None:
     # both replicas up, each answering; greedy text is the same whichever replica serves
     assert len(_wait_for(lambda: len(_running_ids()) == 2 and _running_ids(),
@@ -233,6 +255,82 @@ def test_replica_metrics_reach_rays_prometheus_export(proxy: str) -> None:
 
     served = _wait_for(scrape, "2 replicas in Ray's metrics export")
     assert set(_running_ids()) <= set(served)  # every live replica is there
+
+
+def test_responses_follow_ups_reach_the_replica_that_stored_them(proxy: str) -> None:
+    """A Responses conversation through the front: each response's id names its replica and
+    every `previous_response_id` follow-up (and GET of a stored response) is pinned there,
+    so none answers 404 though 2 replicas each store only their own."""
+    running = _wait_for(lambda: len(_running_ids()) == 2 and _running_ids(), "2 replicas")
+    previous, ids = None, []
+    for turn in range(5):
+        body: dict[str, Any] = {"model": "pycoder-draft-4m", "max_output_tokens": 3,
+                                "input": f"def step_{turn}():"}
+        if previous is not None:
+            body["previous_response_id"] = previous
+        r = httpx.post(proxy + "/v1/responses", json=body, timeout=BOUND)
+        assert r.status_code == 200, r.text
+        answer = r.json()
+        assert answer["previous_response_id"] == previous
+        assert answer["status"] in ("completed", "incomplete"), answer
+        previous = answer["id"]
+        ids.append(previous)
+    holders = {replica_of_response(rid) for rid in ids}
+    assert len(holders) == 1 and holders <= running, (ids, running)
+    for rid in ids:
+        got = httpx.get(f"{proxy}/v1/responses/{rid}", timeout=BOUND)
+        assert got.status_code == 200 and got.json()["id"] == rid, got.text
+    # the Responses WebSocket through the front: a follow-up of the HTTP chain, a refused
+    # frame (the socket goes on), a follow-up of the follow-up; all on the holder
+    create = {"type": "response.create", "model": "pycoder-draft-4m", "max_output_tokens": 2}
+    runs = trio.run(_ws_responses, proxy, [
+        {**create, "input": "x = 1", "previous_response_id": previous},
+        {**create, "input": "x", "max_output_tokens": -1},
+        {**create, "input": "y = 2", "previous_response_id": None}])
+    first, refused, second = runs
+    assert first[0]["type"] == "response.created", first
+    assert refused == [refused[-1]] and refused[0]["type"] == "error", refused
+    assert "max_output_tokens" in json.dumps(refused[0])
+    assert second[-1]["type"] in ("response.completed", "response.incomplete"), second
+    assert second[-1]["response"]["previous_response_id"] == first[-1]["response"]["id"]
+    assert {replica_of_response(run[-1]["response"]["id"]) for run in (first, second)
+            } == holders
+    gone = "resp_" + "z" * 8 + "_" + "0" * 24  # a replica that does not run: any one says 400
+    missing = httpx.post(proxy + "/v1/responses", timeout=BOUND, json={
+        "model": "pycoder-draft-4m", "input": "x", "previous_response_id": gone})
+    assert missing.status_code == 400 and gone in missing.text
+
+
+@pytest.mark.parametrize("rid, replica", [
+    ("resp_ab12cd34_" + "f" * 24, "ab12cd34"), ("resp_" + "f" * 24, None),
+    ("resp_ab_", None), ("resp_a-b_cc", None), ("msg_ab_cc", None), (7, None), (None, None),
+])
+def test_replica_of_response_reads_only_its_own_form(rid: Any, replica: str | None) -> None:
+    assert replica_of_response(rid) == replica
+    assert replica_of_response(response_id_prefix("ab12cd34") + "f" * 24) == "ab12cd34"
+
+
+def test_front_pins_responses_follow_ups_and_routers_honour_pins() -> None:
+    rid = response_id_prefix("ab12cd34") + "0" * 24
+    assert response_pin("POST", "/v1/responses", {"previous_response_id": rid}) == "ab12cd34"
+    assert response_pin("GET", f"/v1/responses/{rid}", None) == "ab12cd34"
+    assert response_pin("POST", "/v1/responses", {"input": "x"}) is None
+    assert response_pin("POST", "/v1/chat/completions", {"previous_response_id": rid}) is None
+
+    class Replica:
+        def __init__(self, name: str) -> None:
+            self.replica_id = type("Id", (), {"unique_id": name})()
+
+    class Pending:
+        def __init__(self, call: Any) -> None:
+            self.args = [call]
+
+    a, b = Replica("aaaa"), Replica("ab12cd34")
+    call = HttpCall(scope={}, body=b"", pin="ab12cd34")
+    assert pinned([a, b], Pending(call)) is b  # type: ignore[arg-type]
+    assert pinned([a], Pending(call)) is None  # type: ignore[arg-type]
+    assert pinned([a, b], Pending(HttpCall(scope={}, body=b""))) is None  # type: ignore[arg-type]
+    assert pinned([a, b], None) is None  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("argv, message", [
