@@ -105,15 +105,21 @@ def _body_complete(head: bytes) -> bool:
     return length.isdigit() and len(head) - (end + 4) >= int(length)
 
 
-def refusal_bytes(path: bytes, reason: str) -> bytes:
-    """The whole 429 answer for `path`, in its API's error shape."""
-    if path == b"/v1/messages":
+def refusal_body(path: bytes, reason: str) -> bytes:
+    """The 429's JSON body for `path`, in its API's error shape (Anthropic's for
+    /v1/messages, else OpenAI's with code `overloaded`)."""
+    if path.endswith(b"/v1/messages"):
         error: dict[str, Any] = {"type": "error", "error": {"type": "rate_limit_error",
                                                             "message": reason}}
     else:
         error = {"error": {"message": reason, "type": "rate_limit_exceeded", "param": None,
                            "code": "overloaded"}}
-    body = json.dumps(error).encode()
+    return json.dumps(error).encode()
+
+
+def refusal_bytes(path: bytes, reason: str) -> bytes:
+    """The whole 429 answer for `path`, in its API's error shape."""
+    body = refusal_body(path, reason)
     head = ["HTTP/1.1 429 Too Many Requests", "content-type: application/json",
             f"content-length: {len(body)}", f"retry-after: {RETRY_AFTER_SECONDS}",
             "connection: close"]

@@ -226,6 +226,9 @@ def _replica_options(config: Any, ray_config: RayServeConfig) -> dict[str, Any]:
         "ray_actor_options": {"num_cpus": ray_config.num_cpus,
                               "num_gpus": ray_config.num_gpus},
         "max_ongoing_requests": ray_config.max_ongoing_requests or per_replica,
+        # beyond what the replicas hold, each front queues at most what one server would
+        # (--max-queued-requests); more are refused 429 `overloaded`, never left to wait
+        "max_queued_requests": config.max_queued_requests,
         "health_check_period_s": HEALTH_PERIOD,
         "health_check_timeout_s": HEALTH_TIMEOUT,
         "graceful_shutdown_timeout_s": config.shutdown_timeout + 5.0,

@@ -26,10 +26,13 @@ import logging
 from typing import Any
 
 from ray import serve
+from ray.serve.exceptions import BackPressureError
 
+from tqserve.api.httpconn import RETRY_AFTER_SECONDS
+from tqserve.api.overload import refusal_body
 from tqserve.api.rayserve.front_ws import serve_socket
 from tqserve.api.rayserve.keys import FrontConfig, response_pin, route_keys
-from tqserve.api.rayserve.relay import HttpCall, plain_scope
+from tqserve.api.rayserve.relay import HttpCall, overload_message, plain_scope
 
 log = logging.getLogger("tqserve.rayserve")
 FRONT_NAME = "TqserveFront"
@@ -54,6 +57,16 @@ async def _answer(send: Any, status: int, code: str, message: str) -> None:
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"),
                             (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+async def _overloaded(send: Any, path: str, exc: BackPressureError) -> None:
+    """429 in the route's API shape, with Retry-After (as one server's overload answer)."""
+    body = refusal_body(path.encode("utf-8", "replace"), overload_message(exc))
+    await send({"type": "http.response.start", "status": 429,
+                "headers": [(b"content-type", b"application/json"),
+                            (b"content-length", str(len(body)).encode()),
+                            (b"retry-after", str(RETRY_AFTER_SECONDS).encode())]})
     await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
@@ -116,6 +129,8 @@ class TqserveFront:
                     streaming = any(k.lower() == b"content-type" and b"event-stream" in v
                                     for k, v in message.get("headers", ()))
                 await send(message)
+        except BackPressureError as exc:  # the replicas are full and so is the queue here
+            await _overloaded(send, scope["path"], exc)
         except Exception as exc:  # the replica died (or was lost) under the request
             if watch.done():
                 return  # the client went away and the call was cancelled: nobody to tell

@@ -26,10 +26,12 @@ import logging
 import uuid
 from typing import Any
 
+from ray.serve.exceptions import BackPressureError
+
 from tqserve.api.auth import WS_PROTOCOL, key_ok, origin_allowed, protocol_key
 from tqserve.api.rayserve.keys import FrontConfig, route_keys
-from tqserve.api.rayserve.relay import (CancelCall, WsCall, frame_kind, plain_scope,
-                                        replica_of_response)
+from tqserve.api.rayserve.relay import (CancelCall, WsCall, frame_kind, overload_message,
+                                        plain_scope, replica_of_response)
 from tqserve.api.router.ws import FrameError, decode, encode
 
 log = logging.getLogger("tqserve.rayserve")
@@ -148,6 +150,9 @@ class _StreamSocket:
             if stream is not None:  # the client went, or cancelled before a replica had it
                 stream.cancel()
             raise
+        except BackPressureError as exc:  # every replica full, and the queue here too
+            await self.out(encode({"type": "error", "id": rid, "code": "overloaded",
+                                   "message": overload_message(exc)}, binary))
         except Exception as exc:
             log.warning("WebSocket request %s failed: %r", rid, exc)
             code = "backend_lost" if sent_token else "backend_failed"
@@ -211,6 +216,10 @@ class _ResponsesSocket:
         except asyncio.CancelledError:
             stream.cancel()
             raise
+        except BackPressureError as exc:
+            await self._out(json.dumps({"type": "error", "status": 429, "error": {
+                "type": "rate_limit_exceeded", "code": "overloaded", "param": None,
+                "message": overload_message(exc)}}))
         except Exception as exc:
             log.warning("WebSocket response failed: %r", exc)
             await self._out(json.dumps({"type": "error", "status": 502, "error": {

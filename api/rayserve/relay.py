@@ -42,6 +42,13 @@ class HttpCall:
     pin: str | None = None   # the replica that must answer (it stores the response named)
 
 
+def overload_message(exc: Exception) -> str:
+    """What a request refused by Ray's backpressure (BackPressureError) is told."""
+    queued = exc.args[1] if len(exc.args) > 1 else "--max-queued-requests"
+    return (f"the server is overloaded: every replica is full and {queued} requests already "
+            "wait for one (--max-queued-requests); retry later")
+
+
 def response_id_prefix(replica: str) -> str:
     """What a replica's Responses API ids start with: `resp_<replica>_` (its Ray name)."""
     return f"resp_{replica}_"

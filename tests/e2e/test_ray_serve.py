@@ -392,3 +392,50 @@ def test_prefix_router_keeps_single_server_reuse_on_a_trace(proxy: str, tmp_path
     assert len(stats) == 2 and all(s["requests_total"] > 0 for s in stats)
     assert sum(s["requests_total"] for s in stats) == len(reqs)
     assert all(s["kv_next"] > 0 and s["kv_batches"] for s in stats)  # KV events flowed
+
+
+def _post_long(url: str) -> tuple[int, dict[str, Any], str | None]:
+    r = httpx.post(url + "/v1/completions", timeout=BOUND * 2, json={
+        "prompt": "def main():", "max_tokens": 1000, "temperature": 0})
+    return r.status_code, r.json(), r.headers.get("retry-after")
+
+
+def test_full_replicas_and_a_full_queue_refuse_429_at_once(proxy: str) -> None:
+    """One replica holding 2 requests (--max-batch 1 + --max-queued-requests 1) and a front
+    that queues 1 more: the rest are refused 429 `overloaded` with Retry-After at once, not
+    left waiting in Ray's queue; the admitted ones complete and the replica ends with no
+    row."""
+    config = Config(dtype="float32", max_batch=1, max_queued_requests=1, warmup="off",
+                    shutdown_timeout=2.0)
+    serve.delete(APP_NAME)  # an application of its own on "/" (this test runs last)
+    serve.run(build_app(config, RayServeConfig(num_replicas=1, num_cpus=0.5)),
+              name="tqserve-overload", route_prefix="/")
+    try:
+        with ThreadPoolExecutor(8) as pool:
+            futures = [pool.submit(_post_long, proxy) for _ in range(7)]
+            # once one is refused, the replica holds 2 and the front queues 1 for seconds
+            # (1,000 tokens each); then a WebSocket request. (The replica is not asked: its
+            # actor has no slot for a stats call while it is full.)
+            _wait_for(lambda: any(f.done() and f.result()[0] == 429 for f in futures),
+                      "a refusal")
+            events = trio.run(_ws_generate, proxy)
+            done, pending = wait(futures, timeout=BOUND * 2)
+        assert not pending
+        outcomes = [f.result() for f in futures]
+        ok = [body for status, body, _ in outcomes if status == 200]
+        refused = [(body, after) for status, body, after in outcomes if status == 429]
+        assert len(ok) + len(refused) == 7, outcomes
+        assert ok and refused, outcomes  # how many got in depends on when each arrived
+        for body, after in refused:
+            assert body["error"]["code"] == "overloaded" and after == "1", body
+            assert "--max-queued-requests" in body["error"]["message"]
+        assert all(b["usage"]["completion_tokens"] == 1000 for b in ok)
+        # Ray's queue bound is approximate (its count drops while a queued request backs off
+        # between tries), so the WebSocket request is refused or waits for a slot and runs
+        assert (events[-1]["type"] == "done" or events[-1]["type"] == "error"
+                and events[-1]["code"] == "overloaded"), events
+        assert _completion(proxy)  # room again once they ended
+        (handle,) = _replicas().values()
+        _wait_for(lambda: _stats(handle)["rows_active"] == 0, "no rows left")
+    finally:
+        serve.delete("tqserve-overload")
