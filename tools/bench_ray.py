@@ -85,16 +85,17 @@ def wait_ready(base: str, replicas: int, app_name: str) -> None:
 
 def run_policy(config: Any, policy: str, replicas: int, base: str,
                reqs: Sequence[TraceRequest], concurrency: int,
-               before_delete: Callable[[], None] | None = None) -> dict[str, Any]:
+               before_delete: Callable[[], None] | None = None,
+               **router: Any) -> dict[str, Any]:
     """Deploy the application for one policy, replay, (call `before_delete`,) delete it;
-    the replay's summary."""
+    the replay's summary. `router`: RayServeConfig's prefix-router knobs."""
     from ray import serve
 
     from tqserve.api.rayserve.deployment import APP_NAME, RayServeConfig, build_app
 
     n = 1 if policy == "single" else replicas
     ray_config = RayServeConfig(num_replicas=n, num_cpus=0.5,
-                                router="pow2" if policy == "pow2" else "prefix")
+                                router="pow2" if policy == "pow2" else "prefix", **router)
     # an application of its own per run: a Ray worker process reused for the next run's
     # front keeps its routers cached by (application, deployment), so a second run under
     # the same names would route with the first run's router class
@@ -141,6 +142,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--concurrency", type=int, default=4, help="requests in flight")
     p.add_argument("--policies", default=",".join(POLICIES),
                    help="comma-separated, of " + ", ".join(POLICIES))
+    p.add_argument("--spill-threshold", type=int, default=8,
+                   help="the prefix router's: a holder this many requests busier spills")
+    p.add_argument("--min-match-fraction", type=float, default=0.25,
+                   help="the prefix router's: the least match (of the prompt) for affinity")
     p.add_argument("--model", default=None, help="model (default: the bundled one)")
     p.add_argument("--cluster-cpus", type=int, default=None, help="CPUs of the local cluster")
     p.add_argument("--out", type=Path, default=Path("bench_ray.json"))
@@ -183,7 +188,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         for policy in policies:
             runs[policy] = run_policy(config, policy, args.replicas,
-                                      f"http://127.0.0.1:{port}", reqs, args.concurrency)
+                                      f"http://127.0.0.1:{port}", reqs, args.concurrency,
+                                      spill_threshold=args.spill_threshold,
+                                      min_match_fraction=args.min_match_fraction)
             r = runs[policy]
             print(f"{policy:>6}: reuse {r['achieved_reuse_fraction']:.3f}, TTFT mean "
                   f"{r.get('mean_ttft_ms', 0):.1f} ms p99 {r.get('p99_ttft_ms', 0):.1f} ms, "
@@ -194,7 +201,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = {"requests": len(reqs), "prompt_tokens": sum(len(r.prompt_tokens) for r in reqs),
            "ideal_reuse_infinite": ideal["ideal_reuse_infinite"], "runs": runs,
            "ratios": ratios(runs), "concurrency": args.concurrency,
-           "replicas": args.replicas, "block_tokens": args.block_tokens}
+           "replicas": args.replicas, "block_tokens": args.block_tokens,
+           "spill_threshold": args.spill_threshold,
+           "min_match_fraction": args.min_match_fraction}
     args.out.write_text(json.dumps(out, indent=2, default=str))
     print(json.dumps(out["ratios"], indent=2))
     return 0
