@@ -360,9 +360,12 @@ def test_ray_serve_cli_refuses_bad_flags(argv: list[str], message: str,
 
 def test_prefix_router_keeps_single_server_reuse_on_a_trace(proxy: str, tmp_path: Any) -> None:
     """The Mooncake trace's kept families replayed through the proxy's WebSocket, closed
-    loop, one request at a time: tqserve's PrefixRouter over 2 replicas reuses >= 0.9x the prompt tokens one
-    replica does; Ray's power-of-two default falls far below. The replicas' KV events
-    reach the routing stats, and both replicas serve. (TTFT: `tqserve bench ray`.)"""
+    loop, one request at a time: tqserve's PrefixRouter over 2 replicas reuses >= 0.9x the
+    prompt tokens one replica does. The replicas' KV events reach the routing stats, and
+    both replicas serve. Ray's power-of-two default is not run here: where its random
+    choices send each follow-up is luck (0.19-0.41 of one replica's 0.50 over five runs),
+    so no bound on it could be asserted without flaking; `tqserve bench ray` compares
+    the two, with TTFT."""
     from tqserve.tools.bench_ray import TRACE, run_policy, trace_requests
 
     if not TRACE.is_file():
@@ -377,7 +380,7 @@ def test_prefix_router_keeps_single_server_reuse_on_a_trace(proxy: str, tmp_path
         seen["stats"] = [_stats(h) for h in _replicas().values()]
 
     reuse = {}
-    for policy in ("single", "pow2", "prefix"):
+    for policy in ("single", "prefix"):
         # one request at a time: a prompt repeated while its twin still prefills reuses
         # nothing on any router, so concurrent replays vary run to run (0.50 or 0.40)
         summary = run_policy(config, policy, 2, proxy, reqs, 1,
@@ -387,7 +390,6 @@ def test_prefix_router_keeps_single_server_reuse_on_a_trace(proxy: str, tmp_path
     print(f"{len(reqs)} requests, reused fraction:", reuse)
     assert reuse["single"] > 0.3
     assert reuse["prefix"] >= 0.9 * reuse["single"]
-    assert reuse["pow2"] < 0.8 * reuse["single"]
     stats = seen["stats"]
     assert len(stats) == 2 and all(s["requests_total"] > 0 for s in stats)
     assert sum(s["requests_total"] for s in stats) == len(reqs)
