@@ -50,7 +50,11 @@ async def written(loaded, directory: Path, requests) -> dict[tuple[int, ...], Pa
     def files() -> dict[tuple[int, ...], Path]:
         out = {}
         for path in directory.glob("*.tqsnap"):
-            tokens = decode_header(path.read_bytes()).token_ids
+            try:
+                data = path.read_bytes()
+            except FileNotFoundError:  # a prompt snapshot superseded (and removed) by its
+                continue               # row's release snapshot between the glob and here
+            tokens = decode_header(data).token_ids
             for prompt, _ in requests:
                 if len(tokens) > len(prompt) and tokens[:len(prompt)] == prompt:
                     out[prompt] = path
