@@ -29,9 +29,11 @@ from typing import Any
 from ray.serve.exceptions import BackPressureError
 
 from tqserve.api.auth import WS_PROTOCOL, key_ok, origin_allowed, protocol_key
+from tqserve.api.httpcommon import ApiError
 from tqserve.api.rayserve.keys import FrontConfig, route_keys
 from tqserve.api.rayserve.relay import (CancelCall, WsCall, frame_kind, overload_message,
                                         plain_scope, replica_of_response)
+from tqserve.api.responses_ws import error_frame
 from tqserve.api.router.ws import FrameError, decode, encode
 
 log = logging.getLogger("tqserve.rayserve")
@@ -77,6 +79,10 @@ async def serve_socket(replicas: Any, config: FrontConfig, tokenizer: Any,
         socket.close()
 
 
+async def _send_frame(send: Any, frame: str | bytes) -> None:
+    await send({"type": "websocket.send", "bytes": frame} if isinstance(frame, bytes)
+               else {"type": "websocket.send", "text": frame})
+
 
 def _own_request_id() -> None:
     """Give the calls of this task (one WebSocket request) a Ray request id of their own.
@@ -105,8 +111,7 @@ class _StreamSocket:
         self._active: dict[str, tuple[asyncio.Task[None], dict[str, Any]]] = {}
 
     async def out(self, frame: str | bytes) -> None:
-        await self._send({"type": "websocket.send", "bytes": frame} if isinstance(frame, bytes)
-                         else {"type": "websocket.send", "text": frame})
+        await _send_frame(self._send, frame)
 
     async def handle(self, data: str | bytes) -> None:
         binary = isinstance(data, bytes)
@@ -217,19 +222,16 @@ class _ResponsesSocket:
             stream.cancel()
             raise
         except BackPressureError as exc:
-            await self._out(json.dumps({"type": "error", "status": 429, "error": {
-                "type": "rate_limit_exceeded", "code": "overloaded", "param": None,
-                "message": overload_message(exc)}}))
+            await self._out(error_frame(ApiError(429, overload_message(exc),
+                                                 code="overloaded")))
         except Exception as exc:
             log.warning("WebSocket response failed: %r", exc)
-            await self._out(json.dumps({"type": "error", "status": 502, "error": {
-                "type": "server_error", "code": "backend_failed", "param": None,
-                "message": f"the replica serving this response failed: "
-                           f"{type(exc).__name__}; it is not retried"}}))
+            await self._out(error_frame(ApiError(
+                502, f"the replica serving this response failed: {type(exc).__name__}; "
+                     "it is not retried", code="backend_failed")))
 
     async def _out(self, frame: str | bytes) -> None:
-        await self._send({"type": "websocket.send", "bytes": frame} if isinstance(frame, bytes)
-                         else {"type": "websocket.send", "text": frame})
+        await _send_frame(self._send, frame)
 
     def close(self) -> None:
         if self._last is not None:

@@ -185,8 +185,10 @@ def _refused(call: WsCall, detail: str) -> str:
     """The error frame for a socket the replica refused, in its protocol's shape."""
     text = f"the replica refused the WebSocket ({detail})"
     if str(call.scope.get("path", "")).rstrip("/").endswith("/responses"):
-        return json.dumps({"type": "error", "status": 503, "error": {
-            "type": "server_error", "code": "refused", "param": None, "message": text}})
+        from tqserve.api.httpcommon import ApiError
+        from tqserve.api.responses_ws import error_frame
+
+        return error_frame(ApiError(503, text, code="refused"))
     return json.dumps({"type": "error", "id": frame_kind(call.frame)[1], "code": "refused",
                        "message": text})
 
