@@ -6,9 +6,9 @@ Anthropic HTTP APIs, WebSocket /v1/stream, /health, /v1/stats, /metrics). The fr
 (api.rayserve.front) is the application's ingress behind Ray Serve's HTTP proxy: it reads
 each request, keys it by prompt and calls a replica through a handle (`http`, `ws`,
 `cancel`: api.rayserve.relay), whose request router (api.rayserve.routing.PrefixRouter, or
-Ray's power-of-two with `router="pow2"`, routing.Pow2Router) picks the replica. Ray's graceful shutdown calls
-`__del__`: the engine's clean shutdown (api.server.close_app), within
-graceful_shutdown_timeout_s.
+Ray's power-of-two with `router="pow2"`, routing.Pow2Router) picks the replica.
+Ray's graceful shutdown calls `__del__`: the engine's clean shutdown
+(api.server.close_app), within graceful_shutdown_timeout_s.
 
 Ray reads each replica's health from `check_health` (the guest run still going, the engine
 admitting) and its load and KV events from `record_routing_stats` (rows and queue, and

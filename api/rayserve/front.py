@@ -50,24 +50,25 @@ def _stream_error(path: str, message: str) -> bytes:
     return f"data: {json.dumps(body)}\n\ndata: [DONE]\n\n".encode()
 
 
-async def _answer(send: Any, status: int, code: str, message: str) -> None:
-    body = json.dumps({"error": {"message": message, "type": "server_error" if status >= 500
-                                 else "invalid_request_error", "param": None,
-                                 "code": code}}).encode()
+async def _send_json(send: Any, status: int, body: bytes,
+                     headers: tuple[tuple[bytes, bytes], ...] = ()) -> None:
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"),
-                            (b"content-length", str(len(body)).encode())]})
+                            (b"content-length", str(len(body)).encode()), *headers]})
     await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+async def _answer(send: Any, status: int, code: str, message: str) -> None:
+    await _send_json(send, status, json.dumps({"error": {
+        "message": message, "type": "server_error" if status >= 500 else
+        "invalid_request_error", "param": None, "code": code}}).encode())
 
 
 async def _overloaded(send: Any, path: str, exc: BackPressureError) -> None:
     """429 in the route's API shape, with Retry-After (as one server's overload answer)."""
-    body = refusal_body(path.encode("utf-8", "replace"), overload_message(exc))
-    await send({"type": "http.response.start", "status": 429,
-                "headers": [(b"content-type", b"application/json"),
-                            (b"content-length", str(len(body)).encode()),
-                            (b"retry-after", str(RETRY_AFTER_SECONDS).encode())]})
-    await send({"type": "http.response.body", "body": body, "more_body": False})
+    await _send_json(send, 429, refusal_body(path.encode("utf-8", "replace"),
+                                             overload_message(exc)),
+                     ((b"retry-after", str(RETRY_AFTER_SECONDS).encode()),))
 
 
 @serve.ingress()

@@ -6,8 +6,9 @@ the one client frame), with the prompt's prefix keys for the request router
 (api.rayserve.routing) and, for a Responses follow-up, the replica it is pinned to. The
 replica answers through a Ray Serve streaming call: `serve_http` yields the ASGI messages
 the app sends (`http.response.start`, `http.response.body` ...), `WsRequests.serve` the
-frames of the one request, ending after its last (LAST_FRAMES). Both run the replica's own quart-trio app
-(api.app) in the trio guest, so validation, errors, auth and metrics are the server's.
+frames of the one request, ending after its last (LAST_FRAMES). Both run the replica's
+own quart-trio app (api.app) in the trio guest, so validation, errors, auth and
+metrics are the server's.
 
 Cancel and disconnect: when the front cancels a streaming call (its client went away), the
 app's call is cancelled: for HTTP that is the client's disconnect, for a WebSocket request
