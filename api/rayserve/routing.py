@@ -42,10 +42,13 @@ ROUTER_CLASS = "tqserve.api.rayserve.routing:PrefixRouter"
 POW2_ROUTER_CLASS = "tqserve.api.rayserve.routing:Pow2Router"
 
 
-def pinned(candidates: Sequence[RunningReplica],
-           pending_request: PendingRequest | None) -> RunningReplica | None:
+def front_call(pending_request: PendingRequest | None) -> Any:
+    """The front's call (api.rayserve.relay) a pending request carries, or None."""
+    return pending_request.args[0] if pending_request and pending_request.args else None
+
+
+def pinned(candidates: Sequence[RunningReplica], call: Any) -> RunningReplica | None:
     """The candidate the front's call names (`pin`), if it is one of them."""
-    call = pending_request.args[0] if pending_request and pending_request.args else None
     pin = getattr(call, "pin", None)
     if pin is None:
         return None
@@ -58,7 +61,7 @@ class Pow2Router(PowerOfTwoChoicesRequestRouter):
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None
                               ) -> list[list[RunningReplica]]:
-        if (replica := pinned(candidate_replicas, pending_request)) is not None:
+        if (replica := pinned(candidate_replicas, front_call(pending_request))) is not None:
             return [[replica]]
         return await super().choose_replicas(candidate_replicas, pending_request)
 
@@ -113,9 +116,9 @@ class PrefixRouter(RequestRouter):
             table.set_load(name, n)
         # the front's call (api.rayserve.relay): one may name its replica (`pin`), a
         # request carries its prompt's keys; a call without either goes by load
-        if (replica := pinned(candidate_replicas, pending_request)) is not None:
+        call = front_call(pending_request)
+        if (replica := pinned(candidate_replicas, call)) is not None:
             return [[replica]]
-        call = pending_request.args[0] if pending_request and pending_request.args else None
         keys = tuple(getattr(call, "prefix_keys", ()) or ())
         route = table.choose(keys, exclude=[n for n in table.names if n not in by_name])
         table.started(route, keys)

@@ -28,7 +28,7 @@ from tqserve.api.rayserve.deployment import (APP_NAME, DEPLOYMENT_NAME,  # noqa:
 from tqserve.api.rayserve.keys import response_pin  # noqa: E402
 from tqserve.api.rayserve.relay import (HttpCall, replica_of_response,  # noqa: E402
                                         response_id_prefix)
-from tqserve.api.rayserve.routing import pinned  # noqa: E402
+from tqserve.api.rayserve.routing import front_call, pinned  # noqa: E402
 from tqserve.engine.config import Config  # noqa: E402
 from tqserve.tools.agent_server import free_port  # noqa: E402
 
@@ -325,12 +325,15 @@ def test_front_pins_responses_follow_ups_and_routers_honour_pins() -> None:
         def __init__(self, call: Any) -> None:
             self.args = [call]
 
+    def pinned_for(replicas: list[Any], pending: Any) -> Any:
+        return pinned(replicas, front_call(pending))
+
     a, b = Replica("aaaa"), Replica("ab12cd34")
     call = HttpCall(scope={}, body=b"", pin="ab12cd34")
-    assert pinned([a, b], Pending(call)) is b  # type: ignore[arg-type]
-    assert pinned([a], Pending(call)) is None  # type: ignore[arg-type]
-    assert pinned([a, b], Pending(HttpCall(scope={}, body=b""))) is None  # type: ignore[arg-type]
-    assert pinned([a, b], None) is None  # type: ignore[arg-type]
+    assert pinned_for([a, b], Pending(call)) is b
+    assert pinned_for([a], Pending(call)) is None
+    assert pinned_for([a, b], Pending(HttpCall(scope={}, body=b""))) is None
+    assert pinned_for([a, b], None) is None
 
 
 @pytest.mark.parametrize("argv, message", [
