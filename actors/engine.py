@@ -213,7 +213,7 @@ async def open_engine(config: Config, *, loaded: LoadedModel | None = None,
             await prefix.recover()  # before the nursery: a bad cache-dir is a plain ValueError
         async with trio.open_nursery() as writer:
             if prefix is not None and config.ssd_flush == "async" and prefix.spill is not None:
-                await writer.start(run_writer, prefix.spill, prefix.write)
+                await writer.start(run_writer, prefix.spill, prefix.ssd.write)
             try:
                 async with trio.open_nursery() as nursery:
                     await nursery.start(run_hub, hub, hub_in)
@@ -247,7 +247,7 @@ async def open_engine(config: Config, *, loaded: LoadedModel | None = None,
                 # The actors are gone (no more writes can be queued): drain the queue.
                 if prefix is not None:
                     with trio.CancelScope(shield=True):
-                        await prefix.close_writes()
+                        await prefix.ssd.close_writes()
     finally:
         try:
             if runner is not None:

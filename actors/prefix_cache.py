@@ -1,10 +1,11 @@
-"""Prefix cache: the RAM and SSD tiers around the sans-io PrefixIndex, and the writer task.
+"""Prefix cache: the sans-io PrefixIndex over both tiers, the RAM tier, lookups and loads.
 
-Owns: the PrefixIndex (books of both tiers; its KV event log, stamped with time.time),
-the SsdTier (files), the write queue.
+Owns: the PrefixIndex (books of both tiers; its KV event log, stamped with time.time), the
+RAM tier's books (pinned donors, the tokens each snapshot covers, which RAM entries have a
+file, the spill and drop orders for the next step), the requests waiting for loads, and
+its SSD side, a PrefixSsd (actors.prefix_ssd: recovery, restores, writes, pending entries).
 The snapshots' arrays live in the Runner (runner thread), keyed by the RAM keys here;
-only keys, token ids and numbers cross into this module, plus plane bytes on their way
-to disk (produced on the runner thread, never tensors).
+only keys, token ids and numbers cross into this module.
 
 Used by the scheduler actor, in its task (no mailbox of its own):
   * `lookup` when a request is about to take a row (not at arrival, so a request queued
@@ -23,44 +24,30 @@ Used by the scheduler actor, in its task (no mailbox of its own):
     `prompt_of`), indexes the new snapshots and writes them.
   * `reconcile(held)` after a failed step: the index and the runner agree again.
 
+Who changes the index: this module, in the scheduler's task (RAM and SPILLING entries,
+pins; an evicted entry whose write is pending it marks PENDING), and its SSD side for the
+entries a file or a pending write stands behind, in the scheduler's task and, for queued
+writes, in spill's writer task (the same trio thread: actors.prefix_ssd).
+
 Namespaces (engine.namespaces): a request looks up, and its row publishes, only in the
 namespace of its speculation method: state-free (no speculation, lookup) or paired with
 its proposer's state (draft, mtp; the runner reports which with each snapshot). A paired
 entry's reuse bound includes its state's (`paired_minimum` in the file's header).
 
-Write modes (`--ssd-write`): "through" (default with a cache dir): every published
-snapshot is also written to the SSD tier; RAM pressure then only drops RAM copies.
-"back": a snapshot reaches the disk only when RAM pressure evicts it (a spill).
-Flush (`--ssd-flush`): "async" (default): writes go through a bounded queue to the writer
-task; `send_nowait`, and a full queue drops the write (counted in `spills_dropped`), so a
-step never waits for the disk. "sync": the step's absorb awaits the write (on a worker
-thread) and publishes only after the file is durable.
-
 Reachability: a published snapshot stays matchable until it is gone for good, whatever the
 RAM budget. An entry over the budget is SPILLING until its spill or drop order runs (the
-runner still holds it: a hit takes it back into RAM and cancels the spill); once its RAM
-copy is gone while its async write is queued or running, it is PENDING: a hit restores it
-from the write's bytes (as an SSD hit, without reading the disk) until the write is
-acknowledged (then the SSD entry serves it) or abandoned. With --distributed the other
-ranks keep no bytes to restore from, so there an entry leaves the index with its RAM copy
-and is matchable again once its write is acknowledged.
+runner still holds it: a hit takes it back into RAM and cancels the spill). With
+write-through, or when its file exists already, RAM pressure only drops its RAM copy;
+with write-back it is spilled (write modes, flushes and PENDING entries, matchable while
+their write is queued or running: actors.prefix_ssd).
 
 Files: every file operation (recovery, reads, writes, removals, quarantine; the other
 ranks' shards under --distributed) goes through actors.spill, the SSD tier's only owner;
-this module owns the index and indexes what spill reports. The writer task (spill's)
-hands each queued write back to `write` here, which publishes it once durable (same trio
-thread, no await in between), so there is no edge back and the graph stays a DAG.
-Shutdown: the scheduler stops, then `close_writes` closes the queue; the writer drains it.
-
-Acknowledgement: a snapshot is acknowledged when its file is durable (actors.spill) on
-every rank; then "snapshot acknowledged <key>" is logged on tqserve.prefix. Files dropped
-later (superseded, evicted) log "snapshot removed <key>" before the unlink.
+this module calls into spill only through its SSD side, which indexes what spill reports.
 """
 
 from __future__ import annotations
 
-import itertools
-import logging
 import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
@@ -68,17 +55,16 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import trio
 
-from tqserve.actors.spill import Spill, SnapshotWrite, reuse_bound
+from tqserve.actors.prefix_ssd import PrefixSsd
+from tqserve.actors.spill import Spill, SnapshotWrite
 from tqserve.engine.kvevents import KvEventLog
 from tqserve.engine.namespaces import CacheNamespaces
 from tqserve.engine.prefix import PrefixEntry, PrefixIndex, Tier
-from tqserve.engine.step import Finished, SpillPayload, StepAdvice, StepPlan, StepResult
+from tqserve.engine.step import Finished, StepAdvice, StepPlan, StepResult
 from tqserve.storage import SsdTier
 
 if TYPE_CHECKING:
     from tqserve.actors.shard_group import ShardGroup
-
-log = logging.getLogger("tqserve.prefix")
 
 
 @attrs.frozen(kw_only=True)
@@ -124,30 +110,31 @@ class PrefixCache:
         self.namespaces = namespaces or CacheNamespaces(base=namespace)
         self.fingerprint = fingerprint
         self.index = PrefixIndex(ram_budget, KvEventLog(clock=time.time))
-        # the SSD tier's only owner (actors.spill): every file operation goes through it
-        self.spill = (Spill(tier, fingerprint=fingerprint, group=group)
-                      if tier is not None else None)
-        self.flush = flush
         self.write_mode = write
-        self._runner_call = runner_call  # awaitable: run a function on the runner thread
-        self._ids = itertools.count()  # temporary keys s<n> (engine.orders numbers r, p)
         self._tick = 0
+        spill = Spill(tier, fingerprint=fingerprint, group=group) if tier is not None else None
+        # every file operation goes through the SSD side to actors.spill, the tier's owner
+        self.ssd = PrefixSsd(self.index, spill, flush=flush, namespaces=self.namespaces,
+                             runner_call=runner_call, tick=self._next_tick,
+                             acknowledged=self._acknowledged)
         self._pinned: dict[str, str] = {}          # request id -> pinned RAM key
         self._tokens: dict[str, tuple[int, ...]] = {}  # RAM key -> covered tokens
         self._on_disk: set[str] = set()            # RAM keys with an SSD copy
-        self._pending: dict[str, SnapshotWrite] = {}      # RAM key -> its async write, until it ends
         self._loading: dict[str, list[tuple[str, int]]] = {}  # SSD key -> (rid, length)
         self._started: set[str] = set()            # SSD keys whose load task runs
-        self._restoring: set[str] = set()          # runner keys of loads in flight
         self._ready: list[tuple[str, Reuse | None]] = []
         self._spill: list[str] = []
         self._drop: list[str] = []
-        self._counts = {"spills": 0, "spills_dropped": 0}
         self.changed = trio.Event()  # set when a load finishes (the scheduler wakes up)
 
     def _next_tick(self) -> int:
         self._tick += 1
         return self._tick
+
+    @property
+    def spill(self) -> Spill | None:
+        """The SSD tier's only owner (actors.spill); None without a cache dir."""
+        return self.ssd.spill
 
     @property
     def tier(self) -> SsdTier | None:
@@ -164,17 +151,7 @@ class PrefixCache:
 
     async def recover(self) -> None:
         """Index the SSD tier's verified files of this namespace (after SsdTier.recover)."""
-        if self.spill is None:
-            return
-        for entry in await self.spill.recover(self.namespace, self.namespaces.all()):
-            header = entry.header
-            if entry.key in self.index:
-                continue
-            superseded, _ = self.index.publish(PrefixEntry(
-                key=entry.key, namespace=header.namespace, tokens=header.token_ids,
-                minimum_reusable_offset=reuse_bound(header), trimmable=True,
-                num_bytes=entry.num_bytes), Tier.SSD, self._next_tick())
-            await self._remove_files(superseded)
+        await self.ssd.recover(self.namespace)
 
     def lookup(self, request_id: str, prompt: tuple[int, ...],
                speculative: object = None) -> Reuse | str | None:
@@ -203,16 +180,11 @@ class PrefixCache:
         return keys
 
     async def load(self, key: str) -> None:
-        """Read SSD entry `key`, rebuild it on the runner and promote it to the RAM tier;
-        the waiting requests' reuses then come out of `take_ready`."""
+        """Rebuild SSD entry `key` on the runner (from its file, or a pending write's bytes)
+        and promote it to the RAM tier; the waiting requests' reuses then come out of
+        `take_ready` (None for each if it is gone since the lookup: look up again)."""
         entry = self.index.entry(key) if key in self.index else None
-        job = self._pending.get(key) if self.index.tier(key) is Tier.PENDING else None
-        if job is not None:
-            restored = await self._restore_pending(job)
-        elif entry is not None and self.index.tier(key) is Tier.SSD:
-            restored = await self._restore(key, entry)
-        else:  # gone since the lookup (its write ended): the request looks up again
-            restored = None
+        restored = await self.ssd.restore(key)
         waiters = self._loading.pop(key, [])
         self._started.discard(key)
         if restored is None or entry is None:
@@ -232,63 +204,6 @@ class PrefixCache:
         ready, self._ready = self._ready, []
         self.changed = trio.Event()
         return ready
-
-    async def _restore(self, key: str, entry: PrefixEntry) -> tuple[str, int] | None:
-        """The SSD entry `key` rebuilt in the runner (actors.spill); None (the request runs
-        cold) if its file is gone or fails any check (such a file is quarantined)."""
-        if self.spill is None:
-            return None
-        temporary = f"s{next(self._ids)}"
-        self._restoring.add(temporary)
-        try:
-            num_bytes, gone = await self.spill.restore(
-                key, temporary, entry.minimum_reusable_offset, self._runner_call,
-                self.namespaces.state_of)
-        finally:
-            self._restoring.discard(temporary)
-        if num_bytes is None:
-            self.index.forget(key)
-            if gone:
-                await self._reconcile()
-            return None
-        return temporary, num_bytes
-
-    async def _restore_pending(self, job: SnapshotWrite) -> tuple[str, int] | None:
-        """A PENDING entry rebuilt in the runner from its write's bytes (our own: a failure
-        is our bug, logged; the request runs cold)."""
-        temporary = f"s{next(self._ids)}"
-        header = job.payload.header
-        planes = {name: (data, tuple(shape), dtype)
-                  for name, data, shape, dtype in job.payload.planes}
-        self._restoring.add(temporary)
-        try:
-            num_bytes = await self._runner_call(
-                temporary, str(header["extra"]["layer_kinds"]), header["offset"],
-                header["minimum_reusable_offset"], planes,
-                self.namespaces.state_of(job.namespace) or "")
-        except Exception:
-            log.exception("snapshot %s could not be restored from its pending write",
-                          job.ram_key)
-            return None
-        finally:
-            self._restoring.discard(temporary)
-        return temporary, int(num_bytes)
-
-    async def _reconcile(self) -> None:
-        """A file was missing or unreadable: drop every index entry whose file vanished
-        (every one, if the tier went cold: storage.health)."""
-        await self._forget_gone(reconcile=True)
-
-    async def _forget_gone(self, *, reconcile: bool = False) -> None:
-        """Forget the SSD entries the tier no longer holds (evicted, vanished, cold)."""
-        if self.spill is None:
-            return
-        live = await self.spill.live_keys(reconcile=reconcile)
-        gone = [k for k in self.index.keys(Tier.SSD) if k not in live]
-        for key in gone:
-            self.index.forget(key)
-        if self.group is not None and gone:
-            await self.group.remove(gone)
 
     def release_reuse(self, request_id: str) -> None:
         """The request's row is built (or it will never be): unpin its donor."""
@@ -349,20 +264,20 @@ class PrefixCache:
             job = SnapshotWrite(ram_key=made.key, namespace=namespace, tokens=tokens, payload=payload,
                          minimum_reusable_offset=made.minimum_reusable_offset) \
                 if payload is not None and not on_disk else None
-            if job is not None and self.flush == "sync":
-                on_disk = await self._write_now(job)
+            if job is not None and self.ssd.flush == "sync":
+                on_disk = await self.ssd.write_now(job)
                 job = None
             self._tokens[made.key] = tokens
             if on_disk:
                 self._on_disk.add(made.key)
             if job is not None:  # queued first: over the budget at once, it is PENDING
-                self._enqueue(job)
+                self.ssd.enqueue(job)
             self._publish_ram(entry)
         for _, key in plan.snapshot + plan.prompt_snapshot:
             if key not in self.index:
                 self._tokens.pop(key, None)
         for payload in result.spills:
-            await self._send_spill(payload)
+            await self.ssd.send_spill(payload, self._tokens.pop(payload.key, None))
         if self.group is not None:  # before the next step: the other ranks stage until then
             await self.group.send_orders()
 
@@ -380,7 +295,7 @@ class PrefixCache:
         file exists already, drop the RAM copy (an entry whose write is pending stays
         matchable as PENDING); with write-back, spill them."""
         for key in keys:
-            if key in self._pending:
+            if self.ssd.is_pending(key):
                 self.index.pending(key)
                 self._tokens.pop(key, None)
                 self._on_disk.discard(key)
@@ -393,94 +308,11 @@ class PrefixCache:
             else:
                 self._spill.append(key)
 
-    def _enqueue(self, job: SnapshotWrite) -> None:
-        """Queue `job` for the writer task (a full queue drops it, counted); its entry is
-        pending until the write ends (single process: see the module doc)."""
-        try:
-            if self.spill is None:
-                raise trio.WouldBlock
-            self.spill.enqueue_nowait(job)
-        except trio.WouldBlock:
-            self._counts["spills_dropped"] += 1
-            return
-        if self.group is None:
-            self._pending[job.ram_key] = job
-        self._order(job)
-
-    def _order(self, job: SnapshotWrite) -> None:
-        """--distributed: every other rank is to write its shard of `job` too."""
-        if self.spill is not None:
-            self.spill.order(job)
-
-    async def _write_now(self, job: SnapshotWrite) -> bool:
-        """A sync flush: order the other ranks' writes, then `write`."""
-        self._order(job)
-        if self.spill is not None:
-            await self.spill.send_orders()
-        return await self.write(job)
-
-    async def _send_spill(self, payload: SpillPayload) -> None:
-        """A write-back spill: the RAM copy is gone; write it or drop it."""
-        tokens = self._tokens.pop(payload.key, None)
-        if self.spill is None or tokens is None or payload.key not in self.index:
-            self.index.forget(payload.key)
-            return
-        entry = self.index.entry(payload.key)
-        job = SnapshotWrite(ram_key=payload.key, namespace=entry.namespace, tokens=tokens,
-                     payload=payload, minimum_reusable_offset=entry.minimum_reusable_offset)
-        if self.flush == "sync":
-            self.index.forget(payload.key)  # published on the SSD once durable
-            await self._write_now(job)
-            return
-        self._enqueue(job)
-        if payload.key in self._pending:
-            self.index.pending(payload.key)  # matchable from its bytes until written
-        else:
-            self.index.forget(payload.key)
-
-    async def write(self, job: SnapshotWrite) -> bool:
-        """Write one snapshot to the SSD tier and index it there; False if it failed."""
-        if self.spill is None:
-            raise RuntimeError("write without an SSD tier")
-        put = await self.spill.put(job, keep=lambda key: key in self.index)
-        key, stored, problem = put.key, put.stored, put.problem
-        if stored is None or problem is not None:
-            self._end_pending(job)
-            # A disk error was logged once by the tier (storage.health), not per snapshot.
-            log.log(logging.DEBUG if put.disk_error else logging.WARNING,
-                    "snapshot %s abandoned: %s", key, problem)
-            await self._tier_shrank()  # a write may find the tier gone cold
-            return False
-        log.info("snapshot acknowledged %s", key)
-        self._counts["spills"] += 1
-        if self.index.tier(job.ram_key) in (Tier.RAM, Tier.SPILLING):
-            self._on_disk.add(job.ram_key)
-        superseded: list[str] = []
-        if key not in self.index:
-            superseded, _ = self.index.publish(PrefixEntry(
-                key=key, namespace=job.namespace, tokens=job.tokens,
-                minimum_reusable_offset=job.minimum_reusable_offset, trimmable=True,
-                num_bytes=stored.num_bytes), Tier.SSD, self._next_tick())
-        self._end_pending(job)  # with no await since the publish: always one matches
-        await self._remove_files(superseded)
-        await self._tier_shrank()  # the tier may have evicted files, or gone cold
-        return True
-
-    async def _tier_shrank(self) -> None:
-        """After a write: the tier holds fewer entries than the index knows (it evicted
-        some, or went cold): forget those."""
-        if self.spill is not None and self.spill.num_entries < self.index.statistics().ssd_entries:
-            await self._forget_gone()
-
-    def _end_pending(self, job: SnapshotWrite) -> None:
-        """`job`'s write ended: its PENDING entry (if its RAM copy went) leaves the index."""
-        self._pending.pop(job.ram_key, None)
-        if self.index.tier(job.ram_key) is Tier.PENDING:
-            self.index.forget(job.ram_key)
-
-    async def _remove_files(self, keys: list[str]) -> None:
-        if self.spill is not None:
-            await self.spill.remove(keys)
+    def _acknowledged(self, key: str) -> None:
+        """RAM key `key`'s write is acknowledged (the SSD side): while RAM holds it, its
+        eviction only drops the RAM copy."""
+        if self.index.tier(key) in (Tier.RAM, Tier.SPILLING):
+            self._on_disk.add(key)
 
     def reconcile(self, held: set[str]) -> set[str]:
         """After a failed step: `held` are the snapshots the runner still holds. Entries
@@ -496,26 +328,15 @@ class PrefixCache:
                 self.index.forget(key)
         self._spill = []
         self._drop = [k for k in self._drop if k in held]
-        keep = set(self.index.keys(Tier.RAM)) | set(self._drop) | self._restoring
+        keep = set(self.index.keys(Tier.RAM)) | set(self._drop) | self.ssd.restoring
         self._tokens = {k: v for k, v in self._tokens.items() if k in keep}
         self._on_disk &= keep
         return keep
 
     def statistics(self) -> PrefixCacheStatistics:
-        index, spill = self.index.statistics(), self.spill
-        errors = spill.error_counts() if spill is not None else {}
+        index = self.index.statistics()
         return PrefixCacheStatistics(
             ram_bytes=index.ram_bytes, ram_entries=index.ram_entries,
             ssd_bytes=index.ssd_bytes, ssd_entries=index.ssd_entries,
             hits_ram=index.hits_ram, hits_ssd=index.hits_ssd, misses=index.misses,
-            spills=self._counts["spills"], spills_dropped=self._counts["spills_dropped"],
-            quarantined=errors.get("quarantined", 0), ssd_errors=errors.get("ssd_errors", 0),
-            ssd_write_errors=errors.get("ssd_write_errors", 0),
-            ssd_state=spill.tier.statistics().state if spill is not None else "off",
-            writes_pending=spill.num_queued if spill is not None else 0,
-            loads_pending=len(self._loading))
-
-    async def close_writes(self) -> None:
-        """No more writes: the writer task writes what is queued, then returns."""
-        if self.spill is not None:
-            await self.spill.close_writes()
+            loads_pending=len(self._loading), **attrs.asdict(self.ssd.statistics()))

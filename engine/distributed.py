@@ -197,7 +197,7 @@ class LeaderRunner(Runner):
                 self._send(PING)
 
     def plane_layout(self) -> Any:
-        if self._layout is None:  # the probe runs a forward: every rank runs it
+        if not self.snapshots.layout_known:  # the probe runs a forward: every rank runs it
             with self.watchdog.watch("the layout probe"):
                 self._send("plane_layout")
                 return super().plane_layout()

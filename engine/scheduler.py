@@ -12,18 +12,11 @@ batch with its last prompt token as input, exactly as mlx-lm's generate_step doe
 so its first sampled token comes from the decode batch. Finished and cancelled rows
 are released at the start of the next step.
 
-Batched prefill under a token budget: the rows that start prefilling from scratch in
-one `schedule` call form a prefill group. The group's prompts are left-padded to the
-longest (`NewRow.pad`) and prefilled together, `columns` positions of every row per
-step in ONE forward (the runner keeps the group in one batch cache), so all of them
-finish in the same step and join together. A row that reuses a prefix snapshot
-prefills alone (its group holds only it). Each step processes at most
-`max_step_tokens` tokens: the rows decoding when the step is planned take one each,
-and the prefill groups share the rest oldest first, a group costing `columns` times
-its number of rows (padding included), at most `prefill_chunk` columns per step.
-`max_step_tokens >= max_batch` guarantees the oldest group at least one column per
-step; the rows joining in a step decode their first token in that same step, on top
-of the budget.
+Batched prefill under a token budget (engine.prefill_plan, which keeps the groups'
+books): the rows that start prefilling from scratch in one `schedule` call form a prefill
+group, left-padded and prefilled together; a row reusing a prefix snapshot prefills alone.
+Each step processes at most `max_step_tokens` tokens: one per decoding row, the rest
+shared by the prefill groups oldest first, at most `prefill_chunk` columns per step.
 
 Every generated token is reported, the stop token included; `completion_tokens` counts
 them all. A row may emit several tokens in one step (speculation's accepted tokens): they
@@ -42,8 +35,9 @@ import attrs
 
 from tqserve.engine.kv_budget import KvBudget
 from tqserve.engine.orders import propose_sizes, snapshot_orders
-from tqserve.engine.rows import Group, IllegalTransition, Row, RowState  # noqa: F401 (re-exported)
-from tqserve.engine.step import (NO_ADVICE, Event, Finished, NewRow, PrefillChunk, SpeculativeUsage,
+from tqserve.engine.prefill_plan import PrefillPlanner
+from tqserve.engine.rows import IllegalTransition, Row, RowState  # noqa: F401 (re-exported)
+from tqserve.engine.step import (NO_ADVICE, Event, Finished, NewRow, SpeculativeUsage,
                                  Started, StepAdvice, StepPlan, StepResult, TokenOut)
 from tqserve.engine.sampling import SamplingParams
 from tqserve.engine.speculative.policy import RequestChoice, SpecChoice, resolve_choice
@@ -86,11 +80,7 @@ class SchedulerCore:
             raise ValueError(f"max_step_tokens ({max_step_tokens}) must be >= max_batch "
                              f"({max_batch})")
         self._max_batch = max_batch
-        self._prefill_chunk = prefill_chunk
-        self._max_step_tokens = max_step_tokens
-        self._groups: dict[int, Group] = {}
-        self._next_group = 0
-        self._num_prefill_tokens = 0
+        self._prefill = PrefillPlanner(prefill_chunk=prefill_chunk, max_step_tokens=max_step_tokens)
         self._eos = frozenset(eos_token_ids)
         self._speculative_methods = frozenset(speculative_methods)
         self._rows: dict[str, Row] = {}
@@ -246,13 +236,17 @@ class SchedulerCore:
             started.append(row)
             events.append(Started(request_id=row.request_id, row_id=row.row_id,
                                   num_prompt_tokens=len(row.prompt)))
-        self._form_groups(started)
+        self._prefill.form(started)
         new_rows = tuple(NewRow(request_id=row.request_id, row_id=row.row_id,  # type: ignore
                                 prompt=row.prompt, params=row.params, reuse=row.reuse,
                                 cached=row.cached, response_format=row.response_format,
                                 speculative=row.speculative, group=row.group, pad=row.pad)
                          for row in started)
-        chunks, joins = self._plan_prefill()
+        chunks, joins = self._prefill.plan(self._rows, self._prefilling, len(self._decoding))
+        for rid in joins:
+            self._rows[rid].move(RowState.DECODING)
+            self._prefilling.remove(rid)
+            self._decoding.append(rid)
         release = tuple(self._to_release)
         release_tokens = tuple(self._release_tokens.pop(r, ()) for r in release)
         plan = StepPlan(
@@ -291,7 +285,7 @@ class SchedulerCore:
         rows = [self._rows[r] for r in (*self._prefilling, *self._decoding)
                 if r not in ids] + starting
         lengths = [budget.row_positions(len(r.prompt), r.params.max_tokens) for r in rows]
-        widths = [g.width for g in self._groups.values() for _ in g.rows]
+        widths = self._prefill.widths()
         if starting:
             width = max(len(r.prompt) - 1 - r.cached for r in starting)
             widths += [width] * len(starting)
@@ -306,49 +300,6 @@ class SchedulerCore:
         """ValueError naming the sizes if a request this large could never start."""
         if self._kv_budget is not None:
             self._kv_budget.check_alone(num_prompt_tokens, max_tokens)
-
-    def _form_groups(self, started: list[Row]) -> None:
-        """One group for the rows starting from scratch, one per reusing row; rows with
-        nothing to prefill get no group (they join at once)."""
-        fresh = [row for row in started if row.cached == 0 and len(row.prompt) > 1]
-        alone = [[row] for row in started if row.cached > 0 and len(row.prompt) - 1 > row.cached]
-        for rows in ([fresh] if fresh else []) + alone:
-            width = max(len(row.prompt) - 1 - row.cached for row in rows)
-            self._next_group += 1
-            for row in rows:
-                row.group = self._next_group
-                row.pad = width - (len(row.prompt) - 1 - row.cached)
-            self._groups[self._next_group] = Group(
-                group_id=self._next_group, rows=[row.request_id for row in rows], width=width)
-
-    def _plan_prefill(self) -> tuple[list[PrefillChunk], list[str]]:
-        budget = self._max_step_tokens - len(self._decoding)
-        chunks: list[PrefillChunk] = []
-        joins = [rid for rid in self._prefilling if self._rows[rid].group == 0]
-        for group in list(self._groups.values()):
-            columns = min(self._prefill_chunk, group.width - group.done,
-                          budget // len(group.rows))
-            if columns <= 0:
-                continue
-            end_col = group.done + columns
-            for rid in group.rows:
-                row = self._rows[rid]
-                start = row.cached + max(0, group.done - row.pad)
-                end = row.cached + max(0, end_col - row.pad)
-                chunks.append(PrefillChunk(request_id=rid, start=start, end=end,
-                                           group=group.group_id, columns=columns))
-                row.num_prefilled = end
-            group.done = end_col
-            budget -= columns * len(group.rows)
-            self._num_prefill_tokens += columns * len(group.rows)
-            if group.done == group.width:
-                del self._groups[group.group_id]
-                joins += group.rows
-        for rid in joins:
-            self._rows[rid].move(RowState.DECODING)
-            self._prefilling.remove(rid)
-            self._decoding.append(rid)
-        return chunks, joins
 
     def postprocess(self, result: StepResult) -> list[Event]:
         """Turn sampled tokens into events; finish rows that hit a stop token, their
@@ -396,11 +347,7 @@ class SchedulerCore:
             self._queue.remove(row.request_id)
         elif row.state is RowState.PREFILLING:
             self._prefilling.remove(row.request_id)
-            group = self._groups.get(row.group)
-            if group is not None:
-                group.rows.remove(row.request_id)
-                if not group.rows:
-                    del self._groups[row.group]
+            self._prefill.drop(row)
         else:
             self._decoding.remove(row.request_id)
         if not was_queued:
@@ -428,7 +375,7 @@ class SchedulerCore:
             num_decoding=len(self._decoding),
             num_queued_tokens=sum(len(self._rows[r].prompt) for r in self._queue),
             num_steps=self._num_steps,
-            num_prefill_groups=len(self._groups),
-            num_prefill_tokens=self._num_prefill_tokens,
+            num_prefill_groups=self._prefill.num_groups,
+            num_prefill_tokens=self._prefill.num_prefill_tokens,
         )
 

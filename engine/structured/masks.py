@@ -110,6 +110,18 @@ class GrammarMasks:
         self.counters.num_rows += 1
         return RowGrammar(self, fmt)
 
+    def batch_masks(self, grammars: Sequence[RowGrammar | None]) -> np.ndarray | None:
+        """The rows' next masks (all ones for an unconstrained row, whose tokens are then
+        unchanged), or None if no row is constrained."""
+        if not any(grammars):
+            return None
+        out = np.full((len(grammars), self.num_words), -1, dtype=np.int32)
+        for i, grammar in enumerate(grammars):
+            bits = grammar.mask() if grammar is not None else None
+            if bits is not None:
+                out[i] = bits
+        return out
+
     def statistics(self) -> GrammarStatistics:
         c = self.counters
         return GrammarStatistics(num_rows=c.num_rows, num_masks=c.num_masks,

@@ -37,6 +37,7 @@ from tqserve.engine.distributed import LeaderRunner, ShardRestoreError, Watchdog
 from tqserve.engine import follower as follower_module
 from tqserve.engine.follower import FollowerShards, follow
 from tqserve.engine.runner import Runner
+from tqserve.engine.snapshot_store import spill_payload
 from tqserve.engine.step import SnapshotMade, StepPlan, StepResult
 from tqserve.engine.snapshot import snapshot_of_row
 from tqserve.storage import SsdTier, snapshot_key
@@ -125,7 +126,7 @@ def payload_of(model: Any, tokens: tuple[int, ...], ram_key: str) -> Any:
     cache = make_prompt_cache(model)
     model(mx.array([tokens]), cache=cache)
     mx.eval([c.state for c in cache])
-    return Runner._payload(ram_key, snapshot_of_row(cache))
+    return spill_payload(ram_key, snapshot_of_row(cache))
 
 
 def common(tokens: tuple[int, ...], fingerprint: str) -> tuple[str, dict[str, Any]]:

@@ -1,0 +1,93 @@
+"""Prefill planning in the sans-io core (engine.scheduler): the books of the prefill groups
+and each step's prefill chunks under the step's token budget. The runner executes the plan
+(engine.prefill); no I/O, no MLX.
+
+The rows that start prefilling from scratch in one `schedule` call form a prefill group.
+The group's prompts are left-padded to the longest (`NewRow.pad`) and prefilled together,
+`columns` positions of every row per step in ONE forward (the runner keeps the group in
+one batch cache), so all of them finish in the same step and join together. A row that
+reuses a prefix snapshot prefills alone (its group holds only it); a row with nothing to
+prefill gets no group and joins at once. Each step processes at most `max_step_tokens`
+tokens: the rows decoding when the step is planned take one each, and the prefill groups
+share the rest oldest first, a group costing `columns` times its number of rows (padding
+included), at most `prefill_chunk` columns per step. `max_step_tokens >= max_batch`
+guarantees the oldest group at least one column per step; the rows joining in a step
+decode their first token in that same step, on top of the budget.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+from tqserve.engine.rows import Group, Row
+from tqserve.engine.step import PrefillChunk
+
+
+class PrefillPlanner:
+    """The prefilling groups and the prefill tokens planned so far (module doc)."""
+
+    def __init__(self, *, prefill_chunk: int, max_step_tokens: int) -> None:
+        self._prefill_chunk = prefill_chunk
+        self._max_step_tokens = max_step_tokens
+        self._groups: dict[int, Group] = {}
+        self._next_group = 0
+        self.num_prefill_tokens = 0  # padding included: what the prefill forwards processed
+
+    def form(self, started: Sequence[Row]) -> None:
+        """One group for the rows starting from scratch, one per reusing row; rows with
+        nothing to prefill get no group (they join at once). Sets each row's group and pad."""
+        fresh = [row for row in started if row.cached == 0 and len(row.prompt) > 1]
+        alone = [[row] for row in started if row.cached > 0 and len(row.prompt) - 1 > row.cached]
+        for rows in ([fresh] if fresh else []) + alone:
+            width = max(len(row.prompt) - 1 - row.cached for row in rows)
+            self._next_group += 1
+            for row in rows:
+                row.group = self._next_group
+                row.pad = width - (len(row.prompt) - 1 - row.cached)
+            self._groups[self._next_group] = Group(
+                group_id=self._next_group, rows=[row.request_id for row in rows], width=width)
+
+    def plan(self, rows: Mapping[str, Row], prefilling: Sequence[str],
+             num_decoding: int) -> tuple[list[PrefillChunk], list[str]]:
+        """This step's chunks, oldest group first, and the prefilling rows that join the
+        decode batch (no group, or their group complete), in join order. Advances each
+        row's `num_prefilled`; the caller moves the joining rows."""
+        budget = self._max_step_tokens - num_decoding
+        chunks: list[PrefillChunk] = []
+        joins = [rid for rid in prefilling if rows[rid].group == 0]
+        for group in list(self._groups.values()):
+            columns = min(self._prefill_chunk, group.width - group.done,
+                          budget // len(group.rows))
+            if columns <= 0:
+                continue
+            end_col = group.done + columns
+            for rid in group.rows:
+                row = rows[rid]
+                start = row.cached + max(0, group.done - row.pad)
+                end = row.cached + max(0, end_col - row.pad)
+                chunks.append(PrefillChunk(request_id=rid, start=start, end=end,
+                                           group=group.group_id, columns=columns))
+                row.num_prefilled = end
+            group.done = end_col
+            budget -= columns * len(group.rows)
+            self.num_prefill_tokens += columns * len(group.rows)
+            if group.done == group.width:
+                del self._groups[group.group_id]
+                joins += group.rows
+        return chunks, joins
+
+    def drop(self, row: Row) -> None:
+        """A prefilling row finished: it leaves its group (an emptied group is forgotten)."""
+        group = self._groups.get(row.group)
+        if group is not None:
+            group.rows.remove(row.request_id)
+            if not group.rows:
+                del self._groups[row.group]
+
+    def widths(self) -> list[int]:
+        """Each prefilling group's width, once per row in it (engine.kv_budget's charge)."""
+        return [g.width for g in self._groups.values() for _ in g.rows]
+
+    @property
+    def num_groups(self) -> int:
+        return len(self._groups)
