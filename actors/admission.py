@@ -77,6 +77,15 @@ class AdmissionControl:
                     f"{self.max_queued_requests})")
         return None
 
+    def room(self) -> tuple[int, str]:
+        """Requests the queue takes now (O(1)), and the reason a request is refused once
+        they are taken; -1 while shutting down (no request is overload's then)."""
+        if not self.admitting:
+            return -1, SHUTTING_DOWN
+        return (max(0, self.max_queued_requests - len(self.queued)),
+                f"queue full: {self.max_queued_requests} requests queued "
+                f"(max {self.max_queued_requests})")
+
     def dequeued(self, request_id: str) -> None:
         num_tokens = self.queued.pop(request_id, None)
         if num_tokens is not None:

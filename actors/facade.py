@@ -198,6 +198,17 @@ class Engine:
         code = "shutting_down" if reason == SHUTTING_DOWN else "overloaded"
         return Error(request_id=request_id, code=code, message=reason)
 
+    def admission_room(self) -> tuple[int, str]:
+        """About how many requests arriving now would not be refused as overload (the
+        queue's free slots and the rows free to drain it; at least 1 while the queue has
+        room, 0 once full), and the overload message (-1 while shutting down): the
+        acceptor process's gate (api.handover). O(1)."""
+        room, message = self._control.room()
+        if room <= 0:
+            return room, message
+        return max(1, self.config.max_queued_requests + self.config.max_batch
+                   - len(self._live)), message
+
     def refusal(self, request_id: str) -> Error | None:
         """The Error refusing a new request now (id in use, shutting down), or None."""
         if request_id in self._live:

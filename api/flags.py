@@ -165,6 +165,10 @@ def _network(g: Any, defaults: Any) -> None:
                         "ones, comma-separated (e.g. https://app.example.com; * = any)")
     g.add_argument("--ws-message-timeout", type=float, default=defaults.ws_message_timeout,
                    help="seconds a WebSocket message may take to arrive (then close 1008)")
+    g.add_argument("--acceptor", choices=("process", "off"), default=defaults.acceptor,
+                   help="who accepts connections: a small process that refuses overload "
+                        "with 429 off the event loop and hands the rest over (process), or "
+                        "the server's own loop (off)")
     add_timeout_flags(g, defaults)
 
 

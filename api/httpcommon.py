@@ -18,9 +18,9 @@ import attrs
 
 from tqserve.actors.messages import Done, Error, Event, PromptLogprobs, Queued, Token
 from tqserve.engine.request import GenerateRequest
+from tqserve.api.gate_head import RETRY_AFTER_SECONDS
 
 log = logging.getLogger("tqserve.api")
-RETRY_AFTER_SECONDS = 1  # what a 429 tells clients to wait: admission frees within a step or so
 # engine error codes -> HTTP status (anything else is our fault: 500)
 STATUS_BY_CODE = {"invalid_request": 400, "overloaded": 429, "engine_closed": 503,
                   "shutting_down": 503,

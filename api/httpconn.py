@@ -40,8 +40,8 @@ from hypercorn.config import Config as HypercornConfig
 from hypercorn.events import Closed, RawData
 from hypercorn.protocol.events import Response
 from hypercorn.protocol.h11 import H11Protocol, H11WSConnection
+from tqserve.api.gate_head import RETRY_AFTER_SECONDS
 
-RETRY_AFTER_SECONDS = 1
 
 
 def _seconds(inst: object, attr: attrs.Attribute, value: float) -> None:

@@ -21,23 +21,19 @@ here: the gate only looks at the admission books (an O(1) read) when a connectio
 
 from __future__ import annotations
 
-import json
 import logging
 import time
-from typing import Any, Callable
+from typing import Callable
 
 import trio
 from hypercorn.events import RawData
 from hypercorn.trio.tcp_server import MAX_RECV, TCPServer
-from werkzeug.datastructures import Headers
 
-from tqserve.api.auth import key_ok
-from tqserve.api.httpconn import RETRY_AFTER_SECONDS
+from tqserve.api.gate_head import (MAX_HEAD_BYTES, body_complete, refusable_path,
+                                   refusal_body, refusal_bytes)
 
-GENERATION_PATHS = frozenset((b"/v1/completions", b"/v1/chat/completions", b"/v1/messages",
-                              b"/v1/responses"))
+__all__ = ["GatedTCPServer", "OverloadGate", "refusal_body", "refusal_bytes"]
 access_log = logging.getLogger("tqserve.access")
-MAX_HEAD_BYTES = 16384  # a head longer than this goes the normal way (h11 has its limits)
 DRAIN_SECONDS = 1.0  # how long an unread body is drained after the answer, before closing
 DRAIN_BYTES = 1 << 20
 
@@ -45,85 +41,34 @@ DRAIN_BYTES = 1 << 20
 class OverloadGate:
     """What a server tells its connections about overload. `reason()`: the refusal's
     message while the admission queue is full, else None; `on_refused()`: count one
-    refusal; `api_key`: the key a refused request must carry (None: no key)."""
+    refusal; `api_key`: the key a refused request must carry (None: no key); `room()`:
+    see __init__."""
 
     def __init__(self, reason: Callable[[], str | None], on_refused: Callable[[], None],
-                 api_key: str | None) -> None:
+                 api_key: str | None,
+                 room: Callable[[], tuple[int, str]] | None = None) -> None:
         self.reason = reason
         self.on_refused = on_refused
         self.api_key = api_key
+        # requests admission takes now and the message once taken (-1: no gate); the
+        # acceptor counts its hand-overs against it (api.handover); None: from `reason`
+        self.room = room if room is not None else lambda: (0, r) if (r := reason()) else (1, "")
 
     def answer(self, head: bytes, opened: float) -> bytes | None:
         """The canned 429 for this request head, or None: hypercorn answers it."""
-        line_end = head.find(b"\r\n")
-        head_end = head.find(b"\r\n\r\n")
-        if line_end < 0 or head_end < 0:
+        path = refusable_path(head, self.api_key)
+        reason = self.reason() if path is not None else None
+        if path is None or reason is None:
             return None
-        parts = head[:line_end].split(b" ")
-        path = parts[1].split(b"?", 1)[0] if len(parts) == 3 else b""
-        if parts[0] != b"POST" or not parts[-1].startswith(b"HTTP/1.") or (
-                path not in GENERATION_PATHS):
-            return None
-        headers = _headers(head[line_end + 2:head_end])
-        if headers is None or b"origin" in headers or not self._key_ok(headers):
-            return None
-        reason = self.reason()
-        if reason is None:
-            return None
+        self.refused(path, (time.perf_counter() - opened) * 1000)
+        return refusal_bytes(path, reason)
+
+    def refused(self, path: bytes, total_ms: float) -> None:
+        """Count and log one refusal (here, or in the acceptor process)."""
         self.on_refused()
         access_log.info("id=- route=POST %s status=429 outcome=overloaded prompt_tokens=- "
                         "completion_tokens=0 cached_tokens=- ttft_ms=- total_ms=%.1f",
-                        path.decode("ascii", "replace"), (time.perf_counter() - opened) * 1000)
-        return refusal_bytes(path, reason)
-
-    def _key_ok(self, headers: dict[bytes, bytes]) -> bool:
-        """The server's own key check (api.auth.key_ok) on the raw head's headers."""
-        if self.api_key is None:
-            return True
-        return key_ok(self.api_key, Headers([(k.decode("latin-1"), v.decode("latin-1"))
-                                             for k, v in headers.items()]))
-
-
-def _headers(block: bytes) -> dict[bytes, bytes] | None:
-    """Header names (lower case) to values; None for a line that is not a header."""
-    headers: dict[bytes, bytes] = {}
-    for line in block.split(b"\r\n") if block else ():
-        name, sep, value = line.partition(b":")
-        if not sep or not name or name != name.strip():
-            return None
-        headers[name.lower()] = value.strip()
-    return headers
-
-
-def _body_complete(head: bytes) -> bool:
-    """Whether these bytes hold the whole request: its head and Content-Length bytes."""
-    end = head.find(b"\r\n\r\n")
-    headers = _headers(head[head.find(b"\r\n") + 2:end]) or {}
-    if b"transfer-encoding" in headers:
-        return False
-    length = headers.get(b"content-length", b"0")
-    return length.isdigit() and len(head) - (end + 4) >= int(length)
-
-
-def refusal_body(path: bytes, reason: str) -> bytes:
-    """The 429's JSON body for `path`, in its API's error shape (Anthropic's for
-    /v1/messages, else OpenAI's with code `overloaded`)."""
-    if path.endswith(b"/v1/messages"):
-        error: dict[str, Any] = {"type": "error", "error": {"type": "rate_limit_error",
-                                                            "message": reason}}
-    else:
-        error = {"error": {"message": reason, "type": "rate_limit_exceeded", "param": None,
-                           "code": "overloaded"}}
-    return json.dumps(error).encode()
-
-
-def refusal_bytes(path: bytes, reason: str) -> bytes:
-    """The whole 429 answer for `path`, in its API's error shape."""
-    body = refusal_body(path, reason)
-    head = ["HTTP/1.1 429 Too Many Requests", "content-type: application/json",
-            f"content-length: {len(body)}", f"retry-after: {RETRY_AFTER_SECONDS}",
-            "connection: close"]
-    return ("\r\n".join(head) + "\r\n\r\n").encode() + body
+                        path.decode("ascii", "replace"), total_ms)
 
 
 class GatedTCPServer(TCPServer):
@@ -137,7 +82,7 @@ class GatedTCPServer(TCPServer):
             await super().run()
             return
         opened = time.perf_counter()
-        head = b""
+        head, self._preread = self._preread, b""  # (what the acceptor process read)
         with trio.move_on_after(getattr(self.config, "header_timeout", 10.0)) as waited:
             try:
                 while b"\r\n\r\n" not in head and len(head) < MAX_HEAD_BYTES:
@@ -155,7 +100,7 @@ class GatedTCPServer(TCPServer):
             self._preread = head
             await super().run()
             return
-        await self._refuse(answer, _body_complete(head))
+        await self._refuse(answer, body_complete(head))
 
     async def _refuse(self, answer: bytes, body_read: bool) -> None:
         try:

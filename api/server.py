@@ -23,6 +23,7 @@ import trio
 from tqserve.actors.engine import open_engine
 from tqserve.actors.facade import Engine, ShutdownReport
 from tqserve.api.app import Connections, create_app
+from tqserve.api.handover import serve_handed_over
 from tqserve.api.hardening import listen_hardened
 from tqserve.api.overload import OverloadGate
 from tqserve.api.httpconn import HttpLimits
@@ -51,7 +52,8 @@ def overload_gate(engine: Engine, api_key: str | None) -> OverloadGate:
         refusal = engine.overloaded("")
         return refusal.message if refusal is not None and refusal.code == "overloaded" else None
 
-    return OverloadGate(reason, lambda: engine.note_rejection("overloaded"), api_key)
+    return OverloadGate(reason, lambda: engine.note_rejection("overloaded"), api_key,
+                        room=engine.admission_room)
 
 
 def listen(config: Config) -> tuple[HypercornConfig, Sockets]:
@@ -98,13 +100,19 @@ async def serve(config: Config, *, loaded: LoadedModel | None = None,
             open_engine(config, loaded=loaded, recorder=recorder))
         connections = Connections()
         hc.connection_cap.on_refused = lambda: engine.note_rejection("too_many_connections")
-        hc.overload_gate = overload_gate(engine, config.api_key)
+        gate = hc.overload_gate = overload_gate(engine, config.api_key)
         app = wrap_app(create_app(engine, connections), hc.wsgi_max_body_size, None)
         stop_http = trio.Event()
+        handed_over = config.acceptor == "process" and not (
+            sockets.secure_sockets or sockets.quic_sockets)
 
         async def started(*, task_status: trio.TaskStatus[list[str]]) -> None:
-            await worker_serve(app, hc, sockets=sockets, shutdown_trigger=stop_http.wait,
-                               task_status=task_status)
+            if handed_over:
+                await serve_handed_over(app, hc, sockets, gate, shutdown_trigger=stop_http.wait,
+                                        task_status=task_status)
+            else:
+                await worker_serve(app, hc, sockets=sockets, shutdown_trigger=stop_http.wait,
+                                   task_status=task_status)
 
         async with trio.open_nursery() as nursery:
             binds = await nursery.start(started)

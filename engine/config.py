@@ -113,6 +113,11 @@ def _origins(value: str | Iterable[object]) -> tuple[str, ...]:
     return tuple(str(o).strip().rstrip("/") for o in value)
 
 
+def _acceptor(inst: object, attr: attrs.Attribute, value: str) -> None:
+    if value not in ("process", "off"):
+        raise ValueError(f"--acceptor must be process or off, got {value!r}")
+
+
 def _ssd_write(inst: object, attr: attrs.Attribute, value: str) -> None:
     if value not in ("through", "back"):
         raise ValueError(f"ssd-write must be through or back, got {value!r}")
@@ -163,6 +168,10 @@ class Config:
     # open connections (HTTP and WebSocket) the server holds at once; a request on one
     # beyond it is an HTTP 503 (the descriptor limit is raised to fit it)
     max_connections: int = attrs.field(default=1024, validator=_positive)
+    # who accepts connections (api.acceptor): "process", a small process that answers
+    # overload's 429s off the event loop and hands every other connection over; "off":
+    # the server's own loop (with the in-loop gate, api.overload)
+    acceptor: str = attrs.field(default="process", validator=_acceptor)
     # What one request may carry (docs/limits.md): checked before tokenizing.
     max_prompt_chars: int = attrs.field(default=262144, validator=_positive)
     max_messages: int = attrs.field(default=256, validator=_positive)

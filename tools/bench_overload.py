@@ -198,12 +198,23 @@ async def measure(port: int, count: int, held: int) -> dict[str, Any]:
             "median_refusal_ms": round(1000 * statistics.median(refusals), 1) if refusals else None}
 
 
+def _measure_started(acceptor: str, count: int) -> dict[str, Any]:
+    server = Server([*SERVER_FLAGS, "--acceptor", acceptor])
+    try:
+        return trio.run(measure, server.port, count, 12)
+    finally:
+        server.stop()
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--burst", type=int, default=1000, help="connections opened at once")
     p.add_argument("--port", type=int, default=0,
                    help="attack a server already listening on this loopback port (it needs "
                         "--max-batch 4 --max-queued-requests 8); 0: start one")
+    p.add_argument("--acceptor", default="process,off", metavar="MODE,...",
+                   help="the server's --acceptor settings to measure, one server each (the "
+                        "top-level figures are the first one's)")
     p.add_argument("--out", type=Path, default=Path("bench-out/overload.json"))
     p.add_argument("--floor-server", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -216,15 +227,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.port:
         report = trio.run(measure, args.port, args.burst, 12)
     else:
-        server = Server(SERVER_FLAGS)
-        try:
-            report = trio.run(measure, server.port, args.burst, 12)
-        finally:
-            server.stop()
+        by_mode = {mode: _measure_started(mode, args.burst) for mode in args.acceptor.split(",")}
+        report = {**next(iter(by_mode.values())), "by_acceptor": by_mode}
     floor = measure_floor(args.burst)
     report["floor_refusal_ms"] = floor
-    report["vs_floor"] = {q: round(report["refusal_ms"][q] / floor[q], 2) if floor[q] else None
-                          for q in ("p50", "p99")}
+    for part in (report, *report.get("by_acceptor", {}).values()):
+        part["vs_floor"] = {q: round(part["refusal_ms"][q] / floor[q], 2) if floor[q] else None
+                            for q in ("p50", "p99")}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps(report, indent=2))

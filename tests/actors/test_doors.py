@@ -24,6 +24,7 @@ DOORS = {
     ("_hub", "close_stream"): "called from a dropped iterator's __del__: no await there",
     ("_hub", "overflowed"): "why the hub cut a stream, read when its channel ended",
     ("_control", "full"): "the O(1) overload gate before tokenizing (issue 20)",
+    ("_control", "room"): "the acceptor process's O(1) gate: the queue's free slots",
     ("_control", "dequeue_listeners"): "metrics time queue waits on the engine's thread",
     ("_control", "stop_admitting"): "shutdown refuses new requests at once",
     ("_books", "idle"): "wait_idle: no row leased, no KV resident",

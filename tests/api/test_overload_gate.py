@@ -1,6 +1,6 @@
 """The overload gate (api.overload): while admission is full, a generation request gets a
-canned 429 in its API's shape straight from the socket; everything else goes the normal
-way. A real server on loopback, raw sockets, the bundled model."""
+canned 429 in its API's shape straight from the socket (in the acceptor process, or on
+the server's loop with --acceptor off); everything else goes the normal way. A real server on loopback, raw sockets, the bundled model."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import json
 import logging
 
 import httpx
+import pytest
 import trio
 from trio_websocket import open_websocket_url
 
@@ -65,9 +66,11 @@ async def _release(session: Session, raw: httpx.AsyncClient, url: str) -> None:
     await wait_stats(raw, url, **IDLE)
 
 
-async def test_generation_paths_refused_in_their_shape(nursery, draft_model, caplog):
+@pytest.mark.parametrize("acceptor", ["process", "off"])  # the acceptor's gate, the loop's
+async def test_generation_paths_refused_in_their_shape(nursery, draft_model, caplog, acceptor):
     caplog.set_level(logging.INFO, logger="tqserve.access")
-    server = await start_server(nursery, draft_model, max_queued_requests=1, max_batch=1)
+    server = await start_server(nursery, draft_model, max_queued_requests=1, max_batch=1,
+                                acceptor=acceptor)
     port = int(server.url.rsplit(":", 1)[1])
     chat = json.dumps({"messages": [{"role": "user", "content": "x"}], "max_tokens": 2})
     bodies = {"/v1/completions": json.dumps({"prompt": "x", "max_tokens": 2}),
