@@ -26,6 +26,15 @@ server. Nothing leaves 127.0.0.1. The phases and what must hold (`invariants`):
   byte at a time, a 16 MB Content-Length, a hostile Origin -> every idle socket closed,
   every trickled body 408 and closed, every oversized body 413 unread, the hostile
   Origin 403 and a loopback one 101; /health and a WebSocket work meanwhile.
+* grammars, prefill_cancel, cache_dir (tools.attack_engine): grammar and `$defs` bombs ->
+  400 naming the limit; cancels inside batched prefill groups -> no other stream harmed;
+  a `.tmp-*` symlink removed at start, the cache dir removed under a running server ->
+  it goes on serving.
+
+Not covered here (their own tests are): the router's trust in its backends and its auth
+(tests/api/test_router_trust.py, test_auth.py), the KV byte budget
+(tests/e2e/test_kv_budget.py), an unreadable cache dir (chmod 000 means nothing to root:
+tests/e2e/test_cache_dir_failures.py).
 """
 
 from __future__ import annotations
@@ -38,6 +47,7 @@ from typing import Any
 
 import trio
 
+from tqserve.tools.attack_engine import phase_cache_dir, phase_grammars, phase_prefill_cancel
 from tqserve.tools.attack_http import phase_http
 from tqserve.tools.attack_phases import (Server, phase_cancels, phase_fuzz, phase_held, phase_memory,
                                  phase_overload, phase_pings, phase_slow, phase_stall)
@@ -78,11 +88,25 @@ async def attack(args: argparse.Namespace) -> dict[str, Any]:
         with trio.fail_after(PHASE_TIMEOUT):
             out["http"] = await phase_http(server.port, args.idle, args.trickle,
                                            args.oversize_bodies)
+        with trio.fail_after(PHASE_TIMEOUT):
+            out["grammars"] = await phase_grammars(server.port)
+        with trio.fail_after(PHASE_TIMEOUT):
+            out["prefill_cancel"] = await phase_prefill_cancel(server.port, args.prefill_rounds,
+                                                               rng)
         out["server_alive"] = server.alive()
     finally:
         server.stop()
+    with trio.fail_after(PHASE_TIMEOUT):
+        out["cache_dir"] = await phase_cache_dir()
+    out["invariants"] = invariants(out)
+    return out
+
+
+def invariants(out: dict[str, Any]) -> dict[str, bool]:
+    """What must hold after the run (the module docstring), by name."""
     mem, held, web = out["memory"], out["held"], out["http"]
-    out["invariants"] = {
+    grammars, prefill, cache = out["grammars"], out["prefill_cancel"], out["cache_dir"]
+    return {
         "no_internal_error": out["fuzz"]["internal_error"] == 0,
         "fuzz_sockets_kept": out["fuzz"]["sockets_closed_by_server"] == 0,
         "cancels_leave_nothing": (out["cancels"]["rows_active"], out["cancels"]["kv_bytes"],
@@ -108,9 +132,16 @@ async def attack(args: argparse.Namespace) -> dict[str, Any]:
         "oversize_bodies_413": web["oversize_413"] == web["oversize_requests"],
         "hostile_origin_refused": web["origin_status"] == {"http://evil.example": 403,
                                                            "http://localhost:3000": 101},
+        "grammar_bombs_400_naming_the_limit": grammars["statuses"] == [400, 400]
+        and grammars["limit_named"] == 2 and grammars["served_after"] == 200,
+        "prefill_group_cancels_harm_no_other_row": prefill["internal_error"] == 0
+        and (prefill["rows_active_after"], prefill["kv_bytes_after"]) == (0, 0),
+        "tmp_symlink_removed_at_start": cache["tmp_symlink_removed"]
+        and cache["symlink_target_kept"],
+        "cache_dir_removed_server_serves": cache["server_alive"]
+        and (cache["first"], cache["after_removal"]) == (200, 200),
         "server_alive": out["server_alive"],
     }
-    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -118,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, default in (("fuzz", 2000), ("cancels", 500), ("pings", 5000), ("slowloris", 200),
                           ("random", 100), ("connections", 500), ("bombs", 100),
                           ("oversize", 100), ("overload", 200), ("seed", 0), ("idle", 1000),
-                          ("trickle", 50), ("oversize_bodies", 40)):
+                          ("trickle", 50), ("oversize_bodies", 40), ("prefill_rounds", 10)):
         p.add_argument("--" + name.replace("_", "-"), type=int, default=default)
     p.add_argument("--bomb-bytes", type=int, default=1 << 30, help="inflated size of a bomb")
     p.add_argument("--ws-message-timeout", type=float, default=3.0)

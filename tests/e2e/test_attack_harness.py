@@ -1,4 +1,4 @@
-"""tools.attack at a tiny scale against a subprocess server: its invariants hold.
+"""tools.attack at a tiny scale against subprocess servers: its invariants hold.
 
 100 deflate bombs (1 GiB inflated each) and 100 oversize frames: the server's RSS comes
 back within 50 MB of its baseline, /health answers throughout, the server lives on.
@@ -17,6 +17,7 @@ def test_attack_harness_invariants(tmp_path):
                  "--random", "20", "--connections", "50", "--bombs", "100", "--oversize", "100",
                  "--overload", "30", "--ws-message-timeout", "2", "--idle", "60",
                  "--trickle", "10", "--oversize-bodies", "10", "--http-timeout", "2",
+                 "--prefill-rounds", "3",
                  "--out", str(out)])
     result = json.loads(out.read_text())
     assert result["invariants"] == {k: True for k in result["invariants"]}, result
@@ -31,3 +32,6 @@ def test_attack_harness_invariants(tmp_path):
     assert result["stall"]["victim_tokens_during"] > 0
     web = result["http"]
     assert (web["idle_closed"], web["trickle_408"], web["oversize_413"]) == (60, 10, 10)
+    assert result["grammars"]["statuses"] == [400, 400]
+    assert result["prefill_cancel"]["internal_error"] == 0
+    assert result["cache_dir"]["tmp_symlink_removed"] and result["cache_dir"]["ssd_errors"] >= 1

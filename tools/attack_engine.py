@@ -1,0 +1,150 @@
+"""The attack's phases against the engine behind the server (tools.attack): hostile
+grammars, cancels inside batched prefill groups, and the cache dir taken away.
+
+* grammars: a 3,000-rule Lark chain and a json_schema of 3,000 `$defs` chained by `$ref`
+  (each once killed the server with SIGSEGV) -> 400 naming the limit; the next request
+  is served.
+* prefill_cancel: rounds of prompts of different lengths sent together (they prefill as
+  one group) and an unrelated stream, the longest disconnected after a random delay ->
+  no stream ends with `internal_error`, nothing leaks.
+* cache_dir (a server of its own, `--cache-dir`): a `.tmp-*` symlink left in the dir is
+  removed at start (its target is not); the dir removed under the running server -> the
+  next SSD hit is a miss, counted in `ssd_errors`, and the server stays up.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from tqserve.tools.attack_phases import Server, stats
+
+CHAT = "/v1/chat/completions"
+
+
+def lark_chain(n: int) -> dict[str, Any]:
+    lines = ["start: r0"] + [f'r{i}: "t{i}" r{i + 1}?' for i in range(n)] + [f'r{n}: "e"']
+    return {"type": "grammar", "lark": "\n".join(lines)}
+
+
+def defs_chain(n: int) -> dict[str, Any]:
+    defs: dict[str, Any] = {
+        f"d{i}": {"type": "object", "properties": {"x": {"$ref": f"#/$defs/d{i + 1}"}},
+                  "required": ["x"]} for i in range(n)}
+    defs[f"d{n}"] = {"type": "string"}
+    return {"type": "json_schema",
+            "json_schema": {"name": "chain", "schema": {"$ref": "#/$defs/d0", "$defs": defs}}}
+
+
+async def post(port: int, path: str, body: dict[str, Any]) -> tuple[int, bytes]:
+    """One POST on its own connection, read to its end: (status, body)."""
+    data = json.dumps(body).encode()
+    stream = await trio.open_tcp_stream("127.0.0.1", port)
+    async with stream:
+        await stream.send_all(f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: "
+                              f"application/json\r\nConnection: close\r\nContent-Length: "
+                              f"{len(data)}\r\n\r\n".encode() + data)
+        got = b""
+        while chunk := await stream.receive_some(65536):
+            got += chunk
+    head, _, rest = got.partition(b"\r\n\r\n")
+    return int(head.split(b" ", 2)[1]), rest
+
+
+async def phase_grammars(port: int) -> dict[str, Any]:
+    out: dict[str, Any] = {"statuses": [], "limit_named": 0}
+    for fmt in (lark_chain(3000), defs_chain(3000)):
+        status, body = await post(port, CHAT, {"messages": [{"role": "user", "content": "x"}],
+                                               "max_tokens": 4, "response_format": fmt})
+        out["statuses"].append(status)
+        out["limit_named"] += b"more than 1000" in body
+    out["served_after"] = (await post(port, CHAT, {
+        "messages": [{"role": "user", "content": "x"}], "max_tokens": 4}))[0]
+    return out
+
+
+async def _stream(port: int, prompt: str, ends: list[str], cancel: trio.Event | None) -> None:
+    """A streamed completion; its end ("finish:<reason>", "error:<code>"), or "cancelled"
+    when `cancel` is set first (the client disconnects)."""
+    data = json.dumps({"prompt": prompt, "max_tokens": 8, "stream": True,
+                       "temperature": 0}).encode()
+    stream = await trio.open_tcp_stream("127.0.0.1", port)
+    async with stream:
+        await stream.send_all(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                              f"application/json\r\nConnection: close\r\nContent-Length: "
+                              f"{len(data)}\r\n\r\n".encode() + data)
+        got = b""
+        with trio.move_on_after(3600) as scope:
+            if cancel is not None:
+                async with trio.open_nursery() as nursery:
+                    async def stop() -> None:
+                        await cancel.wait()
+                        scope.cancel()
+                    nursery.start_soon(stop)
+                    while chunk := await stream.receive_some(65536):
+                        got += chunk
+                    nursery.cancel_scope.cancel()
+            else:
+                while chunk := await stream.receive_some(65536):
+                    got += chunk
+    code = re.search(rb'"code":\s*"(\w+)"', got)
+    reasons = re.findall(rb'"finish_reason":\s*"(\w+)"', got)
+    if scope.cancelled_caught:
+        ends.append("cancelled")
+    elif code is not None:
+        ends.append("error:" + code.group(1).decode())
+    else:
+        ends.append("finish:" + (reasons[-1].decode() if reasons else "none"))
+
+
+async def phase_prefill_cancel(port: int, rounds: int, rng: random.Random) -> dict[str, Any]:
+    ends: list[str] = []
+    for _ in range(rounds):
+        cancel = trio.Event()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_stream, port, "def f():\n", ends, None)  # unrelated
+            for repeat in (rng.randint(5, 40), rng.randint(40, 120)):
+                nursery.start_soon(_stream, port, "import os\n" * repeat, ends, None)
+            nursery.start_soon(_stream, port, "x = [1, 2]\n" * rng.randint(150, 300), ends,
+                               cancel)
+            await trio.sleep(rng.uniform(0.0, 0.3))
+            cancel.set()
+    with trio.fail_after(30):
+        while (s := await stats(port)).get("rows_active") or s.get("streams_open") or (
+                s.get("kv_bytes")):
+            await trio.sleep(0.05)
+    return {"rounds": rounds, "ends": {e: ends.count(e) for e in sorted(set(ends))},
+            "internal_error": ends.count("error:internal_error"),
+            "rows_active_after": s.get("rows_active"), "kv_bytes_after": s.get("kv_bytes")}
+
+
+async def phase_cache_dir() -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="tqserve-attack-") as root:
+        cache, target = Path(root, "cache"), Path(root, "target")
+        cache.mkdir(mode=0o700)
+        target.write_text("keep me")
+        os.symlink(target, cache / ".tmp-planted")
+        server = Server(["--cache-dir", str(cache), "--ram-cache-bytes", "1",
+                         "--ssd-flush", "sync"])
+        try:
+            out: dict[str, Any] = {"tmp_symlink_removed": not os.path.lexists(
+                cache / ".tmp-planted"), "symlink_target_kept": target.exists()}
+            body = {"prompt": "import os\n" * 20, "max_tokens": 4, "temperature": 0}
+            out["first"] = (await post(server.port, "/v1/completions", body))[0]
+            shutil.rmtree(cache)
+            out["after_removal"] = (await post(server.port, "/v1/completions", body))[0]
+            prefix = (await stats(server.port)).get("prefix_cache", {})
+            out["ssd_errors"] = prefix.get("ssd_errors")
+            out["ssd_state"] = prefix.get("ssd_state")
+            out["server_alive"] = server.alive()
+        finally:
+            server.stop()
+    return out
