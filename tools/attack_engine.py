@@ -44,14 +44,18 @@ def defs_chain(n: int) -> dict[str, Any]:
             "json_schema": {"name": "chain", "schema": {"$ref": "#/$defs/d0", "$defs": defs}}}
 
 
+def request(path: str, body: dict[str, Any]) -> bytes:
+    """A whole JSON POST on a connection of its own (Connection: close)."""
+    data = json.dumps(body).encode()
+    return (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            f"Connection: close\r\nContent-Length: {len(data)}\r\n\r\n".encode() + data)
+
+
 async def post(port: int, path: str, body: dict[str, Any]) -> tuple[int, bytes]:
     """One POST on its own connection, read to its end: (status, body)."""
-    data = json.dumps(body).encode()
     stream = await trio.open_tcp_stream("127.0.0.1", port)
     async with stream:
-        await stream.send_all(f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: "
-                              f"application/json\r\nConnection: close\r\nContent-Length: "
-                              f"{len(data)}\r\n\r\n".encode() + data)
+        await stream.send_all(request(path, body))
         got = b""
         while chunk := await stream.receive_some(65536):
             got += chunk
@@ -74,13 +78,10 @@ async def phase_grammars(port: int) -> dict[str, Any]:
 async def _stream(port: int, prompt: str, ends: list[str], cancel: trio.Event | None) -> None:
     """A streamed completion; its end ("finish:<reason>", "error:<code>"), or "cancelled"
     when `cancel` is set first (the client disconnects)."""
-    data = json.dumps({"prompt": prompt, "max_tokens": 8, "stream": True,
-                       "temperature": 0}).encode()
     stream = await trio.open_tcp_stream("127.0.0.1", port)
     async with stream:
-        await stream.send_all(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
-                              f"application/json\r\nConnection: close\r\nContent-Length: "
-                              f"{len(data)}\r\n\r\n".encode() + data)
+        await stream.send_all(request("/v1/completions", {
+            "prompt": prompt, "max_tokens": 8, "stream": True, "temperature": 0}))
         got = b""
         with trio.move_on_after(3600) as scope:
             if cancel is not None:
