@@ -31,8 +31,11 @@ server. Nothing leaves 127.0.0.1. The phases and what must hold (`invariants`):
   a `.tmp-*` symlink removed at start, the cache dir removed under a running server ->
   it goes on serving.
 
-Not covered here (their own tests are): the router's trust in its backends and its auth
-(tests/api/test_router_trust.py, test_auth.py), the KV byte budget
+* router (tools.attack_router): a backend that never answers, one that floods, the
+  router's two keys -> 504 `backend_timeout`, 502 `backend_failed` within the byte limit
+  (RSS within 64 MiB), the admin route on the admin key only, /v1/models on the client's.
+
+Not covered here (their own tests are): the KV byte budget
 (tests/e2e/test_kv_budget.py), an unreadable cache dir (chmod 000 means nothing to root:
 tests/e2e/test_cache_dir_failures.py).
 """
@@ -49,6 +52,7 @@ import trio
 
 from tqserve.tools.attack_engine import phase_cache_dir, phase_grammars, phase_prefill_cancel
 from tqserve.tools.attack_http import phase_http
+from tqserve.tools.attack_router import phase_router
 from tqserve.tools.attack_phases import (Server, phase_cancels, phase_fuzz, phase_held, phase_memory,
                                  phase_overload, phase_pings, phase_slow, phase_stall)
 
@@ -93,6 +97,8 @@ async def attack(args: argparse.Namespace) -> dict[str, Any]:
         with trio.fail_after(PHASE_TIMEOUT):
             out["prefill_cancel"] = await phase_prefill_cancel(server.port, args.prefill_rounds,
                                                                rng)
+        with trio.fail_after(PHASE_TIMEOUT):
+            out["router"] = await phase_router(server.port)
         out["server_alive"] = server.alive()
     finally:
         server.stop()
@@ -106,6 +112,7 @@ def invariants(out: dict[str, Any]) -> dict[str, bool]:
     """What must hold after the run (the module docstring), by name."""
     mem, held, web = out["memory"], out["held"], out["http"]
     grammars, prefill, cache = out["grammars"], out["prefill_cancel"], out["cache_dir"]
+    router = out["router"]
     return {
         "no_internal_error": out["fuzz"]["internal_error"] == 0,
         "fuzz_sockets_kept": out["fuzz"]["sockets_closed_by_server"] == 0,
@@ -140,6 +147,11 @@ def invariants(out: dict[str, Any]) -> dict[str, bool]:
         and cache["symlink_target_kept"],
         "cache_dir_removed_server_serves": cache["server_alive"]
         and (cache["first"], cache["after_removal"]) == (200, 200),
+        "router_bounds_its_backends": (router["silent"]["status"], router["silent"]["code"],
+                                       router["flood"]["status"], router["flood"]["code"])
+        == (504, "backend_timeout", 502, "backend_failed") and router["rss_growth_mb"] <= 64,
+        "router_keys": router["keys"] == {"models_client_key": 200, "models_no_key": 401,
+                                          "drain_admin_key": 200, "drain_client_key": 401},
         "server_alive": out["server_alive"],
     }
 

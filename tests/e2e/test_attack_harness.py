@@ -35,3 +35,5 @@ def test_attack_harness_invariants(tmp_path):
     assert result["grammars"]["statuses"] == [400, 400]
     assert result["prefill_cancel"]["internal_error"] == 0
     assert result["cache_dir"]["tmp_symlink_removed"] and result["cache_dir"]["ssd_errors"] >= 1
+    assert result["router"]["silent"]["code"] == "backend_timeout"
+    assert result["router"]["keys"]["drain_client_key"] == 401
