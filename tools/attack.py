@@ -35,8 +35,10 @@ server. Nothing leaves 127.0.0.1. The phases and what must hold (`invariants`):
   router's two keys -> 504 `backend_timeout`, 502 `backend_failed` within the byte limit
   (RSS within 64 MiB), the admin route on the admin key only, /v1/models on the client's.
 
-Not covered here (their own tests are): the KV byte budget
-(tests/e2e/test_kv_budget.py), an unreadable cache dir (chmod 000 means nothing to root:
+* kv_budget (tools.attack_engine): long rows at once against an 8 MiB KV budget -> KV
+  bytes within it, every row served.
+
+Not covered here (its own test is): an unreadable cache dir (chmod 000 means nothing to root:
 tests/e2e/test_cache_dir_failures.py).
 """
 
@@ -50,7 +52,8 @@ from typing import Any
 
 import trio
 
-from tqserve.tools.attack_engine import phase_cache_dir, phase_grammars, phase_prefill_cancel
+from tqserve.tools.attack_engine import (phase_cache_dir, phase_grammars, phase_kv_budget,
+                                         phase_prefill_cancel)
 from tqserve.tools.attack_http import phase_http
 from tqserve.tools.attack_router import phase_router
 from tqserve.tools.attack_phases import (Server, phase_cancels, phase_fuzz, phase_held, phase_memory,
@@ -104,6 +107,8 @@ async def attack(args: argparse.Namespace) -> dict[str, Any]:
         server.stop()
     with trio.fail_after(PHASE_TIMEOUT):
         out["cache_dir"] = await phase_cache_dir()
+    with trio.fail_after(PHASE_TIMEOUT):
+        out["kv_budget"] = await phase_kv_budget(args.kv_rows)
     out["invariants"] = invariants(out)
     return out
 
@@ -112,7 +117,7 @@ def invariants(out: dict[str, Any]) -> dict[str, bool]:
     """What must hold after the run (the module docstring), by name."""
     mem, held, web = out["memory"], out["held"], out["http"]
     grammars, prefill, cache = out["grammars"], out["prefill_cancel"], out["cache_dir"]
-    router = out["router"]
+    router, kv = out["router"], out["kv_budget"]
     return {
         "no_internal_error": out["fuzz"]["internal_error"] == 0,
         "fuzz_sockets_kept": out["fuzz"]["sockets_closed_by_server"] == 0,
@@ -152,6 +157,10 @@ def invariants(out: dict[str, Any]) -> dict[str, bool]:
         == (504, "backend_timeout", 502, "backend_failed") and router["rss_growth_mb"] <= 64,
         "router_keys": router["keys"] == {"models_client_key": 200, "models_no_key": 401,
                                           "drain_admin_key": 200, "drain_client_key": 401},
+        "kv_bytes_within_the_budget": kv["peak_kv_charged_bytes"] <= kv["kv_budget_bytes"]
+        and kv["peak_kv_bytes"] <= kv["kv_budget_bytes"]
+        and kv["peak_rows_active"] < kv["requests"]  # some waited for the budget
+        and kv["ends"] == {"finish:length": kv["requests"]} and kv["server_alive"],
         "server_alive": out["server_alive"],
     }
 
@@ -161,7 +170,8 @@ def main(argv: list[str] | None = None) -> int:
     for name, default in (("fuzz", 2000), ("cancels", 500), ("pings", 5000), ("slowloris", 200),
                           ("random", 100), ("connections", 500), ("bombs", 100),
                           ("oversize", 100), ("overload", 200), ("seed", 0), ("idle", 1000),
-                          ("trickle", 50), ("oversize_bodies", 40), ("prefill_rounds", 10)):
+                          ("trickle", 50), ("oversize_bodies", 40), ("prefill_rounds", 10),
+                          ("kv_rows", 24)):
         p.add_argument("--" + name.replace("_", "-"), type=int, default=default)
     p.add_argument("--bomb-bytes", type=int, default=1 << 30, help="inflated size of a bomb")
     p.add_argument("--ws-message-timeout", type=float, default=3.0)

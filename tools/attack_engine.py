@@ -7,6 +7,8 @@ grammars, cancels inside batched prefill groups, and the cache dir taken away.
 * prefill_cancel: rounds of prompts of different lengths sent together (they prefill as
   one group) and an unrelated stream, the longest disconnected after a random delay ->
   no stream ends with `internal_error`, nothing leaks.
+* kv_budget (a server of its own, `--kv-budget-bytes` 8 MiB): long rows sent at once ->
+  only as many decode as the budget holds, the rest wait; KV bytes never pass it.
 * cache_dir (a server of its own, `--cache-dir`): a `.tmp-*` symlink left in the dir is
   removed at start (its target is not); the dir removed under the running server -> the
   next SSD hit is a miss, counted in `ssd_errors`, and the server stays up.
@@ -75,13 +77,14 @@ async def phase_grammars(port: int) -> dict[str, Any]:
     return out
 
 
-async def _stream(port: int, prompt: str, ends: list[str], cancel: trio.Event | None) -> None:
+async def _stream(port: int, prompt: str, ends: list[str], cancel: trio.Event | None,
+                  max_tokens: int = 8) -> None:
     """A streamed completion; its end ("finish:<reason>", "error:<code>"), or "cancelled"
     when `cancel` is set first (the client disconnects)."""
     stream = await trio.open_tcp_stream("127.0.0.1", port)
     async with stream:
         await stream.send_all(request("/v1/completions", {
-            "prompt": prompt, "max_tokens": 8, "stream": True, "temperature": 0}))
+            "prompt": prompt, "max_tokens": max_tokens, "stream": True, "temperature": 0}))
         got = b""
         with trio.move_on_after(3600) as scope:
             if cancel is not None:
@@ -148,4 +151,42 @@ async def phase_cache_dir() -> dict[str, Any]:
             out["server_alive"] = server.alive()
         finally:
             server.stop()
+    return out
+
+
+async def _watch(port: int, peak: dict[str, int]) -> None:
+    """Keep the highest figure of each of `peak`'s /v1/stats fields, until cancelled."""
+    while True:
+        current = await stats(port)
+        for key in peak:
+            peak[key] = max(peak[key], current.get(key, 0))
+        await trio.sleep(0.05)
+
+
+KV_BUDGET = 8 << 20  # the kv_budget phase's server: a few long rows of the bundled model
+
+
+async def phase_kv_budget(requests: int) -> dict[str, Any]:
+    """`requests` long rows at once against a server whose KV budget holds only some:
+    the rest wait in the queue; the KV bytes never pass the budget."""
+    server = Server(["--kv-budget-bytes", str(KV_BUDGET), "--max-batch", "32",
+                     "--max-queued-requests", str(requests)])
+    ends: list[str] = []
+    peak = {"kv_bytes": 0, "kv_charged_bytes": 0, "rows_active": 0}
+    try:
+        async with trio.open_nursery() as nursery:
+            for i in range(requests):
+                nursery.start_soon(_stream, server.port, f"# row {i}\n", ends, None, 300)
+
+            async with trio.open_nursery() as watching:
+                watching.start_soon(_watch, server.port, peak)
+                while len(ends) < requests:
+                    await trio.sleep(0.1)
+                watching.cancel_scope.cancel()
+        out = {"requests": requests, "kv_budget_bytes": KV_BUDGET, **{f"peak_{k}": v for k, v in
+                                                                      peak.items()},
+               "ends": {e: ends.count(e) for e in sorted(set(ends))},
+               "server_alive": server.alive()}
+    finally:
+        server.stop()
     return out

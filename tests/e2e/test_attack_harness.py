@@ -17,7 +17,7 @@ def test_attack_harness_invariants(tmp_path):
                  "--random", "20", "--connections", "50", "--bombs", "100", "--oversize", "100",
                  "--overload", "30", "--ws-message-timeout", "2", "--idle", "60",
                  "--trickle", "10", "--oversize-bodies", "10", "--http-timeout", "2",
-                 "--prefill-rounds", "3",
+                 "--prefill-rounds", "3", "--kv-rows", "12",
                  "--out", str(out)])
     result = json.loads(out.read_text())
     assert result["invariants"] == {k: True for k in result["invariants"]}, result
@@ -37,3 +37,4 @@ def test_attack_harness_invariants(tmp_path):
     assert result["cache_dir"]["tmp_symlink_removed"] and result["cache_dir"]["ssd_errors"] >= 1
     assert result["router"]["silent"]["code"] == "backend_timeout"
     assert result["router"]["keys"]["drain_client_key"] == 401
+    assert result["kv_budget"]["peak_kv_bytes"] <= result["kv_budget"]["kv_budget_bytes"]
