@@ -130,6 +130,17 @@ async def phase_prefill_cancel(port: int, rounds: int, rng: random.Random) -> di
             "rows_active_after": s.get("rows_active"), "kv_bytes_after": s.get("kv_bytes")}
 
 
+async def _remove(directory: Path) -> None:
+    """Remove the directory under the running server: a write it finishes meanwhile may
+    rename a file inside it (or make the directory again), so try until it is gone."""
+    for _ in range(100):
+        shutil.rmtree(directory, ignore_errors=True)
+        if not directory.exists():
+            return
+        await trio.sleep(0.02)
+    raise RuntimeError(f"could not remove {directory}")
+
+
 async def phase_cache_dir() -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="tqserve-attack-") as root:
         cache, target = Path(root, "cache"), Path(root, "target")
@@ -143,7 +154,7 @@ async def phase_cache_dir() -> dict[str, Any]:
                 cache / ".tmp-planted"), "symlink_target_kept": target.exists()}
             body = {"prompt": "import os\n" * 20, "max_tokens": 4, "temperature": 0}
             out["first"] = (await post(server.port, "/v1/completions", body))[0]
-            shutil.rmtree(cache)
+            await _remove(cache)
             out["after_removal"] = (await post(server.port, "/v1/completions", body))[0]
             prefix = (await stats(server.port)).get("prefix_cache", {})
             out["ssd_errors"] = prefix.get("ssd_errors")
