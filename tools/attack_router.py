@@ -28,14 +28,23 @@ BYTE_LIMIT = 1 << 20
 READ_TIMEOUT = 1.0
 
 
+HEALTH_OK = (b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 15\r\n"
+             b"\r\n{\"status\":\"ok\"}")
+
+
+async def read_head(stream: trio.SocketStream) -> bytes:
+    """A request's bytes up to the end of its head (or the connection's end)."""
+    head = b""
+    while b"\r\n\r\n" not in head and (chunk := await stream.receive_some(65536)):
+        head += chunk
+    return head
+
+
 async def _backend(stream: trio.SocketStream, mode: str) -> None:
+    """A backend whose /health says ok and whose POSTs get `mode`: silent or flood."""
     try:
-        head = b""
-        while b"\r\n\r\n" not in head and (chunk := await stream.receive_some(65536)):
-            head += chunk
-        if head.startswith(b"GET /health"):
-            await stream.send_all(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
-                                  b"content-length: 15\r\n\r\n{\"status\":\"ok\"}")
+        if (await read_head(stream)).startswith(b"GET /health"):
+            await stream.send_all(HEALTH_OK)
         elif mode == "silent":
             await trio.sleep_forever()
         else:

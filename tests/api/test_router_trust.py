@@ -14,6 +14,7 @@ from trio_websocket import ConnectionRejected, open_websocket_url
 
 from tests.api.routerkit import start_replica, start_router
 from tests.conftest import start_server
+from tqserve.tools.attack_router import HEALTH_OK, read_head
 
 LIMIT = 1 << 20
 
@@ -35,12 +36,8 @@ class Misbehaving:
 
     async def handle(self, stream: trio.SocketStream) -> None:
         try:
-            head = b""
-            while b"\r\n\r\n" not in head and (chunk := await stream.receive_some(65536)):
-                head += chunk
-            if head.startswith(b"GET /health"):
-                await stream.send_all(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
-                                      b"content-length: 15\r\n\r\n{\"status\":\"ok\"}")
+            if (await read_head(stream)).startswith(b"GET /health"):
+                await stream.send_all(HEALTH_OK)
             elif self.mode == "silent":
                 await trio.sleep_forever()
             else:
