@@ -56,7 +56,7 @@ class AdmissionControl:
         if not self.admitting:
             reason = SHUTTING_DOWN
         elif len(self.queued) >= self.max_queued_requests:
-            reason = f"queue full: {len(self.queued)} requests queued (max {self.max_queued_requests})"
+            reason = self._requests_full(len(self.queued))
         elif tokens + num_tokens > self.max_queued_tokens:
             reason = (f"queue full: {tokens} prompt tokens queued, {num_tokens} more would exceed "
                       f"max {self.max_queued_tokens}")
@@ -73,8 +73,7 @@ class AdmissionControl:
         if not self.admitting:
             return SHUTTING_DOWN
         if len(self.queued) >= self.max_queued_requests:
-            return (f"queue full: {len(self.queued)} requests queued (max "
-                    f"{self.max_queued_requests})")
+            return self._requests_full(len(self.queued))
         return None
 
     def room(self) -> tuple[int, str]:
@@ -83,8 +82,11 @@ class AdmissionControl:
         if not self.admitting:
             return -1, SHUTTING_DOWN
         return (max(0, self.max_queued_requests - len(self.queued)),
-                f"queue full: {self.max_queued_requests} requests queued "
-                f"(max {self.max_queued_requests})")
+                self._requests_full(self.max_queued_requests))
+
+    def _requests_full(self, num_queued: int) -> str:
+        """The refusal's message when the queue holds `num_queued` requests."""
+        return f"queue full: {num_queued} requests queued (max {self.max_queued_requests})"
 
     def dequeued(self, request_id: str) -> None:
         num_tokens = self.queued.pop(request_id, None)

@@ -41,6 +41,7 @@ import socket
 import struct
 import sys
 import time
+from collections import deque
 
 from tqserve.api.gate_head import (MAX_HEAD_BYTES, body_complete, head_complete,
                                    refusable_path, refusal_bytes)
@@ -53,6 +54,23 @@ HOLD_SECONDS = 1.0  # a head not whole by then is handed over with what came (sl
 PRIORITY_BOOST = 10  # niceness below the server's, where permitted (raise_priority)
 
 
+def frame(kind: bytes, body: bytes = b"") -> bytes:
+    """One frame of the link: kind, length, body."""
+    return FRAME.pack(kind, len(body)) + body
+
+
+def take_frames(buf: bytearray) -> list[tuple[bytes, bytes]]:
+    """The whole frames at the start of `buf`, as (kind, body), taken out of it."""
+    frames = []
+    while len(buf) >= FRAME.size:
+        kind, length = FRAME.unpack_from(buf)
+        if len(buf) < FRAME.size + length:
+            break
+        frames.append((kind, bytes(buf[FRAME.size:FRAME.size + length])))
+        del buf[:FRAME.size + length]
+    return frames
+
+
 class Outbox:
     """Frames for the server, sent without ever blocking the acceptor's loop: what the
     link does not take now waits here (with the connection whose descriptor it carries,
@@ -61,11 +79,11 @@ class Outbox:
 
     def __init__(self, link: socket.socket) -> None:
         self.link = link
-        self.frames: list[tuple[bytearray, socket.socket | None]] = []
+        self.frames: deque[tuple[bytearray, socket.socket | None]] = deque()
         self.refusals: list[tuple[str, float]] = []
 
     def hand_over(self, sock: socket.socket, data: bytes) -> None:
-        self.frames.append((bytearray(FRAME.pack(b"C", len(data)) + data), sock))
+        self.frames.append((bytearray(frame(b"C", data)), sock))
 
     def refused(self, path: str, ms: float) -> None:
         self.refusals.append((path, round(ms, 2)))
@@ -77,8 +95,8 @@ class Outbox:
     def flush(self) -> None:
         """Send what the link takes now; OSError other than EAGAIN: the server is gone."""
         if self.refusals:
-            body = json.dumps(self.refusals).encode()
-            self.frames.append((bytearray(FRAME.pack(b"R", len(body)) + body), None))
+            self.frames.append((bytearray(frame(b"R", json.dumps(self.refusals).encode())),
+                                None))
             self.refusals = []
         while self.frames:
             data, sock = self.frames[0]
@@ -93,17 +111,17 @@ class Outbox:
                 return
             del data[:sent]
             if not data:
-                self.frames.pop(0)
+                self.frames.popleft()
 
     def close(self) -> None:
         for _, sock in self.frames:
             if sock is not None:
                 sock.close()
-        self.frames = []
+        self.frames.clear()
 
 
 class _Held:
-    """A connection accepted while full: its bytes so far, then (refused) its drain."""
+    """A connection whose head is being read: its bytes so far, then (refused) its drain."""
 
     __slots__ = ("sock", "data", "opened", "deadline", "draining", "drained")
 
@@ -129,7 +147,7 @@ class Acceptor:
         self.max_held = 1024
         self.held: dict[int, _Held] = {}
         self.selector = selectors.DefaultSelector()
-        self._link_buf = b""
+        self._link_buf = bytearray()
         self.outbox = Outbox(link)
         self._watching_write = False
 
@@ -190,12 +208,7 @@ class Acceptor:
         if not chunk:
             return False
         self._link_buf += chunk
-        while len(self._link_buf) >= FRAME.size:
-            kind, length = FRAME.unpack_from(self._link_buf)
-            if len(self._link_buf) < FRAME.size + length:
-                break
-            body = self._link_buf[FRAME.size:FRAME.size + length]
-            self._link_buf = self._link_buf[FRAME.size + length:]
+        for kind, body in take_frames(self._link_buf):
             if kind == b"K":
                 self.configure(json.loads(body))
             elif kind == b"S":
@@ -308,7 +321,6 @@ def main(argv: list[str]) -> int:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     raise_priority()
     link = socket.socket(fileno=int(argv[0]))
-    link.setblocking(True)
     listeners = [socket.socket(fileno=int(fd)) for fd in argv[1:]]
     try:
         Acceptor(listeners, link).run()
@@ -323,5 +335,4 @@ if __name__ == "__main__":
     if len(sys.argv) < 3:
         print("usage: python -m tqserve.api.acceptor LINK_FD LISTEN_FD...", file=sys.stderr)
         raise SystemExit(2)
-    os.environ.pop("PYTHONSTARTUP", None)
     raise SystemExit(main(sys.argv[1:]))

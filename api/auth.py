@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import hmac
 import time
 from typing import Any, Callable
 from urllib.parse import urlsplit
@@ -33,6 +32,7 @@ from urllib.parse import urlsplit
 from quart import Response, g, request, websocket
 from quart_trio import QuartTrio
 
+from tqserve.api import gate_head
 from tqserve.api.httpcommon import new_id
 from tqserve.api.metrics import Metrics
 
@@ -43,11 +43,9 @@ KEY_PROTOCOL_PREFIX = "tqserve.bearer."
 
 
 def presented_key(headers: Any) -> str | None:
-    """The key a request carries, from Authorization: Bearer or x-api-key."""
-    auth = headers.get("Authorization", "")
-    if auth[:7].lower() == "bearer ":
-        return auth[7:].strip()
-    return headers.get("x-api-key")
+    """The key a request carries, from Authorization: Bearer or x-api-key (the rule of
+    api.gate_head, which the overload gates apply to raw heads)."""
+    return gate_head.presented_key(headers.get("Authorization"), headers.get("x-api-key"))
 
 
 def protocol_key(subprotocols: list[str]) -> str | None:
@@ -65,9 +63,7 @@ def protocol_key(subprotocols: list[str]) -> str | None:
 
 def key_ok(expected: str, headers: Any, given: str | None = None) -> bool:
     """Whether the request carries `expected` (in its headers, or as `given`)."""
-    given = presented_key(headers) if given is None else given
-    return given is not None and hmac.compare_digest(given.encode("utf-8"),
-                                                     expected.encode("utf-8"))
+    return gate_head.key_matches(expected, presented_key(headers) if given is None else given)
 
 
 LOOPBACK_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})

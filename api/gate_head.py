@@ -8,7 +8,8 @@ complete request head of
 
 in HTTP/1.x, with well-formed header lines, no `Origin` header (a browser's request goes
 the normal way, through the origin check) and the server's key when it has one (the same
-rule as api.auth.presented_key: `Authorization: Bearer <key>` or `x-api-key: <key>`).
+rule as the server's routes, `presented_key`: `Authorization: Bearer <key>` or
+`x-api-key: <key>`).
 """
 
 from __future__ import annotations
@@ -46,15 +47,27 @@ def refusable_path(head: bytes, api_key: str | None) -> bytes | None:
     return path
 
 
+def presented_key(authorization: str | None, x_api_key: str | None) -> str | None:
+    """The key a request carries, from these two headers' values: `Authorization: Bearer
+    KEY`, else `x-api-key` (the one rule: api.auth uses it too)."""
+    auth = authorization or ""
+    if auth[:7].lower() == "bearer ":
+        return auth[7:].strip()
+    return x_api_key
+
+
+def key_matches(expected: str, given: str | None) -> bool:
+    """Whether `given` is the key `expected` (compared in constant time)."""
+    return given is not None and hmac.compare_digest(given.encode("utf-8"),
+                                                     expected.encode("utf-8"))
+
+
 def _key_ok(api_key: str | None, headers: dict[bytes, bytes]) -> bool:
     if api_key is None:
         return True
-    auth = headers.get(b"authorization", b"")
-    if auth[:7].lower() == b"bearer ":
-        given: bytes | None = auth[7:].strip()
-    else:
-        given = headers.get(b"x-api-key")
-    return given is not None and hmac.compare_digest(given, api_key.encode("utf-8"))
+    values = [headers.get(name) for name in (b"authorization", b"x-api-key")]
+    return key_matches(api_key, presented_key(
+        *(v.decode("latin-1") if v is not None else None for v in values)))
 
 
 def parse_headers(block: bytes) -> dict[bytes, bytes] | None:

@@ -37,7 +37,7 @@ from hypercorn.trio.worker_context import WorkerContext
 from hypercorn.typing import AppWrapper, ConnectionState, LifespanState
 from hypercorn.utils import repr_socket_addr
 
-from tqserve.api.acceptor import FRAME
+from tqserve.api.acceptor import frame, take_frames
 from tqserve.api.overload import GatedTCPServer, OverloadGate
 
 log = logging.getLogger("tqserve.server")
@@ -70,7 +70,7 @@ class AcceptorLink:
         return cls(process, trio.socket.from_stdlib_socket(ours))
 
     async def send(self, kind: bytes, body: bytes = b"") -> None:
-        await self.link.send(FRAME.pack(kind, len(body)) + body)
+        await self.link.send(frame(kind, body))
 
     async def frames(self) -> AsyncIterator[tuple[bytes, bytes, int | None]]:
         """(kind, body, descriptor of a `C` frame) until the acceptor is gone. A link
@@ -85,20 +85,15 @@ class AcceptorLink:
                         65536, socket.CMSG_SPACE(FDS_PER_RECV * 4))
                 except OSError:
                     return
-                for level, kind, cdata in ancdata:
-                    if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                for level, ctype, cdata in ancdata:
+                    if level == socket.SOL_SOCKET and ctype == socket.SCM_RIGHTS:
                         got = array.array("i")
                         got.frombytes(cdata[:len(cdata) - len(cdata) % got.itemsize])
                         fds.extend(got)
                 if not data or flags & socket.MSG_CTRUNC:
                     return
                 buf += data
-                while len(buf) >= FRAME.size:
-                    kind, length = FRAME.unpack_from(buf)
-                    if len(buf) < FRAME.size + length:
-                        break
-                    body = bytes(buf[FRAME.size:FRAME.size + length])
-                    del buf[:FRAME.size + length]
+                for kind, body in take_frames(buf):
                     yield kind, body, (fds.popleft() if kind == b"C" and fds else None)
         finally:
             for fd in fds:
