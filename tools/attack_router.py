@@ -21,7 +21,7 @@ import trio
 from tqserve.api.router.app import serve_router
 from tqserve.api.router.core import RoutingConfig
 from tqserve.api.router.service import RouterConfig
-from tqserve.tools.attack_engine import request
+from tqserve.tools.attack_engine import exchange, request
 
 FLOOD_BYTES = 32 << 20
 BYTE_LIMIT = 1 << 20
@@ -59,15 +59,8 @@ async def _backend(stream: trio.SocketStream, mode: str) -> None:
 
 
 async def _exchange(url: str, raw: bytes) -> tuple[int, bytes]:
-    host, port = url.removeprefix("http://").rsplit(":", 1)
-    stream = await trio.open_tcp_stream(host, int(port))
-    async with stream:
-        await stream.send_all(raw)
-        got = b""
-        while chunk := await stream.receive_some(65536):
-            got += chunk
-    head, _, body = got.partition(b"\r\n\r\n")
-    return int(head.split(b" ", 2)[1]), body
+    """tools.attack_engine.exchange with a router's loopback URL."""
+    return await exchange(int(url.rsplit(":", 1)[1]), raw)
 
 
 def _rss_kb() -> int:
