@@ -1,8 +1,8 @@
 """The decode batch: its rows in order, their batch cache, the forward in flight; and
 one row's host state in the runner (`RowState`).
 
-Plain, affine and TurboQuant layers keep per-row slots (engine.kv.slots.slot_batch): a
-joining row or prefill group writes only its own KV into free slots, and a retirement
+Plain, affine and TurboQuant layers keep per-row slots (engine.kv.slots.slot_batch_of): a
+joining row or prefill group (already in slots) writes only its own KV into free slots, and a retirement
 moves at most one row (`retire_order`). Other kinds (rotating sliding-window layers) join
 through their class's `merge` and `extend` and keep physical left padding per row. The
 in-flight forward's logits (`pending`, one row each, in the batch's order when launched)
@@ -71,9 +71,10 @@ class DecodeBatch:
         self.ids.append(request_id)
 
     def join_group(self, request_ids: list[str], cache: list[Any]) -> None:
-        """A completed prefill group's batch cache joins at once (one `extend`)."""
+        """A completed prefill group's slot batches join at once: as they are into an
+        empty batch, else one `extend` (its rows' bytes into free slots)."""
         if self.cache is None:
-            self.cache = [as_decode_batch(c, is_batch=True) for c in cache]
+            self.cache = list(cache)
         else:
             for mine, theirs in zip(self.cache, cache):
                 mine.extend(theirs)

@@ -3,9 +3,11 @@ and each step's prefill chunks under the step's token budget. The runner execute
 (engine.prefill); no I/O, no MLX.
 
 The rows that start prefilling from scratch in one `schedule` call form a prefill group.
-The group's prompts are left-padded to the longest (`NewRow.pad`) and prefilled together,
+The group is as wide as its longest prompt and its rows are prefilled together,
 `columns` positions of every row per step in ONE forward (the runner keeps the group in
-one batch cache), so all of them finish in the same step and join together. A row that
+one slot batch per layer), so all of them finish in the same step and join together. A
+row's chunk is its prompt's positions under those columns: a shorter row runs out
+first, and the columns past its end are padding that the runner trims away. A row that
 reuses a prefix snapshot prefills alone (its group holds only it); a row with nothing to
 prefill gets no group and joins at once. Each step processes at most `max_step_tokens`
 tokens: the rows decoding when the step is planned take one each, and the prefill groups
@@ -35,7 +37,7 @@ class PrefillPlanner:
 
     def form(self, started: Sequence[Row]) -> None:
         """One group for the rows starting from scratch, one per reusing row; rows with
-        nothing to prefill get no group (they join at once). Sets each row's group and pad."""
+        nothing to prefill get no group (they join at once). Sets each row's group."""
         fresh = [row for row in started if row.cached == 0 and len(row.prompt) > 1]
         alone = [[row] for row in started if row.cached > 0 and len(row.prompt) - 1 > row.cached]
         for rows in ([fresh] if fresh else []) + alone:
@@ -43,7 +45,6 @@ class PrefillPlanner:
             self._next_group += 1
             for row in rows:
                 row.group = self._next_group
-                row.pad = width - (len(row.prompt) - 1 - row.cached)
             self._groups[self._next_group] = Group(
                 group_id=self._next_group, rows=[row.request_id for row in rows], width=width)
 
@@ -63,8 +64,9 @@ class PrefillPlanner:
             end_col = group.done + columns
             for rid in group.rows:
                 row = rows[rid]
-                start = row.cached + max(0, group.done - row.pad)
-                end = row.cached + max(0, end_col - row.pad)
+                own = len(row.prompt) - 1 - row.cached
+                start = row.cached + min(group.done, own)
+                end = row.cached + min(end_col, own)
                 chunks.append(PrefillChunk(request_id=rid, start=start, end=end,
                                            group=group.group_id, columns=columns))
                 row.num_prefilled = end

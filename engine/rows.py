@@ -55,7 +55,6 @@ class Row:
     num_verify_steps: int = 0
     speculative: RequestChoice = None
     group: int = 0           # its prefill group, once started
-    pad: int = 0             # its left padding in that group
 
     def move(self, new: RowState) -> None:
         if new not in _TRANSITIONS[self.state]:

@@ -1,7 +1,7 @@
 """Executes a StepPlan on MLX. Runs on the one runner thread; holds every array.
 
-Rows prefill in groups (engine.prefill: one left-padded forward per group and step, into
-one batch cache that joins the decode batch at once); a row that reuses a snapshot, asks
+Rows prefill in groups (engine.prefill: one right-padded forward per group and step, into
+slot batches that join the decode batch at once); a row that reuses a snapshot, asks
 for prompt logprobs (engine.prompt_logprobs: its chunks' logits give them), feeds an MTP
 head, or whose cache kind cannot be batched, prefills alone on its own caches. The decode
 batch (engine.decode_batch) runs one forward per step for all rows, then per-row sampling.
@@ -148,7 +148,7 @@ class Runner:
                         new.params.prompt_logprobs is None):
                     # (an MTP row prefills alone: its head reads the target's hidden states;
                     # so does a row asking for prompt logprobs: it reads its own logits)
-                    self._groups.add(new.request_id, new.group, new.pad, cache)
+                    self._groups.add(new.request_id, new.group, cache)
                     cache = None
             self._rows[new.request_id] = RowState(
                 sampler=RowSampler.create(new.params, new.prompt),

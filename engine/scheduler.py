@@ -14,7 +14,8 @@ are released at the start of the next step.
 
 Batched prefill under a token budget (engine.prefill_plan, which keeps the groups'
 books): the rows that start prefilling from scratch in one `schedule` call form a prefill
-group, left-padded and prefilled together; a row reusing a prefix snapshot prefills alone.
+group, prefilled together (as wide as its longest prompt); a row reusing a prefix
+snapshot prefills alone.
 Each step processes at most `max_step_tokens` tokens: one per decoding row, the rest
 shared by the prefill groups oldest first, at most `prefill_chunk` columns per step.
 
@@ -240,7 +241,7 @@ class SchedulerCore:
         new_rows = tuple(NewRow(request_id=row.request_id, row_id=row.row_id,  # type: ignore
                                 prompt=row.prompt, params=row.params, reuse=row.reuse,
                                 cached=row.cached, response_format=row.response_format,
-                                speculative=row.speculative, group=row.group, pad=row.pad)
+                                speculative=row.speculative, group=row.group)
                          for row in started)
         chunks, joins = self._prefill.plan(self._rows, self._prefilling, len(self._decoding))
         for rid in joins:

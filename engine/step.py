@@ -35,13 +35,12 @@ class NewRow:
     response_format: ResponseFormat | None = None
     speculative: RequestChoice = None  # the request's SpecChoice, False (never), None (default)
     group: int = 0  # the prefill group (see the module doc)
-    pad: int = 0    # padding positions before the row's first prompt token in its group
 
 
 @attrs.frozen(kw_only=True)
 class PrefillChunk:
     """Prompt positions [start, end) of one row; its group's forward this step is
-    `columns` wide: the row's tokens are right-aligned in it, padding before them."""
+    `columns` wide: the row's tokens come first in it, padding after them."""
 
     request_id: str
     start: int

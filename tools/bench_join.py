@@ -1,7 +1,8 @@
-"""Cost of a row joining and a row retiring in the decode batch's KV, per cache kind: the
-right-aligned batch caches (mlx-lm's BatchKVCache; tqserve's batched TurboQuant and affine
-caches: merge + extend, filter: copy every row) vs the per-row slots (engine/kv/slots.py,
-quant_slots.py: write or move only that row).
+"""Cost of a row joining and a row retiring in the decode batch's KV, per cache kind:
+tqserve's per-row slots (engine/kv/slots.py, quant_slots.py: write or move only that row),
+and for plain KV also mlx-lm's right-aligned BatchKVCache (merge + extend, filter: copy
+every row) as the reference. tqserve keeps no right-aligned batch of its own kinds any
+more (one KV family), so TurboQuant and affine are measured on the slots side only.
 
     python -m tqserve.tools.bench_join [--kinds plain,tq-k4v4,affine-8] [--rows 8,32,64]
         [--context 1024] [--repeats 5] [--out FILE]
@@ -33,7 +34,12 @@ def _timed(fn: Callable[[], list[Any]]) -> float:
 
 
 KINDS = ("plain", "tq-k4v4", "affine-8")
-SIDES = ("merge", "slots")  # before (right-aligned batch caches) and after (slots)
+SIDES = ("merge", "slots")  # mlx-lm's right-aligned batch caches, tqserve's slots
+
+
+def sides_of(kind: str) -> tuple[str, ...]:
+    """The sides measured for `kind`: mlx-lm has a right-aligned batch of plain KV only."""
+    return SIDES if kind == "plain" else ("slots",)
 
 
 def _row(kind: str, context: int) -> Any:
@@ -103,7 +109,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     kinds = args.kinds.split(",")
     for kind in kinds:
         for rows in [int(x) for x in args.rows.split(",")]:
-            for side in SIDES:
+            for side in sides_of(kind):
                 runs = [_one(kind, side, rows, args.context) for _ in range(args.repeats)]
                 out[f"{kind}_r{rows}_{side}"] = {
                     "join_ms": statistics.median(r[0] for r in runs),

@@ -1,8 +1,9 @@
-"""KV cache classes on mlx-lm's cache protocol: encoded rows, TurboQuant (single, batched,
-delayed), affine (single, batched), the decode batch's per-row slots of every kind
-(slots.py: `slot_batch`), the rotated attention port and the per-model cache factory."""
+"""KV cache classes on mlx-lm's cache protocol: one family. A single row of each kind
+(plain mlx-lm KVCache, TurboQuant, delayed TurboQuant, affine) and, for every batch (the
+prefill groups and the decode batch), the per-row slots of each kind (slots.py:
+`slot_batch_of`); the rotated attention port and the per-model cache factory."""
 
-from tqserve.engine.kv.affine import AffineKVCache, BatchedAffineKVCache
+from tqserve.engine.kv.affine import AffineKVCache
 from tqserve.engine.kv.attention import (
     FUSED_DECODE_ENV,
     MixedRowsKV,
@@ -11,7 +12,7 @@ from tqserve.engine.kv.attention import (
     install_attention,
     turboquant_sdpa,
 )
-from tqserve.engine.kv.delayed import BatchedDelayedTurboQuantKVCache, DelayedTurboQuantKVCache
+from tqserve.engine.kv.delayed import DelayedTurboQuantKVCache
 from tqserve.engine.kv.delayed_slots import DelayedTurboQuantSlotsKVCache
 from tqserve.engine.kv.factory import (
     cache_factory_for,
@@ -23,20 +24,13 @@ from tqserve.engine.kv.factory import (
 )
 from tqserve.engine.kv.quant_slots import AffineSlotsKVCache, TurboQuantSlotsKVCache
 from tqserve.engine.kv.rows import KvTensorRows
-from tqserve.engine.kv.slots import RowSlotsKVCache, slot_batch
-from tqserve.engine.kv.turboquant import (
-    BatchedTurboQuantKVCache,
-    TurboQuantConfig,
-    TurboQuantKVCache,
-)
+from tqserve.engine.kv.slots import RowSlotsKVCache, slot_batch, slot_batch_of
+from tqserve.engine.kv.turboquant import TurboQuantConfig, TurboQuantKVCache
 
 __all__ = [
     "FUSED_DECODE_ENV",
     "AffineKVCache",
     "AffineSlotsKVCache",
-    "BatchedAffineKVCache",
-    "BatchedDelayedTurboQuantKVCache",
-    "BatchedTurboQuantKVCache",
     "DelayedTurboQuantKVCache",
     "DelayedTurboQuantSlotsKVCache",
     "KvTensorRows",
@@ -55,5 +49,6 @@ __all__ = [
     "make_turboquant_cache_factory",
     "parse_turboquant",
     "slot_batch",
+    "slot_batch_of",
     "turboquant_sdpa",
 ]

@@ -64,9 +64,9 @@ def fused_decode_from_env() -> bool:
 @attrs.frozen(eq=False, kw_only=True)
 class RotatedKV:
     """What a TurboQuant cache fetches: rotated-basis planes (B, H, T_alloc, W), the codecs,
-    and which positions are written: [left_padding[b], ends[b]) for row b, where `ends`
-    defaults to `length` for every row (right-aligned batches); slot batches
-    (engine/kv/quant_slots.py) give rows left-aligned with their own ends.
+    and which positions are written: [0, ends[b]) for row b (every row is left-aligned:
+    a single row ends at `length`, a slot batch's rows at their own lengths,
+    engine/kv/quant_slots.py).
 
     The planes are the cache's whole allocation, so the fused decode sees a shape that
     changes only when the cache grows (every 256 positions) and its compiled graph is
@@ -79,13 +79,8 @@ class RotatedKV:
     key_codec: TurboQuantCodec
     value_codec: TurboQuantCodec
     fused_decode: bool
-    length: int
-    left_padding: tuple[int, ...]
-    ends: tuple[int, ...] | None = None
-
-    def row_ends(self) -> tuple[int, ...]:
-        """Where each row's written positions end (exclusive)."""
-        return self.ends if self.ends is not None else (self.length,) * len(self.left_padding)
+    length: int  # the longest row's end
+    ends: tuple[int, ...]
 
     def written(self) -> tuple[mx.array, ...]:
         """Views of the written positions of the four planes."""
@@ -147,12 +142,12 @@ def _lookup(words: mx.array, norms: mx.array, bits: int, centroids: mx.array,
 def _fused_decode(k_bits: int, v_bits: int) -> Callable[..., mx.array]:
     def attend(q: mx.array, key_codes: mx.array, key_norms: mx.array, value_codes: mx.array,
                value_norms: mx.array, key_tables: tuple[mx.array, ...],
-               value_tables: tuple[mx.array, ...], start: mx.array, end: mx.array) -> mx.array:
+               value_tables: tuple[mx.array, ...], end: mx.array) -> mx.array:
         keys = _lookup(key_codes, key_norms, k_bits, *key_tables)
         values = _lookup(value_codes, value_norms, v_bits, *value_tables)
         scores = q @ keys.swapaxes(-1, -2)
         positions = mx.arange(key_codes.shape[2])
-        valid = (positions >= start[:, None]) & (positions < end[:, None])
+        valid = positions < end[:, None]
         scores = mx.where(valid[:, None, None, :], scores, _MASKED)
         return mx.softmax(scores, axis=-1, precise=True) @ values
 
@@ -195,8 +190,7 @@ def short_block_attention(queries: mx.array, keys: mx.array, values: mx.array, s
     (True = attend) or additive, softmax in float32.
 
     A masked-out score is the float32 minimum, not -inf, as in the fused op: a query
-    position with every key masked (a left-padding position of a batched prefill) then
-    attends uniformly and stays finite. With -inf its softmax is NaN, the next layer
+    position with every key masked then attends uniformly and stays finite. With -inf its softmax is NaN, the next layer
     stores NaN K/V at the padding positions, and 0 * NaN poisons every real position of
     that row (the MLX-CUDA batched-prefill defect: first tokens of unequal prompts wrong)."""
     batch, num_heads, length, head_dim = queries.shape
@@ -234,8 +228,7 @@ def _fused_attention(queries: mx.array, kv: RotatedKV, scale: float) -> mx.array
     out = attend(rotated, key_codes, key_norms, value_codes, value_norms,
                  _unpack_tables(head_dim, kv.key_codec.bits),
                  _unpack_tables(head_dim, kv.value_codec.bits),
-                 mx.array(kv.left_padding, dtype=mx.int32),
-                 mx.array(kv.row_ends(), dtype=mx.int32))
+                 mx.array(kv.ends, dtype=mx.int32))
     out = out.reshape(batch, num_heads, 1, head_dim)
     return kv.value_codec.unrotate(out).astype(queries.dtype)
 

@@ -140,8 +140,8 @@ def _num_splits(blocks: int, end: int) -> int:
 
 def decode_attention(queries: mx.array, kv: Any, scale: float) -> mx.array:
     """(B, n_heads, 1, D) queries over a RotatedKV's planes -> (B, n_heads, 1, D) in the
-    queries' dtype, original basis. Row b attends positions [left_padding[b], ends[b])
-    (`RotatedKV.row_ends`: `length` for right-aligned batches, per row for slots)."""
+    queries' dtype, original basis. Row b attends positions [0, ends[b])
+    (`RotatedKV.ends`: `length` for a single row, per row for slots)."""
     batch, num_heads, _, head_dim = queries.shape
     num_kv_heads = kv.key_codes.shape[1]
     group = num_heads // num_kv_heads
@@ -155,8 +155,8 @@ def decode_attention(queries: mx.array, kv: Any, scale: float) -> mx.array:
     per_split = -(-end // num_splits)  # ceil(end / num_splits), rounded up to _THREADS
     split_len = -(-per_split // _THREADS) * _THREADS
     num_splits = -(-end // split_len)
-    ranges = [x for pair in zip(kv.left_padding, kv.row_ends()) for x in pair]
-    ranges += [0, end] * (batch - len(kv.left_padding))
+    ranges = [x for e in kv.ends for x in (0, e)]
+    ranges += [0, end] * (batch - len(kv.ends))
     kb, vb = kv.key_codec.bits, kv.value_codec.bits
     out_dtype = queries.dtype if rot else mx.float32
     ones = _ones(head_dim)

@@ -31,8 +31,8 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
 from tqserve.engine.kv.attention import MixedRowsKV
-from tqserve.engine.kv.delayed import (BatchedDelayedTurboQuantKVCache, DelayedTurboQuantKVCache,
-                                       _convert, _plain_cache, _plain_planes)
+from tqserve.engine.kv.delayed import (DelayedTurboQuantKVCache, _convert, _plain_cache,
+                                       _plain_planes)
 from tqserve.engine.kv.quant_slots import SlotsCache, TurboQuantSlotsKVCache
 from tqserve.engine.kv.rows import row_indices
 from tqserve.engine.kv.slot_rows import SlotRows, offsets_array, retire_order, slots_mask
@@ -135,11 +135,11 @@ class DelayedTurboQuantSlotsKVCache(SlotsCache):
         return mixed, mixed
 
     def extend(self, other: Any) -> None:
-        """Append the rows of `other` (a single delayed row, a batch of them, or another
-        delayed slot batch): only their bytes are written."""
+        """Append the rows of `other` (a single delayed row or another delayed slot
+        batch): only their bytes are written."""
         if isinstance(other, DelayedTurboQuantKVCache):
             rows = [other]
-        elif isinstance(other, (BatchedDelayedTurboQuantKVCache, DelayedTurboQuantSlotsKVCache)):
+        elif isinstance(other, DelayedTurboQuantSlotsKVCache):
             rows = [other.extract(i) for i in range(len(other.converted))]
         else:
             raise TypeError(f"a {type(other).__name__} cannot join a delayed slot batch")

@@ -10,7 +10,7 @@ three; TurboQuant: key_codes, key_norms, value_codes, value_norms) held in a `Sl
   causal inside the block). `offset` is the lengths as an array (per-row RoPE offsets).
   TurboQuant fetches a `RotatedKV` whose rows start at 0 and end at their own lengths
   (`ends`), so the fused decode (compiled ops, or the CUDA kernel) needs no mask;
-* `extend` writes only the joining rows (single rows or batches of the same kind) into
+* `extend` writes only the joining rows (single rows or slot batches of the kind) into
   free slots, `filter` with `retire_order` moves at most one row per retirement,
   `trim_rows` lowers lengths (speculative rollback): encoded bytes only, never decoded;
 * `extract(i)` is row i as the single-row class (its bytes): what prefix snapshots hold.
@@ -29,21 +29,20 @@ from mlx_lm.models.cache import _BaseCache
 
 from tqserve.engine.kv import cuda_decode
 from tqserve.engine.kv.affine import PLANES as AFFINE_PLANES
-from tqserve.engine.kv.affine import AffineKVCache, BatchedAffineKVCache, Quantized
+from tqserve.engine.kv.affine import AffineKVCache, Quantized
 from tqserve.engine.kv.attention import RotatedKV
 from tqserve.engine.kv.rows import KvTensorRows, row_indices
 from tqserve.engine.kv.slot_rows import Planes, SlotRows
 from tqserve.engine.kv.turboquant import PLANES as TQ_PLANES
-from tqserve.engine.kv.turboquant import (BatchedTurboQuantKVCache, TurboQuantConfig,
-                                          TurboQuantKVCache)
+from tqserve.engine.kv.turboquant import TurboQuantConfig, TurboQuantKVCache
 
 
 def tensor_rows_of(rows: KvTensorRows) -> list[Planes]:
     """Each row's written planes (1, H, offset, W) of a KvTensorRows, as views ({} for a
     row that holds no position)."""
     planes = rows.planes
-    return [{n: a[i:i + 1, :, pad:rows.idx] for n, a in planes.items()} if planes and
-            rows.idx > pad else {} for i, pad in enumerate(rows.left_padding)]
+    return [{n: a[i:i + 1, :, :rows.idx] for n, a in planes.items()} if planes and rows.idx
+            else {} for i in range(rows.num_rows)]
 
 
 class SlotsCache(_BaseCache):
@@ -148,12 +147,12 @@ class AffineSlotsKVCache(SlotsCache):
                 (p["value_wq"], p["value_scales"], p["value_biases"]))
 
     def extend(self, other: Any) -> None:
-        """Append the rows of `other` (AffineKVCache, BatchedAffineKVCache or another
-        affine slot batch): only their bytes are written."""
+        """Append the rows of `other` (an AffineKVCache or another affine slot batch): only
+        their bytes are written."""
         if isinstance(other, AffineSlotsKVCache):
             settings, rows = (other.bits, other.group_size), [
                 other.slots.row(i) for i in range(other.num_rows)]
-        elif isinstance(other, (AffineKVCache, BatchedAffineKVCache)):
+        elif isinstance(other, AffineKVCache):
             settings, rows = (other.bits, other.group_size), tensor_rows_of(other.rows)
         else:
             raise TypeError(f"a {type(other).__name__} cannot join an affine slot batch")
@@ -231,15 +230,14 @@ class TurboQuantSlotsKVCache(SlotsCache):
         lengths = tuple(self.slots.lengths)
         return RotatedKV(**{n: planes[n] for n in TQ_PLANES}, key_codec=config.key_codec,
                          value_codec=config.value_codec, fused_decode=config.fused_decode,
-                         length=max(lengths, default=0), left_padding=(0,) * len(lengths),
-                         ends=lengths)
+                         length=max(lengths, default=0), ends=lengths)
 
     def extend(self, other: Any) -> None:
-        """Append the rows of `other` (TurboQuantKVCache, BatchedTurboQuantKVCache or
-        another TurboQuant slot batch): only their bytes are written."""
+        """Append the rows of `other` (a TurboQuantKVCache or another TurboQuant slot
+        batch): only their bytes are written."""
         if isinstance(other, TurboQuantSlotsKVCache):
             config, rows = other.config, [other.slots.row(i) for i in range(other.num_rows)]
-        elif isinstance(other, (TurboQuantKVCache, BatchedTurboQuantKVCache)):
+        elif isinstance(other, TurboQuantKVCache):
             config, rows = other.config, tensor_rows_of(other.rows)
         else:
             raise TypeError(f"a {type(other).__name__} cannot join a TurboQuant slot batch")

@@ -1,18 +1,17 @@
-"""KvTensorRows: encoded KV planes of a batch of rows that share one position axis.
+"""KvTensorRows: encoded KV planes of one row (or of rows written together).
 
-A plane is any array of shape (B, H, T_alloc, W) (codes, norms, plain keys: any dtype).
-Every plane of one KvTensorRows shares the row bookkeeping, as in mlx-lm's BatchKVCache:
+A plane is any array of shape (B, H, T_alloc, W) (codes, norms, affine words, plain keys:
+any dtype). Every plane of one KvTensorRows shares one write index `idx`: positions
+[0, idx) of the position axis are written, for every row alike. This is a single
+sequence's cache (B = 1; a block of B > 1 rows is accepted while empty, and they then
+share the offset, as mlx-lm's single-row caches allow). Batches of rows with their own
+lengths live in the slot store (engine/kv/slot_rows.py), never here.
 
-* `idx`: the shared write index. Positions [0, idx) of the position axis are written.
-* `left_padding[i]`: physical padding at the start of row i; its valid region is
-  [left_padding[i], idx) and its offset (tokens held) is idx - left_padding[i].
-* Allocation: a block that does not fit grows every plane by whole steps of 256 positions
-  (`STEP`), like BatchKVCache. merge/extend/filter allocate exactly the positions they keep,
-  so the next append grows again. `nbytes` counts every allocated byte of every plane
-  (padding and unwritten slack included): it is the resident size, not the valid size.
-
-Every operation moves encoded bytes only (slices, pads, gathers, concatenations); nothing
-here decodes, so a row's bytes are the same whichever batch holds it.
+* Allocation: a block that does not fit grows every plane by whole steps of 256
+  positions (`STEP`), like mlx-lm's KVCache. `nbytes` counts every allocated byte of every
+  plane (unwritten slack included): it is the resident size, not the valid size.
+* Every operation moves encoded bytes only (slices, concatenations); nothing here
+  decodes, so a row's bytes are the ones it was written with.
 Rows are validated with exceptions: wrong plane names or shapes raise ValueError.
 """
 
@@ -23,7 +22,6 @@ from typing import Any
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import _BaseCache, create_attention_mask
 
 STEP = 256
@@ -35,62 +33,39 @@ def row_indices(indices: Sequence[int] | mx.array) -> list[int]:
     return [int(i) for i in np.asarray(indices).reshape(-1)]
 
 
-def _roll_right(x: mx.array, shifts: mx.array) -> mx.array:
-    """Roll each row of x (B, H, T, W) right along T by shifts[b] (mlx-lm's dynamic_roll)."""
-    n = x.shape[2]
-    index = (mx.arange(n)[None, None, :, None] - shifts[:, None, None, None]) % n
-    return mx.take_along_axis(x, index, axis=2)
-
-
 class KvTensorRows:
-    """Named (B, H, T_alloc, W) planes with shared row positions (see the module doc)."""
+    """Named (B, H, T_alloc, W) planes with one write index (see the module doc)."""
 
-    def __init__(self, left_padding: Sequence[int] = (0,)) -> None:
-        if any(p < 0 for p in left_padding):
-            raise ValueError(f"left padding must be >= 0, got {list(left_padding)}")
+    def __init__(self, num_rows: int = 1) -> None:
+        if num_rows < 1:
+            raise ValueError(f"rows must be >= 1, got {num_rows}")
         self._planes: Planes | None = None
-        self._left_padding = [int(p) for p in left_padding]
+        self._num_rows = int(num_rows)
         self._idx = 0
-        self._right_padding: list[int] | None = None
 
     @classmethod
-    def from_planes(cls, planes: Mapping[str, mx.array],
-                    left_padding: Sequence[int] | None = None) -> KvTensorRows:
-        """Rows holding `planes` (B, H, T, W) written up to T, with the given padding (zeros
-        by default); {} gives empty rows (one unless `left_padding` says how many)."""
+    def from_planes(cls, planes: Mapping[str, mx.array]) -> KvTensorRows:
+        """Rows holding `planes` (B, H, T, W) written up to T; {} gives one empty row."""
         if not planes:
-            return cls((0,) if left_padding is None else left_padding)
+            return cls()
         shapes = {a.shape[:3] if a.ndim == 4 else a.shape for a in planes.values()}
         if len(shapes) != 1 or any(a.ndim != 4 for a in planes.values()):
             raise ValueError(f"planes must be (B, H, T, W) with one B, H, T: {sorted(shapes)}")
         (num_rows, _, length), = shapes
-        rows = cls([0] * num_rows if left_padding is None else left_padding)
-        if rows.num_rows != num_rows or max(rows._left_padding, default=0) > length:
-            raise ValueError(f"left padding {list(rows._left_padding)} for {num_rows} rows "
-                             f"of {length} positions")
+        rows = cls(num_rows)
         rows._planes = dict(planes)
         rows._idx = length
         return rows
 
     @property
     def num_rows(self) -> int:
-        """Rows in the batch."""
-        return len(self._left_padding)
+        """Rows (B)."""
+        return self._num_rows
 
     @property
     def idx(self) -> int:
-        """The shared write index: positions [0, idx) are written."""
+        """The write index: positions [0, idx) are written (the offset of every row)."""
         return self._idx
-
-    @property
-    def left_padding(self) -> tuple[int, ...]:
-        """Physical padding at the start of each row."""
-        return tuple(self._left_padding)
-
-    @property
-    def offsets(self) -> tuple[int, ...]:
-        """Tokens held by each row (idx - left padding)."""
-        return tuple(self._idx - p for p in self._left_padding)
 
     @property
     def empty(self) -> bool:
@@ -99,7 +74,7 @@ class KvTensorRows:
 
     @property
     def nbytes(self) -> int:
-        """Allocated bytes of every plane (padding and growth slack included)."""
+        """Allocated bytes of every plane (growth slack included)."""
         return sum(a.nbytes for a in self._planes.values()) if self._planes else 0
 
     @property
@@ -108,7 +83,7 @@ class KvTensorRows:
         return dict(self._planes or {})
 
     def valid_planes(self) -> Planes:
-        """Views of the written positions [0, idx) of every plane (padding included)."""
+        """Views of the written positions [0, idx) of every plane."""
         return {n: a[:, :, : self._idx] for n, a in (self._planes or {}).items()}
 
     def append(self, blocks: Mapping[str, mx.array]) -> None:
@@ -121,7 +96,8 @@ class KvTensorRows:
             grown = {}
             for name, block in blocks.items():
                 b, h, _, w = block.shape
-                kept = self._aligned(name, block, prev)
+                kept = (self._planes[name][:, :, :prev] if self._planes is not None
+                        else mx.zeros((b, h, 0, w), block.dtype))
                 grown[name] = mx.concatenate([kept, mx.zeros((b, h, grow, w), block.dtype)], axis=2)
             self._planes = grown
         self._idx = prev + length
@@ -143,151 +119,18 @@ class KvTensorRows:
                 if (shape[1], shape[3]) != (held[1], held[3]):
                     raise ValueError(f"plane {name!r}: block {shape} vs held {held}")
 
-    @classmethod
-    def merge(cls, parts: Sequence[KvTensorRows]) -> KvTensorRows:
-        """One batch of every row of `parts`, in order, right-aligned to the longest."""
-        if not parts:
-            raise ValueError("merge needs at least one KvTensorRows")
-        merged = cls([])
-        target = max(p.idx for p in parts)
-        template = next((p._planes for p in parts if p._planes is not None), None)
-        for p in parts:
-            if template is not None and p._planes is not None and set(p._planes) != set(template):
-                raise ValueError(f"planes {sorted(p._planes)} != {sorted(template)}")
-            merged._left_padding += [lp + target - p.idx for lp in p._left_padding]
-        merged._idx = target
-        if template is not None:
-            merged._planes = {
-                name: mx.concatenate([p._aligned(name, like, target) for p in parts])
-                for name, like in template.items()}
-        return merged
-
-    def _aligned(self, name: str, like: mx.array, target: int) -> mx.array:
-        """This batch's written positions of plane `name`, left-padded to `target`."""
-        if self._planes is None:
-            return mx.zeros((self.num_rows, like.shape[1], target, like.shape[3]), like.dtype)
-        written = self._planes[name][:, :, : self._idx]
-        if target == self._idx:
-            return written
-        return mx.pad(written, [(0, 0), (0, 0), (target - self._idx, 0), (0, 0)])
-
-    def extend(self, other: KvTensorRows) -> None:
-        """Append other's rows after this batch's rows (in place), right-aligned."""
-        merged = KvTensorRows.merge([self, other])
-        self._planes, self._left_padding, self._idx = (
-            merged._planes, merged._left_padding, merged._idx)
-
-    def take(self, keep: Sequence[int]) -> None:
-        """Keep rows `keep` in that order (in place); positions are unchanged."""
-        if any(i not in range(self.num_rows) for i in keep):
-            raise ValueError(f"row indices {list(keep)} outside 0..{self.num_rows - 1}")
-        if self._planes is not None:
-            index = mx.array(list(keep), dtype=mx.int32)
-            self._planes = {n: a[index] for n, a in self._planes.items()}
-        self._left_padding = [self._left_padding[i] for i in keep]
-
-    def filter(self, keep: Sequence[int]) -> None:
-        """Keep rows `keep` in that order, then shift away the padding they all share."""
-        self.take(keep)
-        self.unpad(self.shared_padding())
-
-    def shared_padding(self) -> int:
-        """Leading positions that are written and padding in every row: what `unpad` may
-        drop. A prefill group's rows may all still be inside their padding (their first
-        prompt token not yet written), so it is capped at the write index."""
-        return min(min(self._left_padding, default=0), self._idx)
-
-    def unpad(self, shared: int) -> None:
-        """Drop the first `shared` positions, padding in every row (0 <= shared <= padding)."""
-        if shared < 0 or shared > min(min(self._left_padding, default=self._idx), self._idx):
-            raise ValueError(f"cannot drop {shared} positions of padding {self._left_padding}")
-        if shared == 0:
-            return
-        if self._planes is not None:
-            self._planes = {n: a[:, :, shared:] for n, a in self._planes.items()}
-        self._idx -= shared
-        self._left_padding = [p - shared for p in self._left_padding]
-
-    def pad_to(self, target: int) -> None:
-        """Left-pad every row so that the write index becomes `target` (>= idx)."""
-        if target < self._idx:
-            raise ValueError(f"cannot pad write index {self._idx} down to {target}")
-        if target == self._idx:
-            return
-        if self._planes is not None:
-            self._planes = {n: self._aligned(n, a, target) for n, a in self._planes.items()}
-        self._left_padding = [p + target - self._idx for p in self._left_padding]
-        self._idx = target
-
     def extract(self, i: int) -> Planes:
-        """Row i's written planes (1, H, offset_i, W) without padding, as fresh arrays."""
+        """Row i's written planes (1, H, idx, W), as fresh arrays."""
         if i not in range(self.num_rows):
             raise ValueError(f"row {i} outside 0..{self.num_rows - 1}")
-        start = self._left_padding[i]
-        return {n: mx.contiguous(a[i : i + 1, :, start : self._idx])
+        return {n: mx.contiguous(a[i : i + 1, :, : self._idx])
                 for n, a in (self._planes or {}).items()}
 
     def trim(self, n: int) -> int:
-        """Drop the last n positions of every row, at most the shortest row's offset."""
-        n = max(0, min(n, min(self.offsets, default=self._idx)))
+        """Drop the last n positions (at most what is written); returns how many."""
+        n = max(0, min(n, self._idx))
         self._idx -= n
         return n
-
-    def trim_rows(self, amounts: Sequence[int]) -> None:
-        """Drop the last amounts[i] positions of row i (speculative rollback).
-
-        Contract: 0 <= amounts[i] <= offsets[i], one amount per row, else ValueError and
-        nothing changes. Afterwards row i holds offsets[i] - amounts[i] positions and its
-        kept bytes are unchanged. The shared part (the smallest amount) lowers the write
-        index; each row's rest is rolled to its left padding (encoded bytes only)."""
-        amounts = [int(a) for a in amounts]
-        if len(amounts) != self.num_rows or any(
-                not 0 <= a <= off for a, off in zip(amounts, self.offsets)):
-            raise ValueError(f"cannot trim {amounts} from rows holding {list(self.offsets)}")
-        shared = min(amounts, default=0)
-        self._idx -= shared
-        self.shift_rows([a - shared for a in amounts])
-
-    def shift_rows(self, amounts: Sequence[int]) -> None:
-        """Turn the last amounts[i] positions of row i into left padding: the row ends
-        amounts[i] positions earlier while the write index stays (see `trim_rows`)."""
-        amounts = [int(a) for a in amounts]
-        if len(amounts) != self.num_rows or any(
-                not 0 <= a <= off for a, off in zip(amounts, self.offsets)):
-            raise ValueError(f"cannot shift {amounts} in rows holding {list(self.offsets)}")
-        if not any(amounts):
-            return
-        if self._planes is not None:
-            shifts = mx.array(amounts)
-            self._planes = {n: _roll_right(a[:, :, : self._idx], shifts)
-                            for n, a in self._planes.items()}
-        self._left_padding = [p + a for p, a in zip(self._left_padding, amounts)]
-
-    def prepare(self, *, left_padding: Sequence[int] | None = None,
-                right_padding: Sequence[int] | None = None) -> None:
-        """mlx-lm's batch prefill hooks: add left padding (empty rows only) or note the
-        right padding of the next right-padded block, which `finalize` moves to the left."""
-        if left_padding is not None:
-            if self._planes is not None:
-                raise ValueError("left padding can only be added to empty rows")
-            if len(left_padding) != self.num_rows:
-                raise ValueError(f"{len(left_padding)} paddings for {self.num_rows} rows")
-            self._left_padding = [p + int(q) for p, q in zip(self._left_padding, left_padding)]
-        if right_padding is not None and max(right_padding, default=0) > 0:
-            if len(right_padding) != self.num_rows:
-                raise ValueError(f"{len(right_padding)} paddings for {self.num_rows} rows")
-            self._right_padding = [int(q) for q in right_padding]
-
-    def finalize(self) -> None:
-        """Roll the noted right padding of each row to its left (after a padded prefill)."""
-        if self._right_padding is None:
-            return
-        if self._planes is not None:
-            shifts = mx.array(self._right_padding)
-            self._planes = {n: _roll_right(a[:, :, : self._idx], shifts)
-                            for n, a in self._planes.items()}
-        self._left_padding = [p + q for p, q in zip(self._left_padding, self._right_padding)]
-        self._right_padding = None
 
 
 class SingleRowView:
@@ -296,7 +139,7 @@ class SingleRowView:
     rows: KvTensorRows
 
     def _reshape_empty(self, num_rows: int) -> None:
-        self.rows = KvTensorRows([0] * num_rows)
+        self.rows = KvTensorRows(num_rows)
 
     @property
     def offset(self) -> int:
@@ -307,38 +150,6 @@ class SingleRowView:
                   window_size: int | None = None) -> Any:
         """The mask a KVCache at this offset makes: None, "causal" or an array."""
         return create_attention_mask(N, self.offset, return_array, window_size)
-
-
-class BatchRowsView:
-    """The position side of mlx-lm's protocol for a batched cache on `self.rows`
-    (as BatchKVCache: per-row offset and left padding arrays, a padded causal mask)."""
-
-    rows: KvTensorRows
-
-    @property
-    def offset(self) -> mx.array:
-        """Tokens held per row (int32 array)."""
-        return mx.array(self.rows.offsets, dtype=mx.int32)
-
-    @property
-    def left_padding(self) -> mx.array:
-        """Physical left padding per row (int32 array)."""
-        return mx.array(self.rows.left_padding, dtype=mx.int32)
-
-    def prepare(self, *, left_padding: Sequence[int] | None = None,
-                lengths: Sequence[int] | None = None,
-                right_padding: Sequence[int] | None = None) -> None:
-        """mlx-lm's batch prefill hook (`lengths` is unused, as in BatchKVCache)."""
-        self.rows.prepare(left_padding=left_padding, right_padding=right_padding)
-
-    def finalize(self) -> None:
-        """Move right padding noted by `prepare` to the left."""
-        self.rows.finalize()
-
-    def make_mask(self, N: int, return_array: bool = False, **kwargs: Any) -> mx.array:
-        """Causal boolean mask (B, 1, N, idx + N) hiding each row's padding."""
-        return create_causal_mask(N, offset=self.rows.idx, left_padding=self.left_padding,
-                                  **kwargs)
 
 
 class PlanesCache(_BaseCache):
@@ -361,7 +172,7 @@ class PlanesCache(_BaseCache):
         return {n: v for n, v in zip(cls.PLANES, values) if v is not None}
 
     def size(self) -> int:
-        """Positions written (the shared write index; padding included for batches)."""
+        """Positions written."""
         return self.rows.idx
 
     def append_written(self, kv_cache: Any) -> None:
@@ -384,9 +195,5 @@ class PlanesCache(_BaseCache):
         return True
 
     def trim(self, n: int) -> int:
-        """Drop the last n positions (at most the shortest row); returns how many."""
+        """Drop the last n positions; returns how many."""
         return self.rows.trim(n)
-
-    def trim_rows(self, amounts: Sequence[int]) -> None:
-        """Drop the last amounts[i] positions of row i (KvTensorRows.trim_rows)."""
-        self.rows.trim_rows(amounts)

@@ -25,8 +25,11 @@ returns a plain KVCache (what prefix snapshots hold).
 
 Affine, TurboQuant and delayed TurboQuant rows have slot batches of their own
 (engine/kv/quant_slots.py, engine/kv/delayed_slots.py, on engine/kv/slot_rows.py);
-`slot_batch(cache)` is the one place that picks the slot class for a row or batch, and
-`is_slot_batch` says whether a batch cache keeps rows in slots (then `retire_order`).
+`slot_kind(cache)` is the one place that picks the slot class for a row or slot batch,
+`slot_batch_of(caches)` puts rows into one slot batch (a prefill group's, engine.prefill,
+or the decode batch's), and `is_slot_batch` says whether a batch cache keeps rows in
+slots (then `retire_order`). Prefill groups are slot batches from their first chunk:
+there is no padded batch family.
 """
 
 from __future__ import annotations
@@ -34,17 +37,17 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 import mlx.core as mx
-from mlx_lm.models.cache import BatchKVCache, KVCache
+from mlx_lm.models.cache import KVCache
 
-from tqserve.engine.arrays import int_list
-from tqserve.engine.kv.affine import AffineKVCache, BatchedAffineKVCache
-from tqserve.engine.kv.delayed import BatchedDelayedTurboQuantKVCache, DelayedTurboQuantKVCache
+from tqserve.engine.kv.affine import AffineKVCache
+from tqserve.engine.kv.delayed import DelayedTurboQuantKVCache
 from tqserve.engine.kv.delayed_slots import DelayedTurboQuantSlotsKVCache
 from tqserve.engine.kv.quant_slots import AffineSlotsKVCache, SlotsCache, TurboQuantSlotsKVCache
 from tqserve.engine.kv.slot_rows import SlotRows, retire_order
-from tqserve.engine.kv.turboquant import BatchedTurboQuantKVCache, TurboQuantKVCache
+from tqserve.engine.kv.turboquant import TurboQuantKVCache
 
-__all__ = ["RowSlotsKVCache", "is_slot_batch", "retire_order", "slot_batch"]
+__all__ = ["RowSlotsKVCache", "is_slot_batch", "retire_order", "slot_batch", "slot_batch_of",
+           "slot_kind"]
 
 
 class RowSlotsKVCache(SlotsCache):
@@ -73,8 +76,8 @@ class RowSlotsKVCache(SlotsCache):
         return fetched["keys"], fetched["values"]
 
     def extend(self, other: Any) -> None:
-        """Append the rows of `other` (a BatchKVCache, KVCache or RowSlotsKVCache) in free
-        slots: only their KV is written."""
+        """Append the rows of `other` (a KVCache or RowSlotsKVCache) in free slots: only
+        their KV is written."""
         self.slots.add_rows([None if k is None else {"keys": k, "values": v}
                              for k, v in _rows_of(other)])
 
@@ -116,12 +119,6 @@ def _rows_of(cache: Any) -> list[tuple[Any, Any]]:
             return [(None, None)] * cache.num_rows
         return [(cache.keys[i:i + 1, :, :p], cache.values[i:i + 1, :, :p]) if p else (None, None)
                 for i, p in enumerate(cache.lengths)]
-    if isinstance(cache, BatchKVCache):
-        pads = int_list(cache.left_padding)
-        if cache.keys is None:
-            return [(None, None)] * len(pads)
-        return [(cache.keys[i:i + 1, :, p:cache._idx], cache.values[i:i + 1, :, p:cache._idx])
-                if cache._idx > p else (None, None) for i, p in enumerate(pads)]
     if type(cache) is KVCache:
         if cache.keys is None or cache.offset == 0:
             return [(None, None)]
@@ -129,22 +126,38 @@ def _rows_of(cache: Any) -> list[tuple[Any, Any]]:
     raise TypeError(f"a {type(cache).__name__} cannot join a plain slot batch")
 
 
-_SLOT_CLASSES: tuple[tuple[tuple[type, ...], Any], ...] = (
-    ((AffineKVCache, BatchedAffineKVCache), AffineSlotsKVCache),
-    ((TurboQuantKVCache, BatchedTurboQuantKVCache), TurboQuantSlotsKVCache),
-    ((DelayedTurboQuantKVCache, BatchedDelayedTurboQuantKVCache), DelayedTurboQuantSlotsKVCache),
+_SLOT_CLASSES: tuple[tuple[type, Any], ...] = (
+    (AffineKVCache, AffineSlotsKVCache),
+    (TurboQuantKVCache, TurboQuantSlotsKVCache),
+    (DelayedTurboQuantKVCache, DelayedTurboQuantSlotsKVCache),
 )
 
 
-def slot_batch(cache: Any) -> Any | None:
-    """A slot batch holding the rows of `cache` (one row or a batch of a kind that has
-    slots: plain, affine, TurboQuant, delayed TurboQuant); None for other kinds."""
-    if type(cache) in (KVCache, BatchKVCache):
-        return RowSlotsKVCache.merge([cache])
-    for kinds, slots in _SLOT_CLASSES:
-        if isinstance(cache, kinds):
-            return slots.merge([cache])
+def slot_kind(cache: Any) -> Any | None:
+    """The slot batch class for a row or slot batch of this kind (plain, affine,
+    TurboQuant, delayed TurboQuant); None for other kinds."""
+    if type(cache) is KVCache or isinstance(cache, RowSlotsKVCache):
+        return RowSlotsKVCache
+    for kind, slots in _SLOT_CLASSES:
+        if isinstance(cache, (kind, slots)):
+            return slots
     return None
+
+
+def slot_batch_of(caches: Sequence[Any]) -> Any:
+    """One slot batch holding the rows of `caches` (rows or slot batches of one kind with
+    slots), in order; TypeError for a kind without slots."""
+    kind = slot_kind(caches[0]) if caches else None
+    if kind is None:
+        raise TypeError(f"a {type(caches[0]).__name__ if caches else 'missing'} cache has "
+                        "no slot batch")
+    return kind.merge(list(caches))
+
+
+def slot_batch(cache: Any) -> Any | None:
+    """A slot batch holding the rows of `cache` (one row or a slot batch of a kind that
+    has slots); None for other kinds."""
+    return slot_batch_of([cache]) if slot_kind(cache) is not None else None
 
 
 def is_slot_batch(cache: Any) -> bool:
@@ -153,15 +166,12 @@ def is_slot_batch(cache: Any) -> bool:
     return isinstance(cache, (RowSlotsKVCache, SlotsCache))
 
 
-def as_decode_batch(cache: Any, is_batch: bool = False) -> Any:
-    """One row's cache (or a prefill group's batch cache) as the decode batch's cache:
-    plain, affine and TurboQuant layers go into per-row slots (later joins and
-    retirements move only their own rows); other kinds through their class's `merge`
-    (a batch as is)."""
+def as_decode_batch(cache: Any) -> Any:
+    """One row's cache as the decode batch's cache: plain, affine and TurboQuant layers go
+    into per-row slots (later joins and retirements move only their own rows); other kinds
+    through their class's `merge`."""
     slots = slot_batch(cache)
-    if slots is not None:
-        return slots
-    return cache if is_batch else type(cache).merge([cache])
+    return slots if slots is not None else type(cache).merge([cache])
 
 
 def slot_capacity(cache: list[Any] | None) -> tuple[int, int]:

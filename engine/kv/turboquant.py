@@ -1,6 +1,6 @@
-"""TurboQuant KV caches on mlx-lm's cache protocol: one row, and a batch of rows.
+"""TurboQuant KV on mlx-lm's cache protocol: one row.
 
-Both store, per KV head and position, the codes of R x / ||x|| and the fp16 norm for keys
+It stores, per KV head and position, the codes of R x / ||x|| and the fp16 norm for keys
 AND values (the rotated basis; engine/codec/turboquant.py), as four planes of a
 `KvTensorRows`: key_codes (uint32, d*k_bits/32 words), key_norms (fp16, 1), value_codes,
 value_norms. `update_and_fetch` encodes the new block, appends it and returns a
@@ -11,19 +11,16 @@ happens transiently inside one attention call.
 * `TurboQuantKVCache` is one row (int `offset`, no padding), like mlx-lm's KVCache; a
   block with B > 1 rows is accepted while the cache is empty (they then share the offset).
   `TurboQuantKVCache.from_kv_cache` is the one conversion from a plain mlx-lm KVCache.
-* `BatchedTurboQuantKVCache` is a batch (per-row `offset` and `left_padding` arrays), like
-  BatchKVCache; `TurboQuantKVCache.merge` returns it. It serves prefill groups; the
-  decode batch keeps rows in slots instead (`TurboQuantSlotsKVCache`, quant_slots.py). merge, filter, extend, extract, trim,
-  prepare and finalize move encoded bytes (KvTensorRows), so a row holds the same bytes
-  serially and in any batch.
+* Batches (prefill groups, the decode batch) keep the same four planes per row in slots:
+  `TurboQuantSlotsKVCache` (quant_slots.py), whose `extract(i)` gives row i back as a
+  TurboQuantKVCache with the same bytes.
 
 A cache's settings are a `TurboQuantConfig`. Its `fused_decode` is resolved ONCE, when a
-cache is constructed without an explicit choice (TQSERVE_TURBOQUANT_FUSED_DECODE); merged,
-extended, extracted, converted and restored (`state`) caches carry the config, so the
-selection never changes. Caches with different configs refuse to merge (ValueError).
-`state` is (key_codes, key_norms, value_codes, value_norms) of the written positions
-(None while empty), then the scalar fields: single rows the offset, batches the
-left_padding array and the write index; then the config fields (mlx-lm 0.32.2 has no
+cache is constructed without an explicit choice (TQSERVE_TURBOQUANT_FUSED_DECODE); slot
+batches, extracted, converted and restored (`state`) caches carry the config, so the
+selection never changes. Caches with different configs refuse to share a batch
+(ValueError). `state` is (key_codes, key_norms, value_codes, value_norms) of the written
+positions (None while empty), the offset, then the config fields (mlx-lm 0.32.2 has no
 meta_state).
 """
 
@@ -40,8 +37,7 @@ from mlx_lm.models.cache import KVCache
 from tqserve.engine.codec.turboquant import DEFAULT_ROTATION, TurboQuantCodec
 from tqserve.engine.kv import cuda_decode
 from tqserve.engine.kv.attention import RotatedKV, fused_decode_from_env
-from tqserve.engine.kv.rows import (BatchRowsView, KvTensorRows, PlanesCache, SingleRowView,
-                             row_indices)
+from tqserve.engine.kv.rows import KvTensorRows, PlanesCache, SingleRowView
 
 PLANES = ("key_codes", "key_norms", "value_codes", "value_norms")
 
@@ -98,14 +94,43 @@ class TurboQuantConfig:
                    seed=int(seed), rotation=str(rotation), fused_decode=bool(fused))
 
 
-class _TurboQuantCache(PlanesCache):
-    """What one row and a batch share: the config, the four planes, encode + append."""
+class TurboQuantKVCache(SingleRowView, PlanesCache):
+    """One row of TurboQuant KV (see the module doc)."""
 
     PLANES = PLANES
 
-    def __init__(self, config: TurboQuantConfig, rows: KvTensorRows) -> None:
-        self.config = config
-        self.rows = rows
+    def __init__(self, k_bits: int, v_bits: int, head_dim: int, seed: int = 0,
+                 rotation: str = DEFAULT_ROTATION, fused_decode: bool | None = None) -> None:
+        """`fused_decode` None reads TQSERVE_TURBOQUANT_FUSED_DECODE now, once."""
+        self.config = TurboQuantConfig.create(k_bits, v_bits, head_dim, seed, rotation,
+                                              fused_decode)
+        self.rows = KvTensorRows()
+
+    @classmethod
+    def of(cls, config: TurboQuantConfig, rows: KvTensorRows | None = None) -> TurboQuantKVCache:
+        """A cache with `config` holding `rows` (a fresh empty row by default)."""
+        cache = cls.__new__(cls)
+        cache.config = config
+        cache.rows = rows if rows is not None else KvTensorRows()
+        return cache
+
+    @classmethod
+    def from_kv_cache(cls, kv_cache: KVCache, k_bits: int, v_bits: int, *,
+                      head_dim: int | None = None, seed: int = 0,
+                      rotation: str = DEFAULT_ROTATION,
+                      fused_decode: bool | None = None) -> TurboQuantKVCache:
+        """Encode the written K/V of a plain mlx-lm KVCache (the one conversion path).
+
+        `head_dim` defaults to the keys' last dim; an empty KVCache needs it given.
+        """
+        if not isinstance(kv_cache, KVCache):
+            raise TypeError(f"expected an mlx-lm KVCache, got {type(kv_cache).__name__}")
+        if kv_cache.keys is None and head_dim is None:
+            raise ValueError("an empty KVCache converts only with head_dim given")
+        dim = head_dim if head_dim is not None else kv_cache.keys.shape[-1]
+        cache = cls(k_bits, v_bits, dim, seed=seed, rotation=rotation, fused_decode=fused_decode)
+        cache.append_written(kv_cache)
+        return cache
 
     @property
     def fused_decode(self) -> bool:
@@ -130,9 +155,6 @@ class _TurboQuantCache(PlanesCache):
         fetched = self.fetch()
         return fetched, fetched
 
-    def _reshape_empty(self, num_rows: int) -> None:
-        raise ValueError(f"a block of {num_rows} rows for a cache of {self.rows.num_rows}")
-
     def fetch(self) -> RotatedKV:
         """The allocated planes (B, H, T_alloc, W), the written range, and the codecs."""
         planes = self.rows.planes
@@ -141,51 +163,7 @@ class _TurboQuantCache(PlanesCache):
                          key_codec=self.config.key_codec,
                          value_codec=self.config.value_codec,
                          fused_decode=self.config.fused_decode, length=self.rows.idx,
-                         left_padding=self.rows.left_padding)
-
-    def _check_same_config(self, other: _TurboQuantCache) -> None:
-        if other.config != self.config:
-            raise ValueError(f"cannot combine TurboQuant caches {self.config} and {other.config}")
-
-
-class TurboQuantKVCache(SingleRowView, _TurboQuantCache):
-    """One row of TurboQuant KV (see the module doc)."""
-
-    def __init__(self, k_bits: int, v_bits: int, head_dim: int, seed: int = 0,
-                 rotation: str = DEFAULT_ROTATION, fused_decode: bool | None = None) -> None:
-        """`fused_decode` None reads TQSERVE_TURBOQUANT_FUSED_DECODE now, once."""
-        config = TurboQuantConfig.create(k_bits, v_bits, head_dim, seed, rotation, fused_decode)
-        super().__init__(config, KvTensorRows())
-
-    @classmethod
-    def of(cls, config: TurboQuantConfig, rows: KvTensorRows | None = None) -> TurboQuantKVCache:
-        """A cache with `config` holding `rows` (unpadded; a fresh empty row by default)."""
-        cache = cls.__new__(cls)
-        _TurboQuantCache.__init__(cache, config, rows if rows is not None else KvTensorRows())
-        return cache
-
-    @classmethod
-    def from_kv_cache(cls, kv_cache: KVCache, k_bits: int, v_bits: int, *,
-                      head_dim: int | None = None, seed: int = 0,
-                      rotation: str = DEFAULT_ROTATION,
-                      fused_decode: bool | None = None) -> TurboQuantKVCache:
-        """Encode the written K/V of a plain mlx-lm KVCache (the one conversion path).
-
-        `head_dim` defaults to the keys' last dim; an empty KVCache needs it given.
-        """
-        if not isinstance(kv_cache, KVCache):
-            raise TypeError(f"expected an mlx-lm KVCache, got {type(kv_cache).__name__}")
-        if kv_cache.keys is None and head_dim is None:
-            raise ValueError("an empty KVCache converts only with head_dim given")
-        dim = head_dim if head_dim is not None else kv_cache.keys.shape[-1]
-        cache = cls(k_bits, v_bits, dim, seed=seed, rotation=rotation, fused_decode=fused_decode)
-        cache.append_written(kv_cache)
-        return cache
-
-    @classmethod
-    def merge(cls, caches: Sequence[TurboQuantKVCache]) -> BatchedTurboQuantKVCache:
-        """A batch of single rows (shorter rows are left-padded)."""
-        return BatchedTurboQuantKVCache.merge(caches)
+                         ends=(self.rows.idx,) * self.rows.num_rows)
 
     @property
     def state(self) -> tuple[Any, ...]:
@@ -199,57 +177,3 @@ class TurboQuantKVCache(SingleRowView, _TurboQuantCache):
             raise ValueError(f"state planes of {next(iter(planes.values())).shape[2]} "
                              f"positions for offset {v[4]}")
         self.rows = KvTensorRows.from_planes(planes)
-
-
-class BatchedTurboQuantKVCache(BatchRowsView, _TurboQuantCache):
-    """A batch of TurboQuant rows with per-row offsets and physical left padding."""
-
-    def __init__(self, k_bits: int, v_bits: int, head_dim: int, left_padding: Sequence[int],
-                 seed: int = 0, rotation: str = DEFAULT_ROTATION,
-                 fused_decode: bool | None = None) -> None:
-        """Empty rows with `left_padding` (as BatchKVCache); fused_decode as the single row."""
-        config = TurboQuantConfig.create(k_bits, v_bits, head_dim, seed, rotation, fused_decode)
-        super().__init__(config, KvTensorRows(left_padding))
-
-    @classmethod
-    def of(cls, config: TurboQuantConfig, rows: KvTensorRows) -> BatchedTurboQuantKVCache:
-        """A batch with `config` holding `rows`."""
-        cache = cls.__new__(cls)
-        _TurboQuantCache.__init__(cache, config, rows)
-        return cache
-
-    @classmethod
-    def merge(cls, caches: Sequence[_TurboQuantCache]) -> BatchedTurboQuantKVCache:
-        """One batch of the rows of `caches` (single rows or batches), right-aligned."""
-        if not caches:
-            raise ValueError("merge needs at least one cache")
-        for c in caches[1:]:
-            caches[0]._check_same_config(c)
-        return cls.of(caches[0].config, KvTensorRows.merge([c.rows for c in caches]))
-
-    def filter(self, batch_indices: Sequence[int] | mx.array) -> None:
-        """Keep the given rows in that order (in place); shift away shared padding."""
-        self.rows.filter(row_indices(batch_indices))
-
-    def extend(self, other: BatchedTurboQuantKVCache) -> None:
-        """Append other's rows (in place)."""
-        self._check_same_config(other)
-        self.rows.extend(other.rows)
-
-    def extract(self, idx: int) -> TurboQuantKVCache:
-        """Row idx as a single-row cache (its bytes, no padding, same config)."""
-        return TurboQuantKVCache.of(self.config, KvTensorRows.from_planes(self.rows.extract(idx)))
-
-    @property
-    def state(self) -> tuple[Any, ...]:
-        return (*self._planes_state(), self.left_padding, self.rows.idx, *self.config.scalars())
-
-    @state.setter
-    def state(self, v: Sequence[Any]) -> None:
-        self.config = TurboQuantConfig.from_scalars(v[6:])
-        planes = self._planes_from(v[:4])
-        padding = [int(p) for p in v[4].tolist()]
-        self.rows = KvTensorRows.from_planes(planes, padding)
-        if planes and self.rows.idx != int(v[5]):
-            raise ValueError(f"state planes of {self.rows.idx} positions for index {v[5]}")
-        self.rows.pad_to(int(v[5]))  # rows never written only carry their write index

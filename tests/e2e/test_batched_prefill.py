@@ -57,8 +57,8 @@ async def test_burst_of_16_unequal_prompts(draft_model):
 
 def test_unequal_group_through_the_cuda_attention_routing(draft_model, monkeypatch):
     """MLX-CUDA sends prefill blocks of 2..32 positions to short_block_attention (forced
-    here on the CPU). Its left-padding rows once went NaN, and through 0 * NaN every padded
-    row of the group with them: the first tokens of unequal prompts sent together were
+    here on the CPU). Its padded rows once went NaN (the groups were left-padded then), and
+    through 0 * NaN every padded row of the group with them: the first tokens of unequal prompts sent together were
     wrong (issue 19: 3 of 8 right on the H200). One prefill group of the engine's own
     PrefillGroups, then each row's next-token logits against the row alone."""
     import mlx.core as mx
@@ -75,14 +75,14 @@ def test_unequal_group_through_the_cuda_attention_routing(draft_model, monkeypat
     width = max(map(len, prompts)) - 1
     assert width <= attention.SHORT_BLOCK and len({len(p) for p in prompts}) >= 5
     groups = PrefillGroups(model)
-    for k, p in enumerate(prompts):
-        groups.add(f"r{k}", 1, width - (len(p) - 1), make_prompt_cache(model))
+    for k in range(len(prompts)):
+        groups.add(f"r{k}", 1, make_prompt_cache(model))
     groups.run([PrefillChunk(request_id=f"r{k}", start=0, end=len(p) - 1, group=1,
                              columns=width) for k, p in enumerate(prompts)],
                {f"r{k}": p for k, p in enumerate(prompts)})
     rows, cache = groups.take("r0")
     order = [int(r[1:]) for r in rows]
-    # the group's cache, padding kept, decodes every row's first token (as the engine's
+    # the group's slot batches decode every row's first token (as the engine's
     # decode batch does after the group joins)
     batch = model(mx.array([[prompts[k][-1]] for k in order]), cache=cache)[:, -1]
     for i, k in enumerate(order):

@@ -1,12 +1,12 @@
-"""The decode batch in per-row slots gives the same greedy tokens as the right-aligned
-batch caches it replaced (merge/extend/filter), for every cache kind with slots.
+"""The decode batch in per-row slots gives the same greedy tokens as each row decoded
+alone on its own single-row caches, for every cache kind with slots.
 
 The bundled model in float32 decodes up to four rows at a time: rows join mid-run (a
-single row as it is, and a prefill group's batch cache), rows retire mid-run (with
-`retire_order` on the slot side, in place on the other), through the model's own
-forward and mask. Both sides must agree token for token and in logits (float rounding of
-a different batch layout only). Then delayed TurboQuant slots under speculation, through
-the engine.
+single row as it is, and a prefill group prefilled in slots by the engine's own
+PrefillGroups), rows retire mid-run (with `retire_order`), through the model's own
+forward and mask. Every row must agree with itself decoded alone, token for token and in
+logits (float rounding of the batched layout only). Then delayed TurboQuant slots under
+speculation, through the engine.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 import trio
-from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
+from mlx_lm.models.cache import make_prompt_cache
 
 from tqserve.actors.engine import open_engine
 from tqserve.actors.messages import Done, Token
@@ -28,10 +28,12 @@ from tqserve.engine.sampling import SamplingParams
 from tqserve.engine.kv.attention import FUSED_DECODE_ENV
 from tqserve.engine.kv.factory import cache_factory_for
 from tqserve.engine.kv.slots import is_slot_batch, retire_order, slot_batch
+from tqserve.engine.prefill import PrefillGroups
+from tqserve.engine.step import PrefillChunk
 from tests.e2e.reference import PROMPTS
 
 # (prompt index, step it joins at, tokens before it retires); rows 3 and 4 join together
-# as one prefill group (one batch cache with left padding)
+# as one prefill group (unequal prompts, so the shorter one is padded and trimmed)
 SCHEDULE = [(2, 0, 14), (0, 0, 6), (5, 2, 12), (6, 4, 9), (1, 4, 10), (3, 9, 6)]
 KINDS = {
     "plain": dict(turboquant=None),
@@ -43,33 +45,57 @@ KINDS = {
 }
 
 
+CHUNK = 5  # prefill positions per forward, alone and in a group (delayed TurboQuant
+#           converts at the first append past its start, so both sides chunk alike)
+
+
 def _prefill(model: Any, make: Any, ids: list[int]) -> list[Any]:
     cache = make(model)
-    if len(ids) > 1:
-        model(mx.array(ids[:-1])[None], cache=cache)
+    for start in range(0, len(ids) - 1, CHUNK):
+        model(mx.array(ids[start:min(start + CHUNK, len(ids) - 1)])[None], cache=cache)
     return cache
 
 
-def _group(model: Any, make: Any, prompts: list[list[int]]) -> list[Any]:
-    """One left-padded prefill of several prompts into one batch cache (engine.prefill)."""
-    longest = max(len(p) for p in prompts) - 1
-    pads = [longest - len(p) + 1 for p in prompts]
-    fresh = [make(model) for _ in prompts]
-    caches = []
-    for layer in zip(*fresh):
-        if type(layer[0]) is KVCache:
-            caches.append(BatchKVCache(pads))
-            continue
-        batch = type(layer[0]).merge(list(layer))
-        batch.prepare(left_padding=pads)
-        caches.append(batch)
-    tokens = mx.array([[0] * pad + p[:-1] for pad, p in zip(pads, prompts)])
-    model(tokens, cache=caches)
-    return caches
+def _group(model: Any, make: Any, prompts: list[list[int]], chunk: int) -> list[Any]:
+    """One prefill group of the engine's PrefillGroups, `chunk` columns per forward."""
+    groups = PrefillGroups(model)
+    for k in range(len(prompts)):
+        groups.add(f"r{k}", 1, make(model))
+    width = max(len(p) for p in prompts) - 1
+    for done in range(0, width, chunk):
+        columns = min(chunk, width - done)
+        groups.run([PrefillChunk(request_id=f"r{k}", start=min(done, len(p) - 1),
+                                 end=min(done + columns, len(p) - 1), group=1, columns=columns)
+                    for k, p in enumerate(prompts)],
+                   {f"r{k}": tuple(p) for k, p in enumerate(prompts)})
+    taken = groups.take("r0")
+    assert taken is not None and taken[0] == [f"r{k}" for k in range(len(prompts))]
+    return taken[1]
 
 
-def decode(loaded: Any, make: Any, slots: bool) -> tuple[dict[int, list[int]], dict]:
-    """Run SCHEDULE; returns tokens and log-softmaxed logits per prompt."""
+def _log_softmax(out: mx.array) -> mx.array:
+    return out - mx.logsumexp(out, axis=-1, keepdims=True)
+
+
+def alone(loaded: Any, make: Any) -> tuple[dict[int, list[int]], dict]:
+    """Each prompt of SCHEDULE decoded on its own single-row caches."""
+    model = loaded.model
+    tokens: dict[int, list[int]] = {}
+    logits_of: dict[int, list[np.ndarray]] = {}
+    for p, _, limit in SCHEDULE:
+        ids = loaded.tokenizer.encode(PROMPTS[p])
+        cache, last = _prefill(model, make, ids), ids[-1]
+        tokens[p], logits_of[p] = [], []
+        for _ in range(limit):
+            out = _log_softmax(model(mx.array([[last]]), cache=cache)[:, -1, :])
+            last = int(mx.argmax(out, axis=-1).item())
+            tokens[p].append(last)
+            logits_of[p].append(np.array(out[0]))
+    return tokens, logits_of
+
+
+def batched(loaded: Any, make: Any) -> tuple[dict[int, list[int]], dict]:
+    """Run SCHEDULE in one slot decode batch; returns tokens and log-softmaxed logits."""
     model = loaded.model
     ids = {p: loaded.tokenizer.encode(PROMPTS[p]) for p, _, _ in SCHEDULE}
     batch: list[Any] | None = None
@@ -81,31 +107,27 @@ def decode(loaded: Any, make: Any, slots: bool) -> tuple[dict[int, list[int]], d
     for step in range(40):
         joining = [p for p, at, _ in SCHEDULE if at == step]
         if len(joining) > 1:
-            joined = [_group(model, make, [ids[p] for p in joining])]
+            joined = [_group(model, make, [ids[p] for p in joining], CHUNK)]
         else:
             joined = [_prefill(model, make, ids[p]) for p in joining]
         for cache in joined:
             if batch is None:
-                batch = [slot_batch(c) if slots else
-                         (c if hasattr(c, "filter") else type(c).merge([c])) for c in cache]
+                batch = [c if is_slot_batch(c) else slot_batch(c) for c in cache]
             else:
                 for mine, theirs in zip(batch, cache):
-                    mine.extend(theirs if slots or hasattr(theirs, "filter")
-                                else type(theirs).merge([theirs]))
+                    mine.extend(theirs)
         rows += joining
         if not rows:
             break
-        assert all(is_slot_batch(c) == slots for c in batch or ())
-        out = model(mx.array([last[p] for p in rows])[:, None], cache=batch)[:, -1, :]
-        out = out - mx.logsumexp(out, axis=-1, keepdims=True)
+        assert all(is_slot_batch(c) for c in batch or ())
+        out = _log_softmax(model(mx.array([last[p] for p in rows])[:, None], cache=batch)[:, -1, :])
         for p, t, lp in zip(rows, mx.argmax(out, axis=-1).tolist(), np.array(out)):
             tokens[p].append(t)
             logits_of[p].append(lp)
             last[p] = t
         gone = [i for i, p in enumerate(rows) if len(tokens[p]) >= limit[p]]
         if gone:
-            keep = (retire_order(len(rows), gone) if slots
-                    else [i for i in range(len(rows)) if i not in gone])
+            keep = retire_order(len(rows), gone)
             rows = [rows[i] for i in keep]
             if not rows:
                 batch = None
@@ -117,7 +139,7 @@ def decode(loaded: Any, make: Any, slots: bool) -> tuple[dict[int, list[int]], d
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
-def test_slots_match_the_batch_caches_they_replace(draft_model, kind, monkeypatch):
+def test_slots_match_each_row_decoded_alone(draft_model, kind, monkeypatch):
     if kind.endswith("plain-ops"):
         monkeypatch.setenv(FUSED_DECODE_ENV, "0")
     make = cache_factory_for(draft_model.model, **KINDS[kind]) or make_prompt_cache
@@ -125,13 +147,18 @@ def test_slots_match_the_batch_caches_they_replace(draft_model, kind, monkeypatc
     assert all(is_slot_batch(slot_batch(c)) for c in fresh)
     assert all(getattr(c, "config", None) is None or c.config.fused_decode
                != kind.endswith("plain-ops") for c in fresh)
-    want, want_logits = decode(draft_model, make, slots=False)
-    got, got_logits = decode(draft_model, make, slots=True)
+    lengths = {len(draft_model.tokenizer.encode(PROMPTS[p])) for p, at, _ in SCHEDULE if at == 4}
+    assert len(lengths) == 2  # the group's rows are unequal: one is padded and trimmed
+    want, want_logits = alone(draft_model, make)
+    got, got_logits = batched(draft_model, make)
     assert got == want
     worst = max(float(np.max(np.abs(a - b))) for p in got
                 for a, b in zip(got_logits[p], want_logits[p]))
     print(f"{kind}: {sum(map(len, got.values()))} tokens equal, worst logprob diff {worst:.2e}")
-    assert worst < 1e-3
+    # Float rounding of batched matmuls (OpenBLAS rounds a batch's rows unlike one row's)
+    # stays below 1e-4 in the logprobs; an 8-bit affine key can land one quantization step
+    # away from it, which measured 3.8e-3 (2026-12-04).
+    assert worst < (1e-2 if kind.startswith("affine") else 1e-3)
 
 
 async def _generate(engine: Any, prompt: str, speculative: bool | None) -> tuple[list[int], Any]:

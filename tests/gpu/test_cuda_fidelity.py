@@ -13,7 +13,7 @@ how the batched-prefill defect was reproduced here.
 For pycoder-29m (../shared/models) in float32 and bfloat16, for plain, TurboQuant (k4v4)
 and affine (8-bit) KV, with `--fast-decode` on and off:
 * alone: every prompt on its own; plain KV == mlx-lm's generate_step.
-* burst: 8 prompts of unequal lengths sent together (one left-padded prefill group)
+* burst: 8 prompts of unequal lengths sent together (one prefill group in slots)
   == alone.
 * joins: the prompts arriving while earlier rows decode == alone.
 * seeded: sampled rows (temperature 1, a seed each) == the same rows alone, inside a batch

@@ -1,11 +1,11 @@
-"""tools.bench_join end to end at tiny sizes: every kind on both sides (merge, slots) is
-measured; an unknown kind is a CLI error (exit 2). No wall-clock assertions."""
+"""tools.bench_join end to end at tiny sizes: every kind on the slots side, plain KV also
+on mlx-lm's merge side, is measured; an unknown kind is a CLI error (exit 2). No wall-clock assertions."""
 
 import json
 
 import pytest
 
-from tqserve.tools.bench_join import KINDS, SIDES, main
+from tqserve.tools.bench_join import KINDS, main, sides_of
 
 
 def test_bench_join_every_kind_and_side(tmp_path, capsys):
@@ -13,7 +13,8 @@ def test_bench_join_every_kind_and_side(tmp_path, capsys):
     assert main(["--rows", "2", "--context", "8", "--repeats", "1", "--out", str(out)]) == 0
     report = json.loads(out.read_text())
     assert report["settings"]["kinds"] == list(KINDS)
-    assert set(report["figures"]) == {f"{k}_r2_{s}" for k in KINDS for s in SIDES}
+    assert set(report["figures"]) == {f"{k}_r2_{s}" for k in KINDS for s in sides_of(k)}
+    assert {"plain_r2_merge", "plain_r2_slots", "tq-k4v4_r2_slots"} <= set(report["figures"])
     for figure in report["figures"].values():
         assert figure["join_ms"] > 0 and figure["retire_ms"] > 0
     assert "tq-k4v4_r2_slots: join" in capsys.readouterr().out

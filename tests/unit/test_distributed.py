@@ -35,7 +35,7 @@ def test_a_plan_round_trips_and_foreign_classes_are_refused() -> None:
                                                top_logprobs=2),
                          reuse="k1", cached=12,
                          response_format=ResponseFormat(kind="regex", grammar="{}"),
-                         speculative=SpecChoice(method="lookup"), group=2, pad=1),),
+                         speculative=SpecChoice(method="lookup"), group=2),),
         prefill=(PrefillChunk(request_id="x", start=12, end=899, group=2, columns=887),),
         join=("x",), decode=("x",), snapshot=(("a", "k2"),), prompt_snapshot=(("x", "k3"),),
         persist=True, spill=("k4",), drop=("k5",))

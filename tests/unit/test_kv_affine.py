@@ -1,6 +1,6 @@
-"""Affine KV caches: serial == batched bytes through every batch operation, equality with
-mlx-lm's QuantizedKVCache (bytes, memory, attention, greedy tokens), the engine's Runner,
-and the config / factory / CLI wiring."""
+"""Affine KV caches: serial == slot batch bytes through every batch operation
+(AffineSlotsKVCache), equality with mlx-lm's QuantizedKVCache (bytes, memory, attention,
+greedy tokens), the engine's Runner, and the config / factory / CLI wiring."""
 
 from __future__ import annotations
 
@@ -17,30 +17,29 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
 from tqserve.api.cli import _config, build_parser
 from tqserve.engine.config import Config
-from tqserve.engine.kv.affine import PLANES, AffineKVCache, BatchedAffineKVCache
-from tqserve.engine.kv.factory import cache_factory_for, check_affine_head_dims, make_affine_cache_factory
+from tqserve.engine.kv.affine import PLANES, AffineKVCache
+from tqserve.engine.kv.factory import (cache_factory_for, check_affine_head_dims,
+                                        make_affine_cache_factory)
+from tqserve.engine.kv.quant_slots import AffineSlotsKVCache
+from tqserve.engine.kv.slots import slot_batch_of
 from tqserve.engine.kv.turboquant import TurboQuantKVCache
 from tqserve.engine.model import LoadedModel
 from tqserve.engine.runner import Runner
 from tqserve.engine.sampling import SamplingParams
 from tqserve.engine.scheduler import SchedulerCore
 from tqserve.engine.step import TokenOut
-from tests.unit.test_kv_turboquant import HEADS, DIM, Mirror, Planes, run_batch_scenario
+from tests.unit.test_kv_quant_slots import D as DIM
+from tests.unit.test_kv_quant_slots import H as HEADS
+from tests.unit.test_kv_quant_slots import Mirror, Planes, run_batch_scenario
 
 PROMPTS = ("def fibonacci(n):\n    if n < 2:\n", "import os\nimport sys\n\nclass Config:\n",
            "for i in range(10):\n    print(")
-ATTN_TOL = 1e-5  # batched (padded, masked) vs one row: float32 summation order only
+ATTN_TOL = 1e-5  # slot batch (masked) vs one row: float32 summation order only
 
 
 def planes(cache: AffineKVCache) -> Planes:
     """A single row's written planes."""
     return {n: np.array(a) for n, a in cache.rows.valid_planes().items()}
-
-
-def batch_row(batch: BatchedAffineKVCache, i: int) -> Planes:
-    """Row i of a batch, read from the valid region past its left padding."""
-    start = batch.rows.left_padding[i]
-    return {n: np.array(a[i : i + 1, :, start:]) for n, a in batch.rows.valid_planes().items()}
 
 
 def quantized_planes(cache: QuantizedKVCache) -> Planes:
@@ -51,16 +50,16 @@ def quantized_planes(cache: QuantizedKVCache) -> Planes:
 
 @pytest.mark.parametrize("bits, group_size", [(8, 64), (4, 32)])
 def test_serial_and_batched_rows_hold_identical_bytes(bits: int, group_size: int) -> None:
-    mirror = Mirror(lambda: AffineKVCache(bits, group_size), planes, batch_row)
+    mirror = Mirror(lambda: AffineKVCache(bits, group_size), planes)
     run_batch_scenario(mirror)
-    assert isinstance(mirror.batch, BatchedAffineKVCache)
+    assert isinstance(mirror.batch, AffineSlotsKVCache)
     assert (mirror.batch.bits, mirror.batch.group_size) == (bits, group_size)
 
 
 @pytest.mark.parametrize("bits, group_size", [(8, 64), (4, 32)])
 def test_single_row_equals_mlx_lm_quantized_cache(bits: int, group_size: int) -> None:
     """Same bytes, dtypes and resident size (both grow in steps of 256 positions)."""
-    mirror = Mirror(AffineKVCache, planes, batch_row)
+    mirror = Mirror(AffineKVCache, planes)
     ours, theirs = AffineKVCache(bits, group_size), QuantizedKVCache(group_size, bits)
     for length in (5, 250, 1, 300):
         k, v = mirror.kv(1, length)
@@ -81,8 +80,8 @@ def test_single_row_equals_mlx_lm_quantized_cache(bits: int, group_size: int) ->
 @pytest.mark.parametrize("length", [1, 3])
 def test_batched_attention_equals_mlx_lm_quantized_attention(bits: int, group_size: int,
                                                               length: int) -> None:
-    """mlx-lm's dispatch over a left-padded batch (GQA, boolean mask) == QuantizedKVCache
-    attention of each row alone."""
+    """mlx-lm's dispatch over a slot batch of rows of their own lengths (GQA, boolean mask)
+    == QuantizedKVCache attention of each row alone."""
     rng = np.random.default_rng(0)
 
     def rand(*shape: int) -> mx.array:
@@ -96,8 +95,8 @@ def test_batched_attention_equals_mlx_lm_quantized_attention(bits: int, group_si
         refs.append(QuantizedKVCache(group_size, bits))
         for cache in (rows[-1], refs[-1]):
             cache.update_and_fetch(k, v)
-    batch = AffineKVCache.merge(rows)
-    assert batch.left_padding.tolist() == [7, 0, 4]
+    batch = slot_batch_of(rows)
+    assert batch.lengths == [4, 11, 7]
     keys, values, queries = (rand(3, kv_heads, length, dim), rand(3, kv_heads, length, dim),
                              rand(3, q_heads, length, dim))
     mask = batch.make_mask(length)
@@ -115,33 +114,35 @@ def test_batched_attention_equals_mlx_lm_quantized_attention(bits: int, group_si
 
 
 def test_nbytes_counts_allocated_encoded_bytes() -> None:
-    mirror = Mirror(AffineKVCache, planes, batch_row)
+    mirror = Mirror(AffineKVCache, planes)
     rows = []
     for n in (5, 7):
         rows.append(AffineKVCache(4, 32))
         rows[-1].update_and_fetch(*mirror.kv(1, n))
     per_position = HEADS * 2 * (DIM * 4 // 32 * 4 + 2 * DIM // 32 * 4)  # wq + scales, biases
     assert rows[0].nbytes == 256 * per_position  # one step of growth
-    batch = AffineKVCache.merge(rows)
-    assert batch.nbytes == 2 * 7 * per_position  # merge allocates exactly the kept positions
+    batch = slot_batch_of(rows)
+    assert batch.nbytes == 2 * 256 * per_position  # two row slots of one step
     batch.filter([1])
-    assert batch.nbytes == 7 * per_position
-    assert BatchedAffineKVCache(4, 32, [0, 0]).nbytes == 0
+    assert batch.nbytes == 2 * 256 * per_position  # the freed slot stays allocated
+    assert slot_batch_of([AffineKVCache(4, 32), AffineKVCache(4, 32)]).nbytes == 0
 
 
 def test_state_from_kv_cache_and_copies() -> None:
-    mirror = Mirror(lambda: AffineKVCache(8, 32), planes, batch_row)
+    mirror = Mirror(lambda: AffineKVCache(8, 32), planes)
     run_batch_scenario(mirror)
     for name in mirror.order:
         single = mirror.serial[name]
         restored = AffineKVCache.from_state(single.state)
         assert (restored.bits, restored.group_size, restored.offset) == (8, 32, single.offset)
         np.testing.assert_equal(planes(restored), planes(single))
-    batch = BatchedAffineKVCache.from_state(copy.deepcopy(mirror.batch).state)
+    batch = AffineSlotsKVCache.from_state(copy.deepcopy(mirror.batch).state)
+    assert (batch.bits, batch.group_size) == (8, 32)
     assert batch.offset.tolist() == mirror.batch.offset.tolist()
     for i in range(len(mirror.order)):
-        np.testing.assert_equal(batch_row(batch, i), batch_row(mirror.batch, i))
-    empty = BatchedAffineKVCache.from_state(BatchedAffineKVCache(8, 32, [0, 0]).state)
+        np.testing.assert_equal(planes(batch.extract(i)), planes(mirror.batch.extract(i)))
+    empty = AffineSlotsKVCache.from_state(
+        slot_batch_of([AffineKVCache(8, 32), AffineKVCache(8, 32)]).state)
     assert empty.empty() and empty.offset.tolist() == [0, 0]
     plain, direct = KVCache(), AffineKVCache(8, 32)
     for length in (4, 3):
@@ -156,18 +157,6 @@ def test_state_from_kv_cache_and_copies() -> None:
         AffineKVCache.from_kv_cache(converted, 8, 32)  # type: ignore[arg-type]
 
 
-def test_prepare_finalize_match_unpadded_rows() -> None:
-    k, v = Mirror(AffineKVCache, planes, batch_row).kv(2, 6)
-    batch = BatchedAffineKVCache(8, 64, [0, 0])
-    batch.prepare(lengths=[4, 6], right_padding=[2, 0])
-    batch.update_and_fetch(k, v)
-    batch.finalize()
-    single = AffineKVCache(8, 64)
-    single.update_and_fetch(k[:1, :, :4], v[:1, :, :4])
-    assert batch.offset.tolist() == [4, 6] and batch.left_padding.tolist() == [2, 0]
-    np.testing.assert_equal(batch_row(batch, 0), planes(single))
-
-
 def test_invalid_inputs_raise() -> None:
     with pytest.raises(ValueError, match="bits must be one of"):
         AffineKVCache(5, 64)
@@ -178,14 +167,13 @@ def test_invalid_inputs_raise() -> None:
         cache.update_and_fetch(mx.zeros((1, HEADS, 1, 96)), mx.zeros((1, HEADS, 1, 96)))
     with pytest.raises(ValueError, match="expected keys"):
         cache.update_and_fetch(mx.zeros((1, HEADS, 1, 64)), mx.zeros((1, HEADS, 2, 64)))
-    with pytest.raises(ValueError, match="block of 3 rows"):
-        BatchedAffineKVCache(8, 64, [0, 0]).update_and_fetch(mx.zeros((3, HEADS, 1, DIM)),
-                                                             mx.zeros((3, HEADS, 1, DIM)))
+    two = slot_batch_of([AffineKVCache(8, 64), AffineKVCache(8, 64)])
+    with pytest.raises(ValueError, match=r"expected keys and values \(2, "):
+        two.update_and_fetch(mx.zeros((3, HEADS, 1, DIM)), mx.zeros((3, HEADS, 1, DIM)))
     with pytest.raises(ValueError, match="cannot combine"):
-        AffineKVCache.merge([AffineKVCache(8, 64), AffineKVCache(4, 64)])
+        slot_batch_of([AffineKVCache(8, 64), AffineKVCache(4, 64)])
     with pytest.raises(ValueError, match="cannot combine"):
-        AffineKVCache.merge([AffineKVCache(8, 64)]).extend(
-            AffineKVCache.merge([AffineKVCache(8, 32)]))
+        slot_batch_of([AffineKVCache(8, 64)]).extend(slot_batch_of([AffineKVCache(8, 32)]))
 
 
 def _greedy(model: Any, prompt: list[int], cache: list[Any], n: int) -> tuple[list[int], Any]:

@@ -22,7 +22,9 @@ from tqserve.engine.kv import attention
 from tqserve.engine.kv.attention import FUSED_DECODE_ENV, install_attention, turboquant_sdpa
 from tqserve.engine.kv.delayed import DelayedTurboQuantKVCache
 from tqserve.engine.kv.factory import check_head_dims, make_turboquant_cache_factory
-from tqserve.engine.kv.turboquant import BatchedTurboQuantKVCache, TurboQuantKVCache
+from tqserve.engine.kv.quant_slots import TurboQuantSlotsKVCache
+from tqserve.engine.kv.slots import slot_batch_of
+from tqserve.engine.kv.turboquant import TurboQuantKVCache
 from tqserve.engine.model import LoadedModel
 from tqserve.engine.runner import Runner
 from tqserve.engine.sampling import SamplingParams
@@ -73,14 +75,14 @@ def test_port_equals_sdpa_over_decoded_kv(fused: bool, length: int) -> None:
 
 @pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("length", [1, 3])
-def test_port_with_left_padding_matches_each_row_alone(fused: bool, length: int) -> None:
+def test_port_over_slot_rows_matches_each_row_alone(fused: bool, length: int) -> None:
     rows = [_filled(n, seed=10 * n, fused=fused) for n in (4, 11, 7)]
-    batch = TurboQuantKVCache.merge([copy.deepcopy(r) for r in rows])
+    batch = slot_batch_of([copy.deepcopy(r) for r in rows])
     keys = _random((3, KV_HEADS, length, DIM), 1)
     values = _random((3, KV_HEADS, length, DIM), 2)
     queries = _random((3, Q_HEADS, length, DIM), 3)
     mask = batch.make_mask(length)
-    assert batch.left_padding.tolist() == [7, 0, 4]
+    assert isinstance(batch, TurboQuantSlotsKVCache) and batch.lengths == [4, 11, 7]
     out = turboquant_sdpa(queries, batch.update_and_fetch(keys, values)[0], SCALE, mask)
     for i, row in enumerate(rows):
         row.update_and_fetch(keys[i : i + 1], values[i : i + 1])
@@ -92,7 +94,7 @@ def test_fused_equals_plain_decode() -> None:
     worst = 0.0
     for bits in ((4, 4), (3, 5), (8, 2), (1, 7)):
         rows = [_filled(n, seed=n, fused=True, bits=bits) for n in (30, 300)]
-        batch = TurboQuantKVCache.merge(rows)
+        batch = slot_batch_of(rows)
         mask = batch.make_mask(1)
         fetched, _ = batch.update_and_fetch(_random((2, KV_HEADS, 1, DIM), 8),
                                             _random((2, KV_HEADS, 1, DIM), 9))
@@ -125,10 +127,10 @@ def test_env_selection_is_resolved_once_and_kept(monkeypatch: pytest.MonkeyPatch
     off.update_and_fetch(x, x)
     delayed.update_and_fetch(x, x)
     delayed.update_and_fetch(x[:, :, :1], x[:, :, :1])  # converts now, under env "1"
-    batch = TurboQuantKVCache.merge([off])
+    batch = slot_batch_of([off])
     kept = [off, batch, batch.extract(0), copy.deepcopy(off), TurboQuantKVCache.from_state(
-        off.state), BatchedTurboQuantKVCache.from_state(batch.state), delayed.quantized,
-        DelayedTurboQuantKVCache.merge([delayed]).extract(0).quantized]
+        off.state), TurboQuantSlotsKVCache.from_state(batch.state), delayed.quantized,
+        slot_batch_of([delayed]).extract(0).quantized]
     assert [c.fused_decode for c in kept] == [False] * len(kept)
     calls = _count_fused(monkeypatch)
     queries = _random((1, Q_HEADS, 1, DIM), 1)
@@ -321,24 +323,24 @@ def test_short_block_attention_equals_the_fused_op(mask_kind, length):
 
 
 @pytest.mark.parametrize("length", [3, 12])
-def test_short_block_attention_stays_finite_on_left_padding(length):
-    """A left-padded prefill block: the padding rows' query positions see no key at all.
-    The fused op (boolean mask) attends uniformly there; so must the short-block path,
-    else NaN reaches the next layer's padding K/V and, through 0 * NaN, the real rows
-    (issue 19: the MLX-CUDA batched prefill of unequal prompts)."""
-    from mlx_lm.models.cache import BatchKVCache
-
+def test_short_block_attention_stays_finite_where_a_query_sees_no_key(length):
+    """Query positions whose every key is masked (row b masks keys [0, pads[b]), so its
+    queries below pads[b] see none: what a left-padded prefill block once produced). The
+    fused op (boolean mask) attends uniformly there; so must the short-block path, else
+    NaN reaches the next layer's K/V and, through 0 * NaN, the real positions (issue 19:
+    the MLX-CUDA batched prefill of unequal prompts)."""
     from tqserve.engine.kv.attention import short_block_attention
 
     mx.random.seed(4)
-    pads = [0, length - 1, 2]
-    cache = BatchKVCache(pads)
+    pads = mx.array([0, length - 1, 2])
     k = mx.random.normal((3, 2, length, 32))
     v = mx.random.normal((3, 2, length, 32))
     q = mx.random.normal((3, 4, length, 32))
-    mask = cache.make_mask(length)
-    keys, values = cache.update_and_fetch(k, v)
-    want = mx.fast.scaled_dot_product_attention(q, keys, values, scale=0.2, mask=mask)
-    got = short_block_attention(q, keys, values, 0.2, mask)
+    positions = mx.arange(length)
+    causal = positions[None, :] <= positions[:, None]                 # (queries, keys)
+    mask = (causal[None] & (positions >= pads[:, None])[:, None])[:, None]  # (B, 1, L, L)
+    assert not mask[1, 0, 0].any().item()  # row 1's first query sees no key
+    want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.2, mask=mask)
+    got = short_block_attention(q, k, v, 0.2, mask)
     assert not mx.isnan(got).any().item()
     assert mx.allclose(got, want, atol=1e-5).item()

@@ -10,6 +10,7 @@ import pytest
 from tqserve.engine.codec.turboquant import TurboQuantCodec
 from tqserve.engine.kv import attention, cuda_decode
 from tqserve.engine.kv.quant_slots import TurboQuantSlotsKVCache
+from tqserve.engine.kv.slots import slot_batch_of
 from tqserve.engine.kv.turboquant import TurboQuantKVCache
 
 pytestmark = pytest.mark.skipif(not cuda_decode.available(128, 1),
@@ -30,7 +31,7 @@ def test_kernel_matches_compiled_and_plain(monkeypatch, bits, head_dim, kv_heads
         v = mx.random.normal((1, kv_heads, n, head_dim), key=mx.random.key(seed + 10))
         cache.update_and_fetch(k, v)
         rows.append(cache)
-    batch = TurboQuantKVCache.merge(rows)
+    batch = slot_batch_of(rows)  # slot rows of 37 and 700 positions, ending at their own
     fetched, _ = batch.update_and_fetch(
         mx.random.normal((2, kv_heads, 1, head_dim), key=mx.random.key(5)),
         mx.random.normal((2, kv_heads, 1, head_dim), key=mx.random.key(6)))
@@ -54,8 +55,7 @@ def _float64_reference(queries, fetched, scale):
     kv_heads = keys.shape[1]
     rot = rot.reshape(batch, kv_heads, heads // kv_heads, dim)
     scores = np.einsum("bhrd,bhtd->bhrt", rot, keys) * scale
-    for b, (start, end) in enumerate(zip(fetched.left_padding, fetched.row_ends())):
-        scores[b, :, :, :start] = -np.inf
+    for b, end in enumerate(fetched.ends):  # row b holds positions [0, ends[b])
         scores[b, :, :, end:] = -np.inf
     weights = np.exp(scores - scores.max(-1, keepdims=True))
     weights /= weights.sum(-1, keepdims=True)
@@ -110,7 +110,7 @@ def test_kernel_on_slots_reads_each_rows_own_end(monkeypatch, bits):
     fetched, _ = batch.update_and_fetch(
         mx.random.normal((3, 2, 1, 128), key=mx.random.key(5)),
         mx.random.normal((3, 2, 1, 128), key=mx.random.key(6)))
-    assert fetched.row_ends() == (38, 701, 1) and fetched.left_padding == (0, 0, 0)
+    assert fetched.ends == (38, 701, 1) and fetched.length == 701
     queries = mx.random.normal((3, 8, 1, 128), key=mx.random.key(7)) * 3
     kernel = attention._fused_attention(queries, fetched, 0.1)
     monkeypatch.setenv(cuda_decode.KERNEL_ENV, "0")

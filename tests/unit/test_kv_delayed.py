@@ -1,5 +1,5 @@
-"""Delayed TurboQuant: conversion point, precision boundary, and serial == batched bytes with
-plain and converted rows mixed in one batch."""
+"""Delayed TurboQuant: conversion point, precision boundary, and serial == slot batch bytes
+(DelayedTurboQuantSlotsKVCache) with plain and converted rows mixed in one batch."""
 
 from __future__ import annotations
 
@@ -10,8 +10,12 @@ import numpy as np
 import pytest
 
 from tqserve.engine.kv.attention import MixedRowsKV, RotatedKV, turboquant_sdpa
-from tqserve.engine.kv.delayed import BatchedDelayedTurboQuantKVCache, DelayedTurboQuantKVCache
-from tests.unit.test_kv_turboquant import DIM, HEADS, Mirror, Planes, run_batch_scenario
+from tqserve.engine.kv.delayed import DelayedTurboQuantKVCache
+from tqserve.engine.kv.delayed_slots import DelayedTurboQuantSlotsKVCache
+from tqserve.engine.kv.slots import slot_batch, slot_batch_of
+from tests.unit.test_kv_quant_slots import D as DIM
+from tests.unit.test_kv_quant_slots import H as HEADS
+from tests.unit.test_kv_quant_slots import Mirror, Planes, run_batch_scenario
 
 
 def delayed_planes(cache: DelayedTurboQuantKVCache) -> Planes:
@@ -25,26 +29,16 @@ def delayed_planes(cache: DelayedTurboQuantKVCache) -> Planes:
             "values": np.array(cache.plain.values[..., :end, :])}
 
 
-def delayed_batch_row(batch: BatchedDelayedTurboQuantKVCache, i: int) -> Planes:
-    """Row i of a delayed batch, read from its part past its left padding."""
-    flag = batch.converted[i]
-    slot = [j for j, c in enumerate(batch.converted) if c == flag].index(i)
-    part = batch.quantized.rows if flag else batch.plain
-    start = part.left_padding[slot]
-    planes = part.valid_planes()
-    return {n: np.array(a[slot : slot + 1, :, start:]) for n, a in planes.items()}
-
-
 def _mirror(start: int) -> Mirror:
     return Mirror(lambda: DelayedTurboQuantKVCache(start, 3, 4, DIM, seed=4), delayed_planes,
-                  delayed_batch_row, seed=start)
+                  seed=start)
 
 
 @pytest.mark.parametrize("start", [0, 16, 100])
 def test_serial_and_batched_delayed_rows_hold_identical_bytes(start: int) -> None:
     mirror = _mirror(start)
     run_batch_scenario(mirror)
-    assert isinstance(mirror.batch, BatchedDelayedTurboQuantKVCache)
+    assert isinstance(mirror.batch, DelayedTurboQuantSlotsKVCache)
     boundaries = [mirror.serial[n].minimum_reusable_offset for n in mirror.order]
     assert mirror.batch.minimum_reusable_offsets == boundaries
     assert mirror.batch.converted == [mirror.serial[n].converted for n in mirror.order]
@@ -92,12 +86,12 @@ def test_trim_is_clamped_at_the_boundary_and_copies_keep_it() -> None:
     cache.update_and_fetch(x[:, :, :3], x[:, :, :3])  # converts at 6, offset 9
     assert cache.trim(10) == 3 and cache.offset == 6
     assert cache.trim(1) == 0
-    for clone in (copy.deepcopy(cache), DelayedTurboQuantKVCache.merge([cache]).extract(0),
+    for clone in (copy.deepcopy(cache), slot_batch(cache).extract(0),
                   DelayedTurboQuantKVCache.from_state(cache.state)):
         assert clone.converted and clone.minimum_reusable_offset == 6
         assert clone.trim(5) == 0
         np.testing.assert_equal(delayed_planes(clone), delayed_planes(cache))
-    batch = DelayedTurboQuantKVCache.merge([cache, DelayedTurboQuantKVCache(4, 4, 4, DIM)])
+    batch = slot_batch_of([cache, DelayedTurboQuantKVCache(4, 4, 4, DIM)])
     assert batch.trim(2) == 0  # row 0 sits on its boundary
 
 
@@ -105,12 +99,12 @@ def test_batched_state_round_trip() -> None:
     mirror = _mirror(16)
     mirror.join({"a": mirror.prefill("a", [20]), "b": mirror.prefill("b", [3])})
     mirror.step()
-    restored = BatchedDelayedTurboQuantKVCache.from_state(mirror.batch.state)
+    restored = DelayedTurboQuantSlotsKVCache.from_state(mirror.batch.state)
     assert restored.converted == [True, False] and restored.minimum_reusable_offsets == [20, 0]
     assert restored.offset.tolist() == mirror.batch.offset.tolist()
     for i in range(2):
-        np.testing.assert_equal(delayed_batch_row(restored, i),
-                                delayed_batch_row(mirror.batch, i))
+        np.testing.assert_equal(delayed_planes(restored.extract(i)),
+                                delayed_planes(mirror.batch.extract(i)))
     single = DelayedTurboQuantKVCache.from_state(mirror.serial["b"].state)
     np.testing.assert_equal(delayed_planes(single), delayed_planes(mirror.serial["b"]))
 
@@ -139,10 +133,9 @@ def test_mixed_batch_attention_equals_each_row_alone() -> None:
 def test_settings_must_match() -> None:
     a = DelayedTurboQuantKVCache(8, 4, 4, DIM, fused_decode=True)
     with pytest.raises(ValueError, match="different settings"):
-        DelayedTurboQuantKVCache.merge([a, DelayedTurboQuantKVCache(9, 4, 4, DIM)])
+        slot_batch_of([a, DelayedTurboQuantKVCache(9, 4, 4, DIM)])
     with pytest.raises(ValueError, match="different settings"):
-        DelayedTurboQuantKVCache.merge([a]).extend(
-            DelayedTurboQuantKVCache.merge([DelayedTurboQuantKVCache(8, 4, 4, DIM,
-                                                                     fused_decode=False)]))
+        slot_batch_of([a]).extend(
+            slot_batch_of([DelayedTurboQuantKVCache(8, 4, 4, DIM, fused_decode=False)]))
     with pytest.raises(ValueError, match=">= 0"):
         DelayedTurboQuantKVCache(-1, 4, 4, DIM)

@@ -1,6 +1,8 @@
 """Affine, TurboQuant and delayed TurboQuant KV in per-row slots: every row attends as it
 does alone through joins, retirements and per-row trims; joins write only the joining
-rows, a retirement moves at most one row; extraction and `state` keep the encoded bytes."""
+rows, a retirement moves at most one row; extraction and `state` keep the encoded bytes.
+`Mirror` and `run_batch_scenario` (serial rows == slot batch rows, byte for byte) serve the
+per-kind tests too (test_kv_turboquant.py, test_kv_affine.py, test_kv_delayed.py)."""
 
 import mlx.core as mx
 import numpy as np
@@ -11,7 +13,7 @@ from tqserve.engine.kv.affine import AffineKVCache
 from tqserve.engine.kv.attention import MixedRowsKV, RotatedKV, install_attention
 from tqserve.engine.kv.delayed import DelayedTurboQuantKVCache
 from tqserve.engine.kv.slot_rows import SlotRows
-from tqserve.engine.kv.slots import is_slot_batch, retire_order, slot_batch
+from tqserve.engine.kv.slots import is_slot_batch, retire_order, slot_batch, slot_batch_of
 from tqserve.engine.kv.turboquant import TurboQuantKVCache
 
 H, QH, D = 2, 4, 64
@@ -55,7 +57,7 @@ class Twin:
         self.batch.extend(self.alone[1])  # a single row joins as it is
         rest = self.alone[2:]
         if rest:
-            self.batch.extend(type(rest[0]).merge(rest))  # a batch (prefill group) joins
+            self.batch.extend(slot_batch_of(rest))  # a batch (prefill group) joins
         self.seed = 100
 
     def _row(self, n, seed):
@@ -92,6 +94,112 @@ class Twin:
             assert set(got) == set(want)
             for name in want:
                 assert mx.array_equal(got[name], want[name]), (i, name)
+
+
+Planes = dict[str, np.ndarray]
+
+
+class Mirror:
+    """Single rows cached alone next to one slot batch of their twins, fed the same K/V
+    (values of varied scales); `check` compares each row's bytes (`planes` of a single row)
+    alone and extracted from the batch."""
+
+    def __init__(self, make, planes, seed=0):
+        self.make, self.planes = make, planes
+        self.rng = np.random.default_rng(seed)
+        self.serial = {}
+        self.order = []
+        self.batch = None
+
+    def kv(self, num_rows, length):
+        shape = (num_rows, H, length, D)
+        scale = self.rng.uniform(0.1, 30.0, (num_rows, H, length, 1))
+        k, v = (self.rng.standard_normal(shape) * scale for _ in range(2))
+        return mx.array(k.astype(np.float32)), mx.array(v.astype(np.float32))
+
+    def prefill(self, name, chunks):
+        """A serial row and its twin (returned, for the batch), fed the same chunks."""
+        serial, twin = self.make(), self.make()
+        for length in chunks:
+            k, v = self.kv(1, length)
+            serial.update_and_fetch(k, v)
+            twin.update_and_fetch(k, v)
+        self.serial[name] = serial
+        return twin
+
+    def join(self, rows):
+        """Put single rows (twins or extracted rows) in one slot batch (a prefill group's),
+        which joins the batch."""
+        group = slot_batch_of(list(rows.values()))
+        if self.batch is None:
+            self.batch = group
+        else:
+            self.batch.extend(group)
+        self.order += list(rows)
+
+    def step(self, length=1):
+        k, v = self.kv(len(self.order), length)
+        self.batch.update_and_fetch(k, v)
+        for i, name in enumerate(self.order):
+            self.serial[name].update_and_fetch(k[i : i + 1], v[i : i + 1])
+
+    def filter(self, keep):
+        self.batch.filter(keep)
+        self.order = [self.order[i] for i in keep]
+
+    def trim(self, n):
+        trimmed = self.batch.trim(n)
+        assert [self.serial[name].trim(trimmed) for name in self.order] == [trimmed] * len(
+            self.order)
+        return trimmed
+
+    def check(self):
+        """Every batch row holds the serial row's bytes, at the serial row's offset."""
+        assert self.batch.offset.tolist() == [self.serial[n].offset for n in self.order]
+        for i, name in enumerate(self.order):
+            want, got = self.planes(self.serial[name]), self.planes(self.batch.extract(i))
+            if self.serial[name].offset == 0:  # a slot row of no position extracts empty
+                assert got == {} and all(a.shape[2] == 0 for a in want.values()), name
+                continue
+            assert set(want) == set(got), name
+            for plane in want:
+                assert want[plane].dtype == got[plane].dtype, (name, plane)
+                np.testing.assert_array_equal(got[plane], want[plane], err_msg=f"{name} {plane}")
+
+
+def run_batch_scenario(mirror):
+    """Join a prefill group, decode, join, reorder + retire, extract + re-admit, trim,
+    multi-token steps."""
+    mirror.join({"a": mirror.prefill("a", [5]), "b": mirror.prefill("b", [7, 6])})
+    mirror.check()
+    for _ in range(4):
+        mirror.step()
+    mirror.check()
+    mirror.join({"c": mirror.prefill("c", [3, 9, 12])})
+    mirror.step()
+    mirror.check()
+    mirror.filter([2, 0])  # retire b, reorder c before a
+    mirror.step()
+    mirror.check()
+    row = mirror.batch.extract(1)  # a leaves; decodes alone for a while; comes back
+    mirror.filter([0])
+    np.testing.assert_equal(mirror.planes(row), mirror.planes(mirror.serial["a"]))
+    mirror.step()
+    for _ in range(2):
+        k, v = mirror.kv(1, 1)
+        row.update_and_fetch(k, v)
+        mirror.serial["a"].update_and_fetch(k, v)
+    mirror.join({"a": row})
+    mirror.step()
+    mirror.check()
+    assert mirror.trim(2) == 2
+    mirror.check()
+    mirror.step(3)  # a multi-token block (e.g. speculative verification)
+    mirror.check()
+    room = min(mirror.serial[n].offset - getattr(mirror.serial[n], "minimum_reusable_offset", 0)
+               for n in mirror.order)
+    assert mirror.trim(100) == room  # clamped: the shortest row, or a precision boundary
+    mirror.check()
 
 
 def _parts(batch):
@@ -182,8 +290,12 @@ def test_tq_slots_fetch_left_aligned_rows_with_their_own_ends():
     twin = Twin(KINDS["tq-k4v4-fused"], [3, 9, 0])
     fetched = twin.step(1)
     assert isinstance(fetched, RotatedKV)
-    assert fetched.left_padding == (0, 0, 0) and fetched.row_ends() == (4, 10, 1)
+    assert fetched.ends == (4, 10, 1)
     assert fetched.length == 10 and fetched.key_codes.shape[:3] == (3, H, 256)
+    for i, row in enumerate(twin.alone):  # row i's bytes start at position 0
+        for name, want in row.rows.valid_planes().items():
+            got = getattr(fetched, name)[i:i + 1, :, :fetched.ends[i]]
+            assert mx.array_equal(got, want), (i, name)
 
 
 def test_delayed_slots_convert_at_the_actual_offset_after_a_crossing_block():

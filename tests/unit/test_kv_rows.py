@@ -1,4 +1,5 @@
-"""KvTensorRows: shared row positions over arbitrary planes, checked against a numpy model."""
+"""KvTensorRows: one write index over arbitrary planes (one sequence, or a block of rows
+written together), checked against a numpy model: growth, extract, trim, from_planes."""
 
 import mlx.core as mx
 import numpy as np
@@ -17,9 +18,8 @@ def _block(rng: np.random.Generator, num_rows: int, length: int) -> dict[str, mx
 
 
 def _row(rows: KvTensorRows, i: int) -> dict[str, np.ndarray]:
-    """Row i's written, unpadded planes, read directly from the valid region."""
-    start = rows.left_padding[i]
-    return {n: np.array(a[i : i + 1, :, start:]) for n, a in rows.valid_planes().items()}
+    """Row i's written planes, read directly from the valid region."""
+    return {n: np.array(a[i : i + 1]) for n, a in rows.valid_planes().items()}
 
 
 def _assert_rows(rows: KvTensorRows, expected: list[dict[str, np.ndarray]]) -> None:
@@ -30,24 +30,31 @@ def _assert_rows(rows: KvTensorRows, expected: list[dict[str, np.ndarray]]) -> N
         for name in want:
             assert got[name].dtype == want[name].dtype
             np.testing.assert_array_equal(got[name], want[name], err_msg=f"row {i} {name}")
-        assert rows.offsets[i] == want["codes"].shape[2]
+        assert rows.idx == want["codes"].shape[2]
 
 
-def _grow(expected: dict[str, np.ndarray], block: dict[str, mx.array], i: int) -> None:
-    for n, a in block.items():
-        expected[n] = np.concatenate([expected[n], np.array(a[i : i + 1])], axis=2)
+def _grow(expected: list[dict[str, np.ndarray]], block: dict[str, mx.array]) -> None:
+    for i, row in enumerate(expected):
+        for n, a in block.items():
+            row[n] = np.concatenate([row[n], np.array(a[i : i + 1])], axis=2)
 
 
-def _single(rng: np.random.Generator, length: int) -> tuple[KvTensorRows, dict]:
-    rows = KvTensorRows()
-    block = _block(rng, 1, length)
-    rows.append(block)
-    return rows, {n: np.array(a) for n, a in block.items()}
+def _written(rng: np.random.Generator, num_rows: int,
+             chunks: list[int]) -> tuple[KvTensorRows, list[dict[str, np.ndarray]]]:
+    """Rows written together, chunk by chunk, and their numpy model."""
+    rows = KvTensorRows(num_rows)
+    expected = [{"codes": np.zeros((1, HEADS, 0, 3), np.uint32),
+                 "norms": np.zeros((1, HEADS, 0, 1), np.float16)} for _ in range(num_rows)]
+    for length in chunks:
+        block = _block(rng, num_rows, length)
+        rows.append(block)
+        _grow(expected, block)
+    return rows, expected
 
 
 def test_append_grows_in_steps_and_nbytes_counts_allocation() -> None:
     rng = np.random.default_rng(0)
-    rows = KvTensorRows([0, 0])
+    rows = KvTensorRows(2)
     assert rows.empty and rows.nbytes == 0
     rows.append(_block(rng, 2, 5))
     per_position = 2 * HEADS * (3 * 4 + 2)  # rows * heads * (3 uint32 + 1 float16)
@@ -61,90 +68,47 @@ def test_append_grows_in_steps_and_nbytes_counts_allocation() -> None:
     assert rows.planes["codes"].shape[2] == STEP + 1 + 3 * STEP
 
 
-def test_merge_filter_extend_extract_trim_against_model() -> None:
+def test_append_extract_trim_against_model() -> None:
     rng = np.random.default_rng(1)
-    singles = [_single(rng, n) for n in (4, 9, 1)]
-    rows = KvTensorRows.merge([r for r, _ in singles])
-    expected = [e for _, e in singles]
-    assert rows.left_padding == (5, 0, 8) and rows.idx == 9
-    _assert_rows(rows, expected)
-    for _ in range(3):
-        block = _block(rng, 3, 2)
-        rows.append(block)
-        for i in range(3):
-            _grow(expected[i], block, i)
-    _assert_rows(rows, expected)
-
-    rows.filter([2, 0])  # drop the longest row, reorder: shared padding shifts away
-    expected = [expected[2], expected[0]]
-    assert rows.left_padding == (3, 0) and rows.idx == 10
-    _assert_rows(rows, expected)
-
-    other, other_expected = _single(rng, 14)
-    rows.extend(other)
-    expected.append(other_expected)
-    assert rows.left_padding == (7, 4, 0)
+    rows, expected = _written(rng, 3, [4, 5, 1, 2])
+    assert rows.idx == 12
     _assert_rows(rows, expected)
 
     extracted = rows.extract(1)
     assert {n: a.shape for n, a in extracted.items()} == {
-        "codes": (1, HEADS, 10, 3), "norms": (1, HEADS, 10, 1)}
+        "codes": (1, HEADS, 12, 3), "norms": (1, HEADS, 12, 1)}
     np.testing.assert_array_equal(np.array(extracted["codes"]), expected[1]["codes"])
+    np.testing.assert_array_equal(np.array(extracted["norms"]), expected[1]["norms"])
 
-    assert rows.trim(3) == 3
+    assert rows.trim(3) == 3 and rows.idx == 9
     expected = [{n: a[:, :, :-3] for n, a in e.items()} for e in expected]
     _assert_rows(rows, expected)
-    assert rows.offsets == (4, 7, 11)
-    assert rows.trim(100) == 4 and rows.offsets == (0, 3, 7)  # clamped to the shortest row
-
-
-def test_readmission_round_trip_is_byte_exact() -> None:
-    rng = np.random.default_rng(2)
-    singles = [_single(rng, n) for n in (3, 7)]
-    rows = KvTensorRows.merge([r for r, _ in singles])
-    back = KvTensorRows.from_planes(rows.extract(0))
-    rows.filter([1])
-    rows.extend(back)
-    _assert_rows(rows, [singles[1][1], singles[0][1]])
-
-
-def test_prepare_and_finalize_move_right_padding_left() -> None:
-    rng = np.random.default_rng(3)
-    rows = KvTensorRows([0, 0])
-    rows.prepare(right_padding=[2, 0])
-    block = _block(rng, 2, 5)  # row 0's last two positions are padding tokens
+    block = _block(rng, 3, 2)  # written over the trimmed positions
     rows.append(block)
-    rows.finalize()
-    assert rows.left_padding == (2, 0) and rows.offsets == (3, 5)
-    np.testing.assert_array_equal(np.array(rows.valid_planes()["codes"][0, :, 2:]),
-                                  np.array(block["codes"][0, :, :3]))
-    empty = KvTensorRows([0, 1])
-    empty.prepare(left_padding=[3, 0])
-    assert empty.left_padding == (3, 1)
-    with pytest.raises(ValueError, match="empty"):
-        rows.prepare(left_padding=[1, 1])
+    _grow(expected, block)
+    _assert_rows(rows, expected)
+    assert rows.trim(100) == 11 and rows.idx == 0  # clamped to what is written
+    assert not rows.empty and all(a.shape[2] == 0 for a in rows.valid_planes().values())
 
 
-def test_pad_to_and_unpad() -> None:
-    rng = np.random.default_rng(4)
-    rows, expected = _single(rng, 4)
-    rows.pad_to(9)
-    assert rows.left_padding == (5,) and rows.idx == 9
-    _assert_rows(rows, [expected])
-    rows.unpad(5)
-    assert rows.left_padding == (0,) and rows.idx == 4
-    with pytest.raises(ValueError, match="cannot drop"):
-        rows.unpad(1)
-    with pytest.raises(ValueError, match="cannot pad"):
-        rows.pad_to(3)
-    zero = KvTensorRows([])
-    zero.pad_to(6)
-    assert zero.idx == 6 and zero.trim(2) == 2 and zero.idx == 4
+def test_from_planes_round_trip_is_byte_exact() -> None:
+    rng = np.random.default_rng(2)
+    rows, expected = _written(rng, 2, [3, 7])
+    back = KvTensorRows.from_planes(rows.extract(1))
+    assert back.num_rows == 1 and back.idx == 10
+    _assert_rows(back, [expected[1]])
+    block = _block(rng, 1, 4)  # the exactly sized planes grow by a step on the next append
+    back.append(block)
+    _grow(expected[1:], block)
+    _assert_rows(back, [expected[1]])
+    assert back.planes["codes"].shape[2] == 10 + STEP
+    empty = KvTensorRows.from_planes({})
+    assert empty.empty and empty.num_rows == 1 and empty.idx == 0
 
 
 def test_invalid_blocks_and_indices_raise() -> None:
     rng = np.random.default_rng(5)
-    rows, _ = _single(rng, 2)
+    rows, _ = _written(rng, 1, [2])
     with pytest.raises(ValueError, match="planes"):
         rows.append({"codes": mx.zeros((1, HEADS, 1, 3), mx.uint32)})
     with pytest.raises(ValueError, match="block"):
@@ -156,10 +120,11 @@ def test_invalid_blocks_and_indices_raise() -> None:
     with pytest.raises(ValueError, match="B=1"):
         rows.append(_block(rng, 2, 1))
     with pytest.raises(ValueError, match="outside"):
-        rows.filter([1])
-    with pytest.raises(ValueError, match="outside"):
         rows.extract(3)
-    with pytest.raises(ValueError, match=">= 0"):
-        KvTensorRows([-1])
-    with pytest.raises(ValueError, match="planes"):
-        KvTensorRows.merge([rows, KvTensorRows.from_planes({"other": mx.zeros((1, 1, 1, 1))})])
+    with pytest.raises(ValueError, match=">= 1"):
+        KvTensorRows(0)
+    with pytest.raises(ValueError, match="one B, H, T"):
+        KvTensorRows.from_planes({"codes": mx.zeros((1, HEADS, 2, 3), mx.uint32),
+                                  "norms": mx.zeros((1, HEADS, 3, 1), mx.float16)})
+    with pytest.raises(ValueError, match="one B, H, T"):
+        KvTensorRows.from_planes({"codes": mx.zeros((HEADS, 2, 3), mx.uint32)})

@@ -5,7 +5,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
-from tqserve.engine.kv.slots import RowSlotsKVCache, retire_order
+from tqserve.engine.kv.slots import RowSlotsKVCache, retire_order, slot_batch_of
 
 H, D = 2, 8
 
@@ -31,7 +31,7 @@ def test_retire_order_moves_only_last_rows_into_holes():
 def test_join_retire_and_trim_rows_keep_each_rows_kv():
     rows = [_row(n, i) for i, n in enumerate((3, 7, 5))]
     slots = RowSlotsKVCache.merge(rows[:1])
-    slots.extend(BatchKVCache.merge(rows[1:]))  # a left-padded batch joins
+    slots.extend(slot_batch_of(rows[1:]))  # a prefill group's slot batch joins
     assert slots.lengths == [3, 7, 5]
     for i, row in enumerate(rows):
         assert mx.array_equal(_valid(slots, i)[0], row.keys[0, :, :row.offset])

@@ -50,18 +50,19 @@ def test_one_token_prompt_joins_at_once(core):
     assert events[0].index == 0
 
 
-def test_rows_started_together_prefill_as_one_left_padded_group(core):
+def test_rows_started_together_prefill_as_one_group(core):
     core.add("a", tuple(range(1, 4)), SamplingParams())   # 2 to prefill
     core.add("b", tuple(range(1, 8)), SamplingParams())   # 6 to prefill
     plan, _, _ = step(core)
-    assert [(n.request_id, n.group, n.pad) for n in plan.new_rows] == [("a", 1, 4), ("b", 1, 0)]
-    # budget max(prefill_chunk, max_batch) = 4 tokens: 2 columns of the 2-row group
+    assert [(n.request_id, n.group) for n in plan.new_rows] == [("a", 1), ("b", 1)]
+    # budget max(prefill_chunk, max_batch) = 4 tokens: 2 columns of the 2-row group; the
+    # shorter row's prompt comes first and then runs out (its columns are padding)
     assert [(c.request_id, c.start, c.end, c.group, c.columns) for c in plan.prefill] == [
-        ("a", 0, 0, 1, 2), ("b", 0, 2, 1, 2)]
+        ("a", 0, 2, 1, 2), ("b", 0, 2, 1, 2)]
     plan, _, _ = step(core)
-    assert [(c.request_id, c.start, c.end) for c in plan.prefill] == [("a", 0, 0), ("b", 2, 4)]
+    assert [(c.request_id, c.start, c.end) for c in plan.prefill] == [("a", 2, 2), ("b", 2, 4)]
     plan, _, _ = step(core)
-    assert [(c.request_id, c.start, c.end) for c in plan.prefill] == [("a", 0, 2), ("b", 4, 6)]
+    assert [(c.request_id, c.start, c.end) for c in plan.prefill] == [("a", 2, 2), ("b", 4, 6)]
     assert plan.join == ("a", "b") and plan.decode == ("a", "b")
     assert core.statistics().num_prefill_tokens == 12 and core.statistics().num_prefill_groups == 0
 

@@ -1,12 +1,13 @@
 """Every snapshot cache kind round-trips: caches -> planes -> snapshot file -> caches.
 
 For plain KVCache (float32 and bfloat16), TurboQuantKVCache, DelayedTurboQuantKVCache before
-and after its conversion, and AffineKVCache: a single row is merged into its batch class and
-extracted back as engine.snapshot does for a finished row, turned into planes
-(`to_planes`), written through storage (SsdTier.put: zstd, checksums, crash-safe file),
-read back and fully verified, its header fields checked, rebuilt against a fresh template
-(`from_planes`), and its planes compared byte for byte. The rebuilt row must also be usable:
-reused by reference at every allowed length and extended by one more token.
+and after its conversion, and AffineKVCache: a single row is put into its slot batch
+(`slot_batch`, as prefill groups and the decode batch hold rows) and extracted back as
+engine.snapshot does for a finished row, turned into planes (`to_planes`), written through
+storage (SsdTier.put: zstd, checksums, crash-safe file), read back and fully verified, its
+header fields checked, rebuilt against a fresh template (`from_planes`), and its planes
+compared byte for byte. The rebuilt row must also be usable: reused by reference at every
+allowed length and extended by one more token.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from mlx_lm.models.cache import KVCache
 
 from tqserve.engine.kv.affine import AffineKVCache
 from tqserve.engine.kv.delayed import DelayedTurboQuantKVCache
+from tqserve.engine.kv.slots import slot_batch
 from tqserve.engine.kv.turboquant import TurboQuantKVCache
 from tqserve.engine.snapshot import (describe, extract_snapshot, from_planes, layer_kinds_text,
                              row_from_snapshot, to_planes)
@@ -72,7 +74,7 @@ def test_snapshot_round_trips_through_storage(kind, tmp_path):
     factory, lengths, dtype, want_fields, layer_kind, offset, boundary = CASES[kind]
     num_layers = 2
     rows = [fill(factory(), lengths, dtype, seed=layer) for layer in range(num_layers)]
-    snapshot = extract_snapshot([type(c).merge([c]) for c in rows], 0)
+    snapshot = extract_snapshot([slot_batch(c) for c in rows], 0)
     assert snapshot is not None
     assert snapshot.kinds == (layer_kind,) * num_layers
     assert snapshot.offset == offset
@@ -130,16 +132,16 @@ def test_snapshot_round_trips_through_storage(kind, tmp_path):
 
 
 def test_affine_header_names_the_real_head_dim():
-    snapshot = extract_snapshot([AffineKVCache.merge([fill(AffineKVCache(8, 64), [4])])], 0)
+    snapshot = extract_snapshot([slot_batch(fill(AffineKVCache(8, 64), [4]))], 0)
     assert describe(snapshot)["head_dim"] == HEAD_DIM
-    snapshot = extract_snapshot([AffineKVCache.merge([fill(AffineKVCache(4, 32), [4])])], 0)
+    snapshot = extract_snapshot([slot_batch(fill(AffineKVCache(4, 32), [4]))], 0)
     assert describe(snapshot)["head_dim"] == HEAD_DIM
 
 
 def test_delayed_snapshot_of_a_plain_row_restores_into_a_converted_engine_row():
     """A dplain file is accepted by a delayed template (and stays plain until START)."""
     row = fill(delayed_factory(), [3, 2])
-    snapshot = extract_snapshot([type(row).merge([row])], 0)
+    snapshot = extract_snapshot([slot_batch(row)], 0)
     planes = {n: (d, s, t) for n, d, s, t in to_planes(snapshot)}
     restored = from_planes([delayed_factory()], "dplain", snapshot.offset, 0, planes)
     (cache,) = row_from_snapshot(restored, snapshot.offset)

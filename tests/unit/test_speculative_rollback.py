@@ -1,6 +1,7 @@
-"""Per-row rollback (`trim_rows`) on every batch cache kind: kept bytes unchanged, rows
-trimmed by different amounts, bad amounts refused; delayed TurboQuant's boundary is never
-set by rejected tokens."""
+"""Per-row rollback (`trim_rows`) on every batch cache kind (the per-row slot batches):
+kept bytes unchanged, rows trimmed by different amounts, bad amounts refused, a cache
+without `trim_rows` refused by name; delayed TurboQuant's boundary is never set by
+rejected tokens."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from tqserve.engine.kv.affine import AffineKVCache
 from tqserve.engine.kv.delayed import DelayedTurboQuantKVCache
+from tqserve.engine.kv.slots import slot_batch_of
 from tqserve.engine.kv.turboquant import TurboQuantKVCache
 from tqserve.engine.speculative.rollback import trim_batch_rows, trim_rows
 
@@ -49,7 +51,7 @@ def test_trim_rows_keeps_exactly_the_accepted_positions(kind: str) -> None:
             cache = make()
             cache.update_and_fetch(*_block(1, n, 10 * i))
             target.append(cache)
-    batch = type(rows[0]).merge(rows)
+    batch = slot_batch_of(rows)
     blocks = [_block(1, BLOCK, 100 + i) for i in range(len(LENGTHS))]
     batch.update_and_fetch(mx.concatenate([b[0] for b in blocks]),
                            mx.concatenate([b[1] for b in blocks]))
@@ -78,7 +80,7 @@ def test_trim_rows_refuses_bad_amounts_and_changes_nothing(kind: str) -> None:
         cache = KINDS[kind]()
         cache.update_and_fetch(*_block(1, n, i))
         rows.append(cache)
-    batch = type(rows[0]).merge(rows)
+    batch = slot_batch_of(rows)
     before = [int(o) for o in batch.offset.tolist()]
     for bad in ([1, 1], [0, 0, 99], [-1, 0, 0]):
         with pytest.raises(ValueError):
@@ -99,12 +101,12 @@ def test_delayed_rejected_tokens_never_set_the_boundary() -> None:
         cache.update_and_fetch(*_block(1, n, i))
         rows.append(cache)
     assert [r.converted for r in rows] == [False, False]
-    batch = type(rows[0]).merge(rows)
+    batch = slot_batch_of(rows)
     batch.update_and_fetch(*_block(2, BLOCK, 50))  # the verify block
     assert batch.converted == [False, True]
     assert batch.minimum_reusable_offsets == [0, 7]
     trim_rows(batch, [3, 2])
-    assert batch.offsets() == [5, 9]
+    assert batch.lengths == [5, 9]
     assert batch.converted == [False, True] and batch.minimum_reusable_offsets == [0, 7]
     with pytest.raises(ValueError):
         trim_rows(batch, [0, 3])  # would cut below row 1's boundary
@@ -115,8 +117,9 @@ def test_delayed_rejected_tokens_never_set_the_boundary() -> None:
     assert batch.minimum_reusable_offsets == [6, 7]
 
 
-def test_batch_kv_cache_rows_trim_independently() -> None:
-    batch = BatchKVCache([2, 0])
+def test_a_cache_without_trim_rows_is_refused_by_name() -> None:
+    batch = BatchKVCache([2, 0])  # mlx-lm's padded batch: no batch here keeps rows so
     batch.update_and_fetch(*_block(2, 6, 3))
-    trim_rows(batch, [1, 3])
-    assert batch.offset.tolist() == [3, 3] and batch.left_padding.tolist() == [2, 2]
+    with pytest.raises(TypeError, match="BatchKVCache cannot roll back rows one by one"):
+        trim_rows(batch, [1, 3])
+    assert batch.offset.tolist() == [4, 6]
