@@ -69,15 +69,11 @@ def _arrays(tree: Any) -> list[Any]:
 
 
 def _one(kind: str, side: str, rows: int, context: int) -> tuple[float, float]:
-    from tqserve.engine.kv.slots import retire_order, slot_batch
+    from tqserve.engine.kv.slots import retire_order, slot_batch_of
 
     def batch_of(caches: list[Any]) -> Any:
-        if side == "slots":
-            out = slot_batch(caches[0])
-            for c in caches[1:]:
-                out.extend(c)
-            return out
-        return type(caches[0]).merge(caches)
+        # "merge": KVCache.merge is mlx-lm's BatchKVCache (plain KV only, see sides_of)
+        return slot_batch_of(caches) if side == "slots" else type(caches[0]).merge(caches)
 
     # R + 1 rows, the last retired: a batch that has had a row leave (steady state: the
     # slots keep that row's capacity, as they do after any retirement)

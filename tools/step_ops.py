@@ -6,8 +6,9 @@ Every op of a step's lazy graph is host work (building it) and, on a GPU, a kern
 or a view. For one decode step of the model this counts the primitives in the graph of
 the logits and the updated KV (`mx.export_to_dot`), for a single row (tqserve's
 RowSlotsKVCache vs mlx-lm's KVCache) and for --batch rows of equal and of uneven prompt
-lengths (vs mlx-lm's BatchKVCache). Exact and load-independent; the counts depend on the
-backend (on the CPU, RMSNorm, RoPE and attention are decomposed into several ops each).
+lengths (vs mlx-lm's BatchKVCache, the external reference: the engine keeps every batch in
+slots). Exact and load-independent; the counts depend on the backend (on the CPU,
+RMSNorm, RoPE and attention are decomposed into several ops each).
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ def measure(model: Any, batch: int) -> dict[str, dict[str, int]]:
     import mlx.core as mx
     from mlx_lm.models.cache import BatchKVCache
 
-    from tqserve.engine.kv.slots import RowSlotsKVCache
+    from tqserve.engine.kv.slots import slot_batch_of
 
     mx.eval(model.parameters())
     out = {}
@@ -70,7 +71,7 @@ def measure(model: Any, batch: int) -> dict[str, dict[str, int]]:
     for name, lengths in cases.items():
         rows = _rows(model, lengths)
         layers = range(len(rows[0]))
-        ours = [RowSlotsKVCache.merge([r[i] for r in rows]) for i in layers]
+        ours = [slot_batch_of([r[i] for r in rows]) for i in layers]  # RowSlotsKVCache
         theirs = rows[0] if len(rows) == 1 else [BatchKVCache.merge([r[i] for r in rows])
                                                   for i in layers]
         out[name] = {"tqserve": decode_ops(model, ours, len(rows)),

@@ -118,7 +118,7 @@ def test_delayed_rejected_tokens_never_set_the_boundary() -> None:
 
 
 def test_a_cache_without_trim_rows_is_refused_by_name() -> None:
-    batch = BatchKVCache([2, 0])  # mlx-lm's padded batch: no batch here keeps rows so
+    batch = BatchKVCache([2, 0])  # mlx-lm's padded batch (no longer used here): no trim_rows
     batch.update_and_fetch(*_block(2, 6, 3))
     with pytest.raises(TypeError, match="BatchKVCache cannot roll back rows one by one"):
         trim_rows(batch, [1, 3])
