@@ -1,25 +1,31 @@
 """Admission actor: bounds the queue by requests AND prompt tokens; never waits.
 
 Owns: the count of queued requests and queued prompt tokens.
-Receives: Submit, Cancel (from the api, mailbox ADMISSION_MAILBOX);
+Receives: Submit, Cancel, StopAdmitting (from the api, mailbox ADMISSION_MAILBOX);
           Dequeued (reply edge from the scheduler, mailbox sized so it never fills).
 Sends: Submit/Cancel to the scheduler; Queued or Error("overloaded") to the hub.
+Posts: its AdmissionStatistics to the board (actors.board) after every message; the
+facade's O(1) overload gate reads that record, before it tokenizes a request.
 A request over either bound is rejected at once with the reason (code `overloaded`);
-nothing already admitted is affected. After `stop_admitting()` (the server is shutting
-down) every new request is refused with code `shutting_down`.
+nothing already admitted is affected. After StopAdmitting (the server is shutting down)
+every later request is refused with code `shutting_down`.
 """
 
 from __future__ import annotations
 
-from typing import Callable
-
 import attrs
 import trio
 
+from tqserve.actors.board import Board
 from tqserve.actors.mailbox import Inbox, Outbox
-from tqserve.actors.messages import Cancel, Dequeued, Error, Queued, Submit
+from tqserve.actors.messages import Cancel, Dequeued, Error, Queued, StopAdmitting, Submit
 
 SHUTTING_DOWN = "the server is shutting down; no new requests"
+
+
+def queue_full(num_queued: int, max_queued_requests: int) -> str:
+    """The overload refusal's message when the queue holds `num_queued` requests."""
+    return f"queue full: {num_queued} requests queued (max {max_queued_requests})"
 
 
 @attrs.frozen(kw_only=True)
@@ -28,6 +34,7 @@ class AdmissionStatistics:
     num_queued_tokens: int
     requests_total: int
     requests_rejected: int
+    admitting: bool = True
 
 
 @attrs.define
@@ -40,8 +47,6 @@ class AdmissionControl:
     num_queued_tokens: int = 0  # sum of `queued`, kept as it changes: each check is O(1)
     requests_total: int = 0
     requests_rejected: int = 0
-    # called with the request id when a request leaves the queue (metrics: queue time)
-    dequeue_listeners: list[Callable[[str], None]] = attrs.Factory(list)
     admitting: bool = True
 
     def stop_admitting(self) -> None:
@@ -56,7 +61,7 @@ class AdmissionControl:
         if not self.admitting:
             reason = SHUTTING_DOWN
         elif len(self.queued) >= self.max_queued_requests:
-            reason = self._requests_full(len(self.queued))
+            reason = queue_full(len(self.queued), self.max_queued_requests)
         elif tokens + num_tokens > self.max_queued_tokens:
             reason = (f"queue full: {tokens} prompt tokens queued, {num_tokens} more would exceed "
                       f"max {self.max_queued_tokens}")
@@ -67,38 +72,16 @@ class AdmissionControl:
         self.num_queued_tokens += num_tokens
         return None
 
-    def full(self) -> str | None:
-        """The reason a request would be refused now whatever its size (O(1)): checked
-        before a request is tokenized, so that overload is answered at once."""
-        if not self.admitting:
-            return SHUTTING_DOWN
-        if len(self.queued) >= self.max_queued_requests:
-            return self._requests_full(len(self.queued))
-        return None
-
-    def room(self) -> tuple[int, str]:
-        """Requests the queue takes now (O(1)), and the reason a request is refused once
-        they are taken; -1 while shutting down (no request is overload's then)."""
-        if not self.admitting:
-            return -1, SHUTTING_DOWN
-        return (max(0, self.max_queued_requests - len(self.queued)),
-                self._requests_full(self.max_queued_requests))
-
-    def _requests_full(self, num_queued: int) -> str:
-        """The refusal's message when the queue holds `num_queued` requests."""
-        return f"queue full: {num_queued} requests queued (max {self.max_queued_requests})"
-
     def dequeued(self, request_id: str) -> None:
         num_tokens = self.queued.pop(request_id, None)
         if num_tokens is not None:
             self.num_queued_tokens -= num_tokens
-            for listener in self.dequeue_listeners:
-                listener(request_id)
 
     def statistics(self) -> AdmissionStatistics:
         return AdmissionStatistics(
             num_queued=len(self.queued), num_queued_tokens=self.num_queued_tokens,
-            requests_total=self.requests_total, requests_rejected=self.requests_rejected)
+            requests_total=self.requests_total, requests_rejected=self.requests_rejected,
+            admitting=self.admitting)
 
 
 async def run_admission(
@@ -107,6 +90,7 @@ async def run_admission(
     replies: Inbox,
     scheduler: Outbox,
     hub: Outbox,
+    board: Board,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Forward admitted requests and cancels; account dequeues from the reply edge."""
@@ -115,24 +99,34 @@ async def run_admission(
         async for msg in replies:
             if isinstance(msg, Dequeued):
                 control.dequeued(msg.request_id)
+                board.post(admission=control.statistics())
 
+    board.post(admission=control.statistics())
     async with trio.open_nursery() as nursery:
         nursery.start_soon(account)
         task_status.started()
         async with scheduler, hub:
             async for msg in inbox:
-                match msg:
-                    case Submit():
-                        reason = control.try_admit(msg.request_id, len(msg.prompt_tokens))
-                        if reason is None:
-                            await hub.send(Queued(request_id=msg.request_id))
-                            await scheduler.send(msg)
-                        else:
-                            code = "shutting_down" if reason == SHUTTING_DOWN else "overloaded"
-                            await hub.send(Error(request_id=msg.request_id, code=code,
-                                                 message=reason))
-                    case Cancel():
-                        await scheduler.send(msg)
-                    case _:
-                        raise TypeError(f"admission got unexpected {type(msg).__name__}")
+                await _handle(control, msg, scheduler, hub, board)
         nursery.cancel_scope.cancel()
+
+
+async def _handle(control: AdmissionControl, msg: Submit | Cancel | StopAdmitting,
+                  scheduler: Outbox, hub: Outbox, board: Board) -> None:
+    match msg:
+        case Submit():
+            reason = control.try_admit(msg.request_id, len(msg.prompt_tokens))
+            board.post(admission=control.statistics())  # before any wait: the gate reads it
+            if reason is None:
+                await hub.send(Queued(request_id=msg.request_id))
+                await scheduler.send(msg)
+            else:
+                code = "shutting_down" if reason == SHUTTING_DOWN else "overloaded"
+                await hub.send(Error(request_id=msg.request_id, code=code, message=reason))
+        case Cancel():
+            await scheduler.send(msg)
+        case StopAdmitting():
+            control.stop_admitting()
+            board.post(admission=control.statistics())
+        case _:
+            raise TypeError(f"admission got unexpected {type(msg).__name__}")

@@ -1,7 +1,9 @@
 """The engine facade: the handle `open_engine` yields (generate, cancel, shutdown,
 statistics). It validates and tokenizes a request, opens its hub stream, and hands it to
-admission's mailbox; cancels go the same way. Where it reads an actor's books instead of
-sending a message, tests/actors/test_doors.py lists the door and its reason.
+admission's mailbox; cancels and the shutdown's StopAdmitting go the same way. It reads
+the engine's state only from the board's one statistics snapshot (actors.board); the
+one other door, the hub's stream hand-over (a trio channel no message can carry), is
+listed with its reason in tests/actors/test_doors.py.
 """
 
 from __future__ import annotations
@@ -10,28 +12,28 @@ import itertools
 import uuid
 import weakref
 from collections import Counter
-from typing import Callable
 
 import attrs
 import jinja2
 import trio
 
-from tqserve.actors.admission import SHUTTING_DOWN, AdmissionControl
-from tqserve.actors.cache_owner import RowBooks
+from tqserve.actors.admission import SHUTTING_DOWN, queue_full
+from tqserve.actors.board import Board, BoardSnapshot
 from tqserve.actors.generation import Generation
 from tqserve.actors.hub import Hub
 from tqserve.actors.mailbox import Outbox
-from tqserve.actors.messages import Cancel, Error, Event, Submit
-from tqserve.actors.prefix_cache import PrefixCache, PrefixCacheStatistics
+from tqserve.actors.messages import Cancel, Error, Event, StopAdmitting, Submit
+from tqserve.actors.prefix_cache import PrefixCacheStatistics
 from tqserve.actors.scheduler import GroupFailed
 from tqserve.engine.config import Config
+from tqserve.engine.kv_budget import KvBudget
 from tqserve.engine.kvevents import KvEventPage
 from tqserve.engine.model import LoadedModel
 from tqserve.engine.prompt_logprobs import MAX_PROMPT_LOGPROBS_TOKENS
 from tqserve.engine.request import GenerateRequest
 from tqserve.engine.runner import Runner
-from tqserve.engine.scheduler import SchedulerCore
-from tqserve.engine.speculative.policy import SpeculationPolicy, SpeculationStatistics
+from tqserve.engine.scheduler import check_speculative
+from tqserve.engine.speculative.policy import SpeculationStatistics
 from tqserve.engine.structured import BigStackExecutor, ResponseFormat, compile_format
 
 # Prompts of at most this many characters are tokenized on the event loop (~1 ms); longer
@@ -76,10 +78,12 @@ class Engine:
     """Handle returned by open_engine: generate, cancel, statistics."""
 
     def __init__(self, config: Config, loaded: LoadedModel, admission: Outbox, hub: Hub,
-                 control: AdmissionControl, books: RowBooks, core: SchedulerCore,
-                 prefix: PrefixCache | None = None, runner: Runner | None = None,
-                 mailboxes: dict[str, int] | None = None,
-                 speculation: SpeculationPolicy | None = None) -> None:
+                 board: Board, *, kv_budget: KvBudget | None = None,
+                 speculative_methods: frozenset[str] = frozenset(),
+                 runner: Runner | None = None,
+                 mailboxes: dict[str, int] | None = None) -> None:
+        """`kv_budget` and `speculative_methods` are values (what validation checks a
+        request against), `board` the statistics snapshot; nothing else of the actors."""
         self._live: dict[str, str] = {}  # caller's id -> internal id, while its stream is open
         self._live_changed = trio.Event()  # replaced after every stream end
         self._internal_ids = itertools.count()
@@ -94,14 +98,12 @@ class Engine:
                 self.chat_template = f.read()
         self._admission = admission
         self._hub = hub
-        self._control = control
-        self._books = books
-        self._core = core
-        self.prefix = prefix
+        self._board = board
+        self._kv_budget = kv_budget
+        self._speculative_methods = speculative_methods
         self.mailboxes = dict(mailboxes or {})  # the graph's mailboxes: name -> size
         self.group_failed = GroupFailed()  # --distributed: set when the group failed
         self._rejections: Counter[str] = Counter()  # refused before reaching admission
-        self._speculation = speculation  # the speculation actor's books (same trio thread)
         self._compiler = BigStackExecutor(COMPILE_THREADS, "tqserve-grammar-compile")
         weakref.finalize(self, self._compiler.shutdown, wait=False)
 
@@ -123,7 +125,7 @@ class Engine:
         bad = next((t for t, _ in request.params.logit_bias if t >= vocab), None)
         if bad is not None:
             raise ValueError(f"logit_bias holds id {bad}, outside the vocabulary (size {vocab})")
-        self._core.check_speculative(request.speculative)
+        check_speculative(self._speculative_methods, request.speculative)
         try:
             if request.num_chars <= TOKENIZE_INLINE_CHARS:
                 tokens = request.token_ids(self.model.tokenizer, self.chat_template)
@@ -145,7 +147,8 @@ class Engine:
             raise ValueError(f"prompt holds {len(tokens)} tokens, more than the limit of "
                              f"{MAX_PROMPT_LOGPROBS_TOKENS} with prompt_logprobs (echo with "
                              f"logprobs)")
-        self._core.check_kv_alone(len(tokens), request.params.max_tokens)
+        if self._kv_budget is not None:
+            self._kv_budget.check_alone(len(tokens), request.params.max_tokens)
         if len(tokens) + request.params.max_tokens > limit:
             raise ValueError(
                 f"prompt ({len(tokens)} tokens) plus max_tokens ({request.params.max_tokens}) "
@@ -188,26 +191,34 @@ class Engine:
         or cancelling the caller's scope, cancels the request at once."""
         return Generation(self, request, request_id or uuid.uuid4().hex)
 
+    def _num_queued(self) -> int:
+        """Requests admission holds queued, as its last posted record says."""
+        admission = self._board.snapshot.admission
+        return admission.num_queued if admission is not None else 0
+
     def overloaded(self, request_id: str) -> Error | None:
         """The Error refusing a request before it is even tokenized: the admission queue is
-        full (or the server is shutting down). An O(1) read of admission's books; the
-        admission actor still decides every request that gets past it."""
-        reason = self._control.full()
-        if reason is None:
+        full (or the server is shutting down). An O(1) read of admission's posted record;
+        the admission actor still decides every request that gets past it."""
+        if self._shutting_down:
+            return Error(request_id=request_id, code="shutting_down", message=SHUTTING_DOWN)
+        queued, limit = self._num_queued(), self.config.max_queued_requests
+        if queued < limit:
             return None
-        code = "shutting_down" if reason == SHUTTING_DOWN else "overloaded"
-        return Error(request_id=request_id, code=code, message=reason)
+        return Error(request_id=request_id, code="overloaded", message=queue_full(queued, limit))
 
     def admission_room(self) -> tuple[int, str]:
         """About how many requests arriving now would not be refused as overload (the
         queue's free slots and the rows free to drain it; at least 1 while the queue has
         room, 0 once full), and the overload message (-1 while shutting down): the
         acceptor process's gate (api.handover). O(1)."""
-        room, message = self._control.room()
-        if room <= 0:
-            return room, message
-        return max(1, self.config.max_queued_requests + self.config.max_batch
-                   - len(self._live)), message
+        if self._shutting_down:
+            return -1, SHUTTING_DOWN
+        limit = self.config.max_queued_requests
+        message = queue_full(limit, limit)
+        if self._num_queued() >= limit:
+            return 0, message
+        return max(1, limit + self.config.max_batch - len(self._live)), message
 
     def refusal(self, request_id: str) -> Error | None:
         """The Error refusing a new request now (id in use, shutting down), or None."""
@@ -247,12 +258,7 @@ class Engine:
                          message=f"client fell {self.config.stream_buffer} events behind")
         return Error(request_id=internal, code="engine_closed", message="engine shut down")
 
-    def add_dequeue_listener(self, listener: Callable[[str], None]) -> None:
-        """Call `listener(request_id)` (on the engine's trio thread) whenever a request
-        leaves the queue for a row; the api's metrics time queue waits with it."""
-        self._control.dequeue_listeners.append(listener)
-
-    def _cancel_nowait(self, cancel: Cancel) -> None:
+    def _cancel_nowait(self, cancel: Cancel | StopAdmitting) -> None:
         try:
             self._admission.send_nowait(cancel)
         except trio.WouldBlock:  # a full mailbox: a system task waits for room
@@ -260,7 +266,7 @@ class Engine:
         except (trio.ClosedResourceError, trio.BrokenResourceError):
             pass
 
-    async def _send_cancel(self, cancel: Cancel) -> None:
+    async def _send_cancel(self, cancel: Cancel | StopAdmitting) -> None:
         try:
             await self._admission.send(cancel)
         except (trio.ClosedResourceError, trio.BrokenResourceError):
@@ -282,9 +288,11 @@ class Engine:
         return self._shutting_down
 
     def stop_admitting(self) -> None:
-        """From now on every new request is refused with code `shutting_down`."""
-        self._shutting_down = True
-        self._control.stop_admitting()
+        """From now on every new request is refused with code `shutting_down` (here at
+        once; by admission for whatever reaches its mailbox after StopAdmitting)."""
+        if not self._shutting_down:
+            self._shutting_down = True
+            self._cancel_nowait(StopAdmitting())
 
     @property
     def num_live(self) -> int:
@@ -312,27 +320,28 @@ class Engine:
         return ShutdownReport(num_in_flight=in_flight, num_ended=len(ended))
 
     async def wait_idle(self) -> None:
-        """Wait until no row is leased and no KV bytes are resident."""
-        while not self._books.idle:
-            await self._books.changed.wait()
+        """Wait until no row is leased and no KV bytes are resident or charged."""
+        await self._board.wait_until(
+            lambda snap: snap.cache_owner is not None and snap.cache_owner.idle)
 
     def statistics(self) -> EngineStatistics:
-        admission = self._control.statistics()
-        rows = self._books.statistics()
+        """The engine's statistics, from the board's one snapshot (actors.board)."""
+        snap = self._board.snapshot
+        admission, owner, hub = snap.admission, snap.cache_owner, snap.hub
+        if admission is None or owner is None or hub is None or snap.scheduler is None:
+            raise RuntimeError("statistics before the actors started")
         rejections = self._rejections.copy()
         rejections["overloaded"] += admission.requests_rejected  # admission refuses only so
         early = sum(self._rejections.values())
         return EngineStatistics(
-            rows_active=rows.rows_active, rows_queued=admission.num_queued,
-            kv_bytes=rows.kv_bytes, requests_total=admission.requests_total + early,
+            rows_active=owner.rows_active, rows_queued=admission.num_queued,
+            kv_bytes=owner.kv_bytes, requests_total=admission.requests_total + early,
             requests_rejected=admission.requests_rejected + early,
             rejections={k: v for k, v in sorted(rejections.items()) if v},
-            streams_open=self._hub.statistics().num_streams,
-            steps=self._core.statistics().num_steps,
+            streams_open=hub.num_streams, steps=snap.scheduler.num_steps,
             model=self.model.path.name, dtype=self.model.dtype,
-            prefix_cache=self.prefix.statistics() if self.prefix is not None else None,
-            speculative=self._speculative_statistics(),
-            kv_budget_bytes=self._core.kv_budget_bytes, kv_charged_bytes=self._core.kv_charge(),
+            prefix_cache=_prefix_statistics(snap), speculative=snap.speculation,
+            kv_budget_bytes=owner.kv_budget_bytes, kv_charged_bytes=owner.kv_charged_bytes,
             limits={"max_model_len": self.model.context_length,
                     "max_batch": self.config.max_batch,
                     "max_queued_requests": self.config.max_queued_requests,
@@ -340,12 +349,14 @@ class Engine:
 
     def kv_events(self, since: int = 0) -> KvEventPage | None:
         """The prefix cache's KV events after batch `since` (engine.kvevents), or None when
-        the prefix cache is off. A pure read of its index's log (same trio thread: no
-        mailbox round trip); ValueError if `since` < 0."""
-        if self.prefix is None:
-            return None
-        return self.prefix.index.events.since(since)
+        the prefix cache is off: a page of the append-only log the board publishes;
+        ValueError if `since` < 0."""
+        log = self._board.kv_events
+        return log.since(since) if log is not None else None
 
-    def _speculative_statistics(self) -> SpeculationStatistics | None:
-        """The speculation actor's books."""
-        return self._speculation.statistics() if self._speculation is not None else None
+
+def _prefix_statistics(snap: BoardSnapshot) -> PrefixCacheStatistics | None:
+    """Both tiers' statistics: the index's record and the spill actor's."""
+    if snap.prefix_cache is None:
+        return None
+    return PrefixCacheStatistics.of(snap.prefix_cache, snap.spill)

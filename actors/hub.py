@@ -21,6 +21,8 @@ waits for them.
 
 `open_stream` / `close_stream` are called by the consumer side (same trio thread):
 they hand over a local channel endpoint, which no message can carry.
+Posts: its HubStatistics to the board (actors.board) after each delivery and each stream
+opened or closed.
 """
 
 from __future__ import annotations
@@ -30,10 +32,11 @@ from typing import Callable
 import attrs
 import trio
 
+from tqserve.actors.board import Board
 from tqserve.actors.mailbox import Inbox, Outbox
-from tqserve.actors.messages import (Cancel, Done, Error, Event, PromptLogprobs, RowTokens,
-                                     StepTokens, Token)
+from tqserve.actors.messages import Cancel, Done, Error, Event, PromptLogprobs, StepTokens, Token
 from tqserve.engine.detokenize import TextStream
+from tqserve.engine.step import TokenOut
 
 MakeTextStream = Callable[[tuple[str, ...]], TextStream]
 
@@ -59,7 +62,9 @@ class _Stream:
 class Hub:
     """Routes events to per-request streams; turns each step's tokens into Token events."""
 
-    def __init__(self, stream_buffer: int, make_text_stream: MakeTextStream) -> None:
+    def __init__(self, stream_buffer: int, make_text_stream: MakeTextStream,
+                 board: Board | None = None) -> None:
+        self._board = board
         self._stream_buffer = stream_buffer
         self._make_text_stream = make_text_stream
         self._streams: dict[str, _Stream] = {}
@@ -81,12 +86,19 @@ class Hub:
         self._streams[request_id] = _Stream(send, self._make_text_stream(tuple(stop)),
                                             label if label is not None else request_id)
         self._overflowed.discard(request_id)
+        self.post()
         return receive
 
     def close_stream(self, request_id: str) -> None:
         stream = self._streams.pop(request_id, None)
         if stream is not None:
             stream.send.close()
+            self.post()
+
+    def post(self) -> None:
+        """Put this hub's statistics on the board (if it has one)."""
+        if self._board is not None:
+            self._board.post(hub=self.statistics())
 
     def overflowed(self, request_id: str) -> bool:
         return request_id in self._overflowed
@@ -108,7 +120,7 @@ class Hub:
                                    completion_tokens=stream.num_delivered)
         self._send(rid, message)
 
-    def _deliver_row(self, row: RowTokens) -> None:
+    def _deliver_row(self, row: TokenOut) -> None:
         stream = self._streams.get(row.request_id)
         if stream is None or stream.stopped:
             self._num_dropped += len(row.token_ids)
@@ -179,9 +191,11 @@ class Hub:
 
 async def run_hub(hub: Hub, inbox: Inbox,
                   task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+    hub.post()
     task_status.started()
     async for message in inbox:
         hub.deliver(message)
+        hub.post()
     for rid in list(hub._streams):
         hub.close_stream(rid)
 

@@ -1,9 +1,10 @@
 """Bounded mailboxes that carry msgpack-encoded messages between actors.
 
 `open_mailbox(size)` returns (Outbox, Inbox): the sender encodes, the receiver
-decodes, and the trio memory channel between them holds only bytes. Every size
-is a named constant with its reason, at the place the graph is wired
-(`actors.engine`). An optional recorder sees every message that crosses.
+decodes, and the trio memory channel between them holds only bytes: each message's
+msgpack data and its out-of-band buffers (the snapshot planes' bytes: actors.codec).
+Every size is a named constant with its reason, at the place the graph is wired
+(`actors.engine`). An optional recorder sees every message that crosses (its data).
 """
 
 from __future__ import annotations
@@ -15,29 +16,36 @@ import trio
 from tqserve.actors.messages import decode, encode
 
 Recorder = Callable[[str, bytes], None]
+Item = tuple[bytes, tuple[bytes, ...]]  # a message's msgpack data and out-of-band buffers
 
 
 class Outbox:
     """Send end of a mailbox. `clone()` for fan-in from several actors."""
 
-    def __init__(self, channel: trio.MemorySendChannel[bytes], name: str,
+    def __init__(self, channel: trio.MemorySendChannel[Item], name: str,
                  recorder: Recorder | None) -> None:
         self._channel = channel
         self.name = name
         self._recorder = recorder
 
     async def send(self, message: Any) -> None:
-        data = encode(message)
+        item = self._encode(message)
         if self._recorder is not None:
-            self._recorder(self.name, data)
-        await self._channel.send(data)
+            self._recorder(self.name, item[0])
+        await self._channel.send(item)
 
     def send_nowait(self, message: Any) -> None:
         """Send without waiting; raises trio.WouldBlock when the mailbox is full."""
-        data = encode(message)
-        self._channel.send_nowait(data)
+        item = self._encode(message)
+        self._channel.send_nowait(item)
         if self._recorder is not None:
-            self._recorder(self.name, data)
+            self._recorder(self.name, item[0])
+
+    @staticmethod
+    def _encode(message: Any) -> Item:
+        buffers: list[bytes] = []
+        data = encode(message, buffers)
+        return data, tuple(buffers)
 
     async def __aenter__(self) -> "Outbox":
         return self
@@ -58,15 +66,15 @@ class Outbox:
 class Inbox:
     """Receive end of a mailbox; iterate with `async for`."""
 
-    def __init__(self, channel: trio.MemoryReceiveChannel[bytes]) -> None:
+    def __init__(self, channel: trio.MemoryReceiveChannel[Item]) -> None:
         self._channel = channel
 
     async def receive(self) -> Any:
-        return decode(await self._channel.receive())
+        return decode(*await self._channel.receive())
 
     def receive_nowait(self) -> Any:
         """Receive without waiting; raises trio.WouldBlock when empty."""
-        return decode(self._channel.receive_nowait())
+        return decode(*self._channel.receive_nowait())
 
     def __aiter__(self) -> "Inbox":
         return self
@@ -83,5 +91,5 @@ class Inbox:
 
 def open_mailbox(size: int, name: str, recorder: Recorder | None = None) -> tuple[Outbox, Inbox]:
     """A bounded mailbox of `size` messages."""
-    send, receive = trio.open_memory_channel[bytes](size)
+    send, receive = trio.open_memory_channel[Item](size)
     return Outbox(send, name, recorder), Inbox(receive)

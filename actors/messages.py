@@ -1,9 +1,6 @@
-"""Every message between actors: frozen attrs classes, one msgpack codec.
-
-A message encodes as a msgpack map with its tag under "t" and its fields; nested
-registered classes (SamplingParams) encode the same way. Tuples travel as
-msgpack arrays and are restored through each class's converters. Mailboxes carry
-the encoded bytes (see `actors.mailbox`), so nothing but data crosses an edge.
+"""Every message between actors: frozen attrs classes, one msgpack codec (actors.codec:
+`encode`, `decode`, with the snapshot planes' bytes out of band). Mailboxes carry the
+encoded bytes (see `actors.mailbox`), so nothing but data crosses an edge.
 
 Client-facing events (`Queued`, `PromptLogprobs`, `Token`, `Done`, `Error`) are also what
 `Engine.generate` yields and what the WebSocket sends (`to_wire()`).
@@ -14,10 +11,11 @@ from __future__ import annotations
 from typing import Any, Iterable
 
 import attrs
-import msgpack
 
+from tqserve.actors.codec import Codec, CodecError  # noqa: F401 (the codec's error)
 from tqserve.engine.sampling import SamplingParams
 from tqserve.engine.speculative.policy import SpecChoice
+from tqserve.engine.step import TokenOut
 from tqserve.engine.structured import ResponseFormat
 
 
@@ -64,11 +62,18 @@ class Dequeued:
 
 
 @attrs.frozen(kw_only=True)
+class StopAdmitting:
+    """api -> admission: the server is shutting down; refuse every later Submit."""
+
+
+@attrs.frozen(kw_only=True)
 class Lease:
-    """scheduler -> cache_owner: request holds row `row_id`."""
+    """scheduler -> cache_owner: request holds row `row_id`, charged by the core for
+    `kv_positions` positions of KV over its life (0: no KV budget)."""
 
     request_id: str
     row_id: int
+    kv_positions: int = 0
 
 
 @attrs.frozen(kw_only=True)
@@ -82,10 +87,12 @@ class Release:
 
 @attrs.frozen(kw_only=True)
 class KvUsage:
-    """scheduler -> cache_owner: resident KV bytes after a step."""
+    """scheduler -> cache_owner, after a step: the KV bytes resident, the rows decoding,
+    and the bytes the core charges the running rows against the KV budget."""
 
     kv_bytes: int
     num_rows: int
+    charged_bytes: int = 0
 
 
 @attrs.frozen(kw_only=True)
@@ -117,13 +124,6 @@ class Token:
                 "top_logprobs": top}
 
 
-def _prompt_entries(value: Any) -> tuple[tuple[int, float | None, tuple], ...] | None:
-    if value is None:
-        return None
-    return tuple((int(t), None if lp is None else float(lp), _tuple_of_pairs(top) or ())
-                 for t, lp, top in value)
-
-
 @attrs.frozen(kw_only=True)
 class PromptLogprobs:
     """-> hub -> client, before a request's first token when it asked for prompt
@@ -152,41 +152,13 @@ class PromptLogprobs:
                                  for top in self.top_logprobs]}
 
 
-def _tuple_of_floats(value: Any) -> tuple[float, ...] | None:
-    return None if value is None else tuple(float(v) for v in value)
-
-
-def _tuple_of_tops(value: Any) -> tuple[tuple[tuple[int, float], ...], ...] | None:
-    return None if value is None else tuple(_tuple_of_pairs(top) or () for top in value)
-
-
-@attrs.frozen(kw_only=True)
-class RowTokens:
-    """One row's new tokens of one step (inside `StepTokens`): several when a speculative
-    row accepted some. `index` numbers the first; `logprobs`/`top_logprobs` hold one entry
-    per token when the request asked for them. `final`: the row finished with the last
-    token (its held-back text is flushed); `stop_token`: that token is a stop token (its
-    text is empty). `prompt_logprobs`: with a row's first token, when it asked for them
-    (engine.prompt_logprobs' entries)."""
-
-    request_id: str
-    index: int
-    token_ids: tuple[int, ...] = attrs.field(converter=lambda v: tuple(int(t) for t in v))
-    logprobs: tuple[float, ...] | None = attrs.field(default=None, converter=_tuple_of_floats)
-    top_logprobs: tuple[tuple[tuple[int, float], ...], ...] | None = attrs.field(
-        default=None, converter=_tuple_of_tops)
-    final: bool = False
-    stop_token: bool = False
-    prompt_logprobs: tuple[tuple[int, float | None, tuple], ...] | None = attrs.field(
-        default=None, converter=_prompt_entries)
-
-
 @attrs.frozen(kw_only=True)
 class StepTokens:
-    """scheduler -> hub: every row's new tokens of one step, in one message. The hub
-    detokenizes per stream and delivers one `Token` event per token."""
+    """scheduler -> hub: every row's new tokens of one step, in one message: the core's
+    own TokenOut records (engine.step). The hub detokenizes per stream and delivers one
+    `Token` event per token."""
 
-    rows: tuple[RowTokens, ...] = attrs.field(converter=_as_tuple)
+    rows: tuple[TokenOut, ...] = attrs.field(converter=_as_tuple)
 
 
 def _optional_ints(value: Any) -> tuple[int, ...] | None:
@@ -206,6 +178,8 @@ class Done:
     # speculation: tokens proposed, accepted, verify steps that proposed (None: it did not)
     speculative: tuple[int, int, int] | None = attrs.field(default=None,
                                                            converter=_optional_ints)
+    # seconds it waited in the queue for a row (None: it never took one); not on the wire
+    queue_seconds: float | None = None
 
     @property
     def cached_tokens_by_tier(self) -> dict[str, int]:
@@ -303,59 +277,88 @@ class SpecDecision:
 
 Event = Queued | PromptLogprobs | Token | Done | Error
 
+def _optional_strs(value: Any) -> tuple[str, ...] | None:
+    return None if value is None else _tuple_of_strs(value)
+
+
+def _planes(value: Any) -> tuple[tuple[str, bytes, tuple[int, ...], str], ...]:
+    return tuple((str(n), data, tuple(int(x) for x in shape), str(dtype))
+                 for n, data, shape, dtype in value)
+
+
+@attrs.frozen(kw_only=True)
+class SpillWrite:
+    """scheduler -> spill: write snapshot `ram_key` as file `key`. `header`: every field of
+    the file's header; `planes`: (name, bytes, shape, dtype), the bytes out of band.
+    `sync`: the scheduler waits for the answer (--ssd-flush sync). --distributed:
+    `order` numbers the other ranks' write of it (0: none), `keep`: an earlier write of
+    `key` was acknowledged (the other ranks keep their files should this one fail)."""
+
+    ram_key: str
+    key: str
+    header: dict[str, Any]
+    planes: tuple[tuple[str, bytes, tuple[int, ...], str], ...] = attrs.field(converter=_planes)
+    sync: bool = False
+    order: int = 0
+    keep: bool = False
+
+
+@attrs.frozen(kw_only=True)
+class SpillLoad:
+    """scheduler -> spill: rebuild SSD entry `key` in the runner as snapshot `temporary`,
+    from its queued write's bytes when `pending` (`key` is then that write's RAM key), else
+    from its file, refused above reuse bound `bound`; `state`: its proposer state's
+    identity ("": none)."""
+
+    key: str
+    temporary: str
+    bound: int
+    state: str = ""
+    pending: bool = False
+
+
+@attrs.frozen(kw_only=True)
+class SpillRemove:
+    """scheduler -> spill: remove the files of `keys`, on every rank."""
+
+    keys: tuple[str, ...] = attrs.field(converter=_tuple_of_strs)
+
+
+@attrs.frozen(kw_only=True)
+class SpillWritten:
+    """spill -> scheduler (reply edge): the write of `ram_key` as file `key` ended: durable
+    (`num_bytes`: the snapshot's size), or not (None) because of `problem` (`disk_error`:
+    an OSError, logged once by the tier). `gone`: file
+    keys the tier no longer holds (evicted, vanished, the tier gone cold); `live`: every
+    key it still holds, when it lost some it cannot name (None: it did not)."""
+
+    ram_key: str
+    key: str
+    num_bytes: int | None = None
+    problem: str | None = None
+    disk_error: bool = False
+    gone: tuple[str, ...] = attrs.field(default=(), converter=_tuple_of_strs)
+    live: tuple[str, ...] | None = attrs.field(default=None, converter=_optional_strs)
+
+
+@attrs.frozen(kw_only=True)
+class SpillLoaded:
+    """spill -> scheduler (reply edge): the load of `key` ended: the runner holds it as
+    `temporary` (`num_bytes`), or not (None: it was gone, failed a check or did not fit
+    this engine, and the request runs cold). `gone`: as SpillWritten's."""
+
+    key: str
+    temporary: str
+    num_bytes: int | None = None
+    gone: tuple[str, ...] = attrs.field(default=(), converter=_tuple_of_strs)
+    live: tuple[str, ...] | None = attrs.field(default=None, converter=_optional_strs)
+
+
 _CLASSES: dict[str, type] = {cls.__name__: cls for cls in (
-    Submit, Cancel, Dequeued, Lease, Release, KvUsage, Queued, PromptLogprobs, Token,
-    RowTokens, StepTokens,
-    Done, Error, SpecOpen, RowVerified, SpecStep, SpecDecision, SamplingParams, ResponseFormat,
-    SpecChoice)}
-
-
-class CodecError(ValueError):
-    """Bytes that are not a message of this codec."""
-
-
-_SCALARS = (str, int, float, bool, bytes, type(None))
-_FIELD_NAMES = {cls: tuple(f.name for f in attrs.fields(cls)) for cls in _CLASSES.values()}
-
-
-def _to_plain(obj: Any) -> Any:
-    if isinstance(obj, _SCALARS):  # first: a step's message is mostly token ids
-        return obj
-    if isinstance(obj, (tuple, list)):
-        return [_to_plain(v) for v in obj]
-    names = _FIELD_NAMES.get(type(obj))
-    if names is None:
-        name = type(obj).__name__
-        if attrs.has(type(obj)):
-            raise TypeError(f"{name} is not a registered message class")
-        return obj
-    out = {"t": type(obj).__name__}
-    for field in names:
-        out[field] = _to_plain(getattr(obj, field))
-    return out
-
-
-def _from_plain(obj: Any) -> Any:
-    if isinstance(obj, dict) and "t" in obj:
-        cls = _CLASSES.get(obj["t"])
-        if cls is None:
-            raise CodecError(f"unknown message tag {obj['t']!r}")
-        fields = {k: _from_plain(v) for k, v in obj.items() if k != "t"}
-        return cls(**fields)
-    if isinstance(obj, list):
-        return [_from_plain(v) for v in obj]
-    return obj
-
-
-def encode(message: Any) -> bytes:
-    """Encode a registered message to msgpack bytes."""
-    return msgpack.packb(_to_plain(message), use_bin_type=True)
-
-
-def decode(data: bytes) -> Any:
-    """Decode msgpack bytes produced by `encode` back to the message object."""
-    try:
-        plain = msgpack.unpackb(data, raw=False, strict_map_key=False)
-        return _from_plain(plain)
-    except (ValueError, TypeError, msgpack.UnpackException) as exc:
-        raise CodecError(f"cannot decode message: {exc}") from exc
+    Submit, Cancel, Dequeued, StopAdmitting, Lease, Release, KvUsage, Queued, PromptLogprobs,
+    Token, TokenOut, StepTokens, Done, Error, SpecOpen, RowVerified, SpecStep, SpecDecision,
+    SpillWrite, SpillLoad, SpillRemove, SpillWritten, SpillLoaded,
+    SamplingParams, ResponseFormat, SpecChoice)}
+_CODEC = Codec(_CLASSES.values())
+encode = _CODEC.encode
+decode = _CODEC.decode

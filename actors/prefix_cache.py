@@ -7,12 +7,15 @@ its SSD side, a PrefixSsd (actors.prefix_ssd: recovery, restores, writes, pendin
 The snapshots' arrays live in the Runner (runner thread), keyed by the RAM keys here;
 only keys, token ids and numbers cross into this module.
 
-Used by the scheduler actor, in its task (no mailbox of its own):
+Used by the scheduler actor, in its task (no mailbox of its own; its SSD side,
+actors.prefix_ssd, is the scheduler's end of the spill actor's two edges):
   * `lookup` when a request is about to take a row (not at arrival, so a request queued
-    behind its donor reuses it): a RAM hit pins the donor; an SSD hit starts `load` in the
-    scheduler's nursery (file read and checks on a worker thread, rebuild on the runner
-    thread) and the request waits, holding no row, while the others keep decoding; the
-    loaded snapshot is promoted to the RAM tier and handed over by `take_ready`.
+    behind its donor reuses it): a RAM hit pins the donor; an SSD hit is LOADING: the
+    request waits, holding no row, while the others keep decoding, and `start_loads`
+    orders the spill actor to rebuild it in the runner (file read and checks on its disk
+    thread, then the runner thread between steps); its answer, applied by
+    `apply_replies` (drained between steps) or `wait_reply` (when idle), promotes the
+    snapshot to the RAM tier and hands the reuse over through `take_ready`.
   * `finished` on each Finished event (a queued request's pinned donor is let go);
     `has_prompt` when a lookup ends (whether a joining row's prompt needs a snapshot);
     `advise(advice)` before each step hands the core its part of the StepAdvice
@@ -21,13 +24,11 @@ Used by the scheduler actor, in its task (no mailbox of its own):
     at its release, covering the plan's `release_tokens`; a joining row's prompt KV);
     nothing here edits a plan. `absorb(plan, result, prompt_of)` after the step books the
     tokens each ordered snapshot covers (a prompt read from the core through
-    `prompt_of`), indexes the new snapshots and writes them.
+    `prompt_of`), indexes the new snapshots and sends their writes to the spill actor.
   * `reconcile(held)` after a failed step: the index and the runner agree again.
 
-Who changes the index: this module, in the scheduler's task (RAM and SPILLING entries,
-pins; an evicted entry whose write is pending it marks PENDING), and its SSD side for the
-entries a file or a pending write stands behind, in the scheduler's task and, for queued
-writes, in spill's writer task (the same trio thread: actors.prefix_ssd).
+Who changes the index: this module and its SSD side, both in the scheduler's task, the
+only task that touches it (the spill actor reports by message).
 
 Namespaces (engine.namespaces): a request looks up, and its row publishes, only in the
 namespace of its speculation method: state-free (no speculation, lookup) or paired with
@@ -41,34 +42,55 @@ write-through, or when its file exists already, RAM pressure only drops its RAM 
 with write-back it is spilled (write modes, flushes and PENDING entries, matchable while
 their write is queued or running: actors.prefix_ssd).
 
-Files: every file operation (recovery, reads, writes, removals, quarantine; the other
-ranks' shards under --distributed) goes through actors.spill, the SSD tier's only owner;
-this module calls into spill only through its SSD side, which indexes what spill reports.
+Files: every file operation (reads, writes, removals, quarantine; the other ranks' shards
+under --distributed) is an order to the spill actor (actors.spill), the SSD tier's only
+owner; recovery runs before the actors start and its files are indexed by `recovered`.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import attrs
-import trio
 
-from tqserve.actors.prefix_ssd import PrefixSsd
-from tqserve.actors.spill import Spill, SnapshotWrite
+from tqserve.actors.mailbox import Inbox, Outbox
+from tqserve.actors.messages import SpillLoaded, SpillWritten
+from tqserve.actors.prefix_ssd import PrefixSsd, SnapshotWrite
+from tqserve.actors.spill import SpillStatistics, reuse_bound
 from tqserve.engine.kvevents import KvEventLog
 from tqserve.engine.namespaces import CacheNamespaces
 from tqserve.engine.prefix import PrefixEntry, PrefixIndex, Tier
 from tqserve.engine.step import Finished, StepAdvice, StepPlan, StepResult
-from tqserve.storage import SsdTier
+from tqserve.storage.tier import TierEntry
 
 if TYPE_CHECKING:
-    from tqserve.actors.shard_group import ShardGroup
+    from tqserve.actors.shard_group import ShardOrders
+
+
+@attrs.frozen(kw_only=True)
+class PrefixIndexStatistics:
+    """What the scheduler's side of the prefix cache posts (actors.board)."""
+
+    ram_bytes: int
+    ram_entries: int
+    ssd_bytes: int
+    ssd_entries: int
+    hits_ram: int
+    hits_ssd: int
+    misses: int
+    loads_pending: int
+    spills_dropped: int    # async writes dropped: WRITE_QUEUE were in flight
+    spilling_entries: int  # RAM entries over the budget whose spill or drop order waits
+    orders_pending: int    # spill and drop orders waiting for the next step
 
 
 @attrs.frozen(kw_only=True)
 class PrefixCacheStatistics:
+    """The prefix cache's statistics, both tiers (the index's record and the spill
+    actor's, put together by the facade)."""
+
     ram_bytes: int
     ram_entries: int
     ssd_bytes: int
@@ -84,6 +106,19 @@ class PrefixCacheStatistics:
     ssd_state: str   # "ok", "read_only", "cold" (storage.health), or "off" (no cache dir)
     writes_pending: int
     loads_pending: int
+    spilling_entries: int = 0
+    orders_pending: int = 0
+    tier_entries: int = 0  # files the SSD tier holds (ssd_entries: those indexed)
+    bytes_read: int = 0    # bytes the SSD tier read (headers at start, files on loads)
+
+    @classmethod
+    def of(cls, index: PrefixIndexStatistics, spill: SpillStatistics | None
+           ) -> PrefixCacheStatistics:
+        ssd = attrs.asdict(spill) if spill is not None else {
+            "spills": 0, "writes_pending": 0, "quarantined": 0,
+            "ssd_write_errors": 0, "ssd_errors": 0, "ssd_state": "off", "tier_entries": 0,
+            "bytes_read": 0}
+        return cls(**attrs.asdict(index), **ssd)
 
 
 @attrs.frozen(kw_only=True)
@@ -101,57 +136,44 @@ LOADING = "loading"  # `lookup`'s answer for an SSD hit: the request waits for `
 class PrefixCache:
     """The tiers' policy, run by the scheduler actor (see the module doc)."""
 
-    def __init__(self, *, namespace: str, fingerprint: str, ram_budget: int,
-                 tier: SsdTier | None, flush: str,
-                 runner_call: Callable[..., Any], write: str = "through",
-                 namespaces: CacheNamespaces | None = None,
-                 group: ShardGroup | None = None) -> None:
+    def __init__(self, *, namespace: str, fingerprint: str, ram_budget: int, flush: str,
+                 write: str = "through", namespaces: CacheNamespaces | None = None,
+                 spill: Outbox | None = None, replies: Inbox | None = None,
+                 orders: ShardOrders | None = None) -> None:
+        """`spill`/`replies`: the spill actor's mailbox and reply edge (None without a cache
+        dir); `orders`: --distributed, the other ranks' write orders."""
         self.namespace = namespace  # the state-free one
         self.namespaces = namespaces or CacheNamespaces(base=namespace)
         self.fingerprint = fingerprint
         self.index = PrefixIndex(ram_budget, KvEventLog(clock=time.time))
         self.write_mode = write
         self._tick = 0
-        spill = Spill(tier, fingerprint=fingerprint, group=group) if tier is not None else None
-        # every file operation goes through the SSD side to actors.spill, the tier's owner
-        self.ssd = PrefixSsd(self.index, spill, flush=flush, namespaces=self.namespaces,
-                             runner_call=runner_call, tick=self._next_tick,
+        self.ssd = PrefixSsd(self.index, fingerprint=fingerprint, flush=flush, outbox=spill,
+                             replies=replies, orders=orders, tick=self._next_tick,
                              acknowledged=self._acknowledged)
         self._pinned: dict[str, str] = {}          # request id -> pinned RAM key
         self._tokens: dict[str, tuple[int, ...]] = {}  # RAM key -> covered tokens
         self._on_disk: set[str] = set()            # RAM keys with an SSD copy
         self._loading: dict[str, list[tuple[str, int]]] = {}  # SSD key -> (rid, length)
-        self._started: set[str] = set()            # SSD keys whose load task runs
+        self._started: dict[str, PrefixEntry] = {}  # SSD key -> its entry, while it loads
         self._ready: list[tuple[str, Reuse | None]] = []
         self._spill: list[str] = []
         self._drop: list[str] = []
-        self.changed = trio.Event()  # set when a load finishes (the scheduler wakes up)
 
     def _next_tick(self) -> int:
         self._tick += 1
         return self._tick
 
     @property
-    def spill(self) -> Spill | None:
-        """The SSD tier's only owner (actors.spill); None without a cache dir."""
-        return self.ssd.spill
-
-    @property
-    def tier(self) -> SsdTier | None:
-        return self.spill.tier if self.spill is not None else None
-
-    @property
-    def group(self) -> ShardGroup | None:
-        """--distributed: the other ranks' shards of the SSD tier (rank 0's side)."""
-        return self.spill.group if self.spill is not None else None
-
-    @property
     def through(self) -> bool:
-        return self.spill is not None and self.write_mode == "through"
+        return self.ssd.on and self.write_mode == "through"
 
-    async def recover(self) -> None:
-        """Index the SSD tier's verified files of this namespace (after SsdTier.recover)."""
-        await self.ssd.recover(self.namespace)
+    def recovered(self, entries: Iterable[TierEntry]) -> list[str]:
+        """Index the SSD tier's recovered files (before the actors start); returns the
+        keys their supersession leaves for the spill actor to remove."""
+        return self.ssd.recovered([
+            (e.key, e.header.namespace, tuple(e.header.token_ids), reuse_bound(e.header),
+             e.num_bytes) for e in entries])
 
     def lookup(self, request_id: str, prompt: tuple[int, ...],
                speculative: object = None) -> Reuse | str | None:
@@ -173,36 +195,57 @@ class PrefixCache:
         self._loading.setdefault(match.key, []).append((request_id, match.length))
         return LOADING
 
-    def loads_to_start(self) -> list[str]:
-        """SSD keys with waiting requests and no load task yet (each returned once)."""
-        keys = [k for k, waiters in self._loading.items() if waiters and k not in self._started]
-        self._started.update(keys)
-        return keys
+    async def start_loads(self) -> None:
+        """Order the spill actor to load every SSD hit with waiting requests and no load
+        yet (its answer comes through `apply_replies` or `wait_reply`)."""
+        for key in [k for k, waiters in self._loading.items()
+                    if waiters and k not in self._started]:
+            entry = self.index.entry(key) if key in self.index else None
+            if entry is None:  # forgotten since the lookup: its requests look up again
+                self._ready += [(rid, None) for rid, _ in self._loading.pop(key)]
+                continue
+            self._started[key] = entry
+            await self.ssd.load(key, self.namespaces.state_of(entry.namespace) or "")
 
-    async def load(self, key: str) -> None:
-        """Rebuild SSD entry `key` on the runner (from its file, or a pending write's bytes)
-        and promote it to the RAM tier; the waiting requests' reuses then come out of
-        `take_ready` (None for each if it is gone since the lookup: look up again)."""
-        entry = self.index.entry(key) if key in self.index else None
-        restored = await self.ssd.restore(key)
-        waiters = self._loading.pop(key, [])
-        self._started.discard(key)
-        if restored is None or entry is None:
-            self._ready += [(rid, None) for rid, _ in waiters]
-        else:
-            ram_key, num_bytes = restored
+    async def apply_replies(self, taken: Iterable[SpillWritten | SpillLoaded] = ()) -> None:
+        """Book the answers `taken` and every other answer of the spill actor waiting on
+        the reply edge (without waiting for more)."""
+        for reply in [*taken, *self.ssd.take_replies()]:
+            await self.ssd.apply(reply)
+        self._loads_ended()
+
+    async def wait_reply(self) -> None:
+        """Wait for the spill actor's next answer and book it (the scheduler is idle)."""
+        assert self.ssd.replies is not None
+        await self.apply_replies([await self.ssd.replies.receive()])
+
+    def _loads_ended(self) -> None:
+        """Promote the loaded snapshots to the RAM tier and hand their reuses over (None
+        for each waiter if it failed, or is gone since the lookup: look it up again)."""
+        for loaded in self.ssd.take_loaded():
+            entry = self._started.pop(loaded.key, None)
+            waiters = self._loading.pop(loaded.key, [])
+            if loaded.num_bytes is None or entry is None:
+                self._ready += [(rid, None) for rid, _ in waiters]
+                if loaded.num_bytes is not None:  # nobody indexes it: the runner drops it
+                    self._drop.append(loaded.temporary)
+                continue
+            ram_key = loaded.temporary
             for rid, length in waiters:  # pinned first: the budget cannot evict it at once
                 self.index.pin(ram_key)
                 self._pinned[rid] = ram_key
                 self._ready.append((rid, Reuse(key=ram_key, cached=length, tier="ssd")))
             self._on_disk.add(ram_key)
-            self._publish_ram(attrs.evolve(entry, key=ram_key, num_bytes=num_bytes))
-        self.changed.set()
+            self._publish_ram(attrs.evolve(entry, key=ram_key, num_bytes=loaded.num_bytes))
+
+    @property
+    def loads_pending(self) -> bool:
+        """Whether a load was ordered and not yet answered."""
+        return bool(self._started)
 
     def take_ready(self) -> list[tuple[str, Reuse | None]]:
         """Finished loads: (request id, its reuse, or None: look it up again)."""
         ready, self._ready = self._ready, []
-        self.changed = trio.Event()
         return ready
 
     def release_reuse(self, request_id: str) -> None:
@@ -271,15 +314,15 @@ class PrefixCache:
             if on_disk:
                 self._on_disk.add(made.key)
             if job is not None:  # queued first: over the budget at once, it is PENDING
-                self.ssd.enqueue(job)
+                self.ssd.write(job)
             self._publish_ram(entry)
         for _, key in plan.snapshot + plan.prompt_snapshot:
             if key not in self.index:
                 self._tokens.pop(key, None)
         for payload in result.spills:
             await self.ssd.send_spill(payload, self._tokens.pop(payload.key, None))
-        if self.group is not None:  # before the next step: the other ranks stage until then
-            await self.group.send_orders()
+        if self.ssd.orders is not None:  # before the next step: other ranks stage until then
+            await self.ssd.orders.send()
 
     def _publish_ram(self, entry: PrefixEntry) -> None:
         with self.index.events.batch():  # one KV event batch with the evictions it causes
@@ -300,7 +343,7 @@ class PrefixCache:
                 self._tokens.pop(key, None)
                 self._on_disk.discard(key)
                 self._drop.append(key)
-            elif self.through or key in self._on_disk or self.tier is None:
+            elif self.through or key in self._on_disk or not self.ssd.on:
                 self.index.forget(key)
                 self._tokens.pop(key, None)
                 self._on_disk.discard(key)
@@ -328,15 +371,17 @@ class PrefixCache:
                 self.index.forget(key)
         self._spill = []
         self._drop = [k for k in self._drop if k in held]
-        keep = set(self.index.keys(Tier.RAM)) | set(self._drop) | self.ssd.restoring
+        keep = set(self.index.keys(Tier.RAM)) | set(self._drop) | set(self.ssd.restoring)
         self._tokens = {k: v for k, v in self._tokens.items() if k in keep}
         self._on_disk &= keep
         return keep
 
-    def statistics(self) -> PrefixCacheStatistics:
+    def statistics(self) -> PrefixIndexStatistics:
         index = self.index.statistics()
-        return PrefixCacheStatistics(
+        return PrefixIndexStatistics(
             ram_bytes=index.ram_bytes, ram_entries=index.ram_entries,
             ssd_bytes=index.ssd_bytes, ssd_entries=index.ssd_entries,
             hits_ram=index.hits_ram, hits_ssd=index.hits_ssd, misses=index.misses,
-            loads_pending=len(self._loading), **attrs.asdict(self.ssd.statistics()))
+            loads_pending=len(self._loading), spills_dropped=self.ssd.num_dropped,
+            spilling_entries=len(self.index.keys(Tier.SPILLING)),
+            orders_pending=len(self._spill) + len(self._drop))

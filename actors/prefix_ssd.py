@@ -1,279 +1,257 @@
-"""The prefix cache's SSD side: the index entries that a file or a queued write stands
-behind, and every call the prefix cache makes into actors.spill.
+"""The prefix cache's SSD side: the scheduler's end of the spill actor's edges, and the
+index entries that a file or a queued write stands behind.
 
-Owns: the pending writes (RAM key -> its queued or running async write, until it ends),
-the restores in flight (temporary runner keys s<n>), the write counts. The PrefixIndex is
-the PrefixCache's (actors.prefix_cache), which owns this object; here the index changes
-only as the SSD tier reports: SSD entries are published (recovery; a write once durable),
-a spilled entry is marked PENDING, and an entry is forgotten when its write ended with no
-RAM copy left or its file is gone. Plane bytes pass through here on their way to disk
-(produced on the runner thread, never tensors).
-
-Tasks: everything runs in the scheduler's task, called by the PrefixCache, except `write`
-with --ssd-flush async: spill's writer task takes each queued write from the bounded queue
-(actors.spill.WRITE_QUEUE) and hands it to `write` here, which publishes it once durable
-(same trio thread, no await in between), so there is no edge back and the graph stays a
-DAG. Shutdown: the scheduler stops, then `close_writes` closes the queue; the writer
-drains it.
+Owns: the writes in flight (RAM key -> what the SSD entry will say once its write is
+durable), the loads in flight (temporary runner keys s<n>), the spill mailbox's send end
+and the spill_replies receive end. The PrefixIndex is the PrefixCache's
+(actors.prefix_cache), which owns this object; the index changes here only as the spill
+actor reports: a write once durable publishes its SSD entry, a spilled entry is PENDING
+while its write is queued, and entries are forgotten when a reply names their files gone.
+Everything runs in the scheduler's task: the spill actor (actors.spill) does the file
+work in its own and answers on the reply edge, which the scheduler drains between steps
+and waits on when idle. Plane bytes pass through here on their way to the spill actor
+(produced on the runner thread, out of band in the message, never copied).
 
 Write modes (`--ssd-write`): "through" (default with a cache dir): every published
 snapshot is also written to the SSD tier; RAM pressure then only drops RAM copies.
 "back": a snapshot reaches the disk only when RAM pressure evicts it (a spill).
-Flush (`--ssd-flush`): "async" (default): writes go through the bounded queue to the
-writer task; `send_nowait`, and a full queue drops the write (counted in `spills_dropped`),
-so a step never waits for the disk. "sync": the step's absorb awaits the write (on a
-worker thread) and publishes only after the file is durable.
+Flush (`--ssd-flush`): "async" (default): a write is sent without waiting, and dropped
+(counted in `spills_dropped`) when WRITE_QUEUE async writes are in flight already, so a
+step never waits for the disk. "sync": the step's absorb waits for the write's answer
+and publishes only after the file is durable.
 
 Pending: once an entry's RAM copy is gone while its async write is queued or running, it
-is PENDING: a hit restores it from the write's bytes (as an SSD hit, without reading the
-disk) until the write is acknowledged (then the SSD entry serves it) or abandoned. With
+is PENDING: a hit restores it from the write's bytes (the spill actor holds them: an SSD
+hit without reading the disk) until the write ends (then the SSD entry serves it). With
 --distributed the other ranks keep no bytes to restore from, so there an entry leaves the
-index with its RAM copy and is matchable again once its write is acknowledged.
-
-Acknowledgement: a snapshot is acknowledged when its file is durable (actors.spill) on
-every rank; then "snapshot acknowledged <key>" is logged on tqserve.prefix. Files dropped
-later (superseded, evicted) log "snapshot removed <key>" before the unlink.
+index with its RAM copy and is matchable again once its write is acknowledged; the
+write orders to the other ranks go out before the next step (`ShardOrders`).
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import attrs
 import trio
 
-from tqserve.actors.spill import Spill, SnapshotWrite, reuse_bound
-from tqserve.engine.namespaces import CacheNamespaces
+from tqserve.actors.mailbox import Inbox, Outbox
+from tqserve.actors.messages import (SpillLoad, SpillLoaded, SpillRemove, SpillWrite,
+                                     SpillWritten)
+from tqserve.actors.spill import WRITE_QUEUE
 from tqserve.engine.prefix import PrefixEntry, PrefixIndex, Tier
 from tqserve.engine.step import SpillPayload
+from tqserve.storage import snapshot_key
 
 if TYPE_CHECKING:
-    from tqserve.actors.shard_group import ShardGroup
+    from tqserve.actors.shard_group import ShardOrders
 
 log = logging.getLogger("tqserve.prefix")
 
 
 @attrs.frozen(kw_only=True)
-class PrefixSsdStatistics:
-    """The SSD side's part of PrefixCacheStatistics (same names; see there)."""
+class SnapshotWrite:
+    """A snapshot on its way to disk: its bytes and what the SSD entry will say."""
 
-    spills: int
-    spills_dropped: int
-    quarantined: int
-    ssd_write_errors: int
-    ssd_errors: int
-    ssd_state: str
-    writes_pending: int
+    ram_key: str
+    namespace: str
+    tokens: tuple[int, ...]
+    minimum_reusable_offset: int
+    payload: SpillPayload
+
+
+@attrs.frozen(kw_only=True)
+class _InFlight:
+    """What a write's SSD entry will say once it is durable."""
+
+    namespace: str
+    tokens: tuple[int, ...]
+    minimum_reusable_offset: int
+    pending: bool  # its RAM copy may go while it is queued (single process, async)
+    sync: bool     # the scheduler waits for its answer (write_now)
 
 
 class PrefixSsd:
     """The index's SSD side, owned by a PrefixCache (see the module doc). `tick` is the
     cache's LRU clock; `acknowledged(ram_key)` tells the cache a write is durable."""
 
-    def __init__(self, index: PrefixIndex, spill: Spill | None, *, flush: str,
-                 namespaces: CacheNamespaces, runner_call: Callable[..., Any],
+    def __init__(self, index: PrefixIndex, *, fingerprint: str, flush: str,
+                 outbox: Outbox | None, replies: Inbox | None, orders: ShardOrders | None,
                  tick: Callable[[], int], acknowledged: Callable[[str], None]) -> None:
         self.index = index  # the PrefixCache's
-        self.spill = spill  # the SSD tier's only owner; None without a cache dir
+        self.fingerprint = fingerprint
         self.flush = flush
-        self.namespaces = namespaces
-        self._runner_call = runner_call  # awaitable: run a function on the runner thread
+        self.outbox = outbox    # the spill actor's mailbox; None without a cache dir
+        self.replies = replies  # its reply edge
+        self.orders = orders    # --distributed: the other ranks' write orders
         self._tick = tick
         self._acknowledged = acknowledged
         self._ids = itertools.count()  # temporary keys s<n> (engine.orders numbers r, p)
-        self.restoring: set[str] = set()  # runner keys of restores in flight
-        self._pending: dict[str, SnapshotWrite] = {}  # RAM key -> its async write, until it ends
-        self._counts = {"spills": 0, "spills_dropped": 0}
+        self.restoring: dict[str, str] = {}  # temporary runner key -> the SSD key it loads
+        self._writes: dict[str, _InFlight] = {}  # RAM key -> its write, until answered
+        self._sync_durable: dict[str, bool] = {}  # sync writes answered: durable or not
+        self._loaded: list[SpillLoaded] = []  # loads answered, for the PrefixCache
+        self.num_dropped = 0  # async writes dropped: WRITE_QUEUE were in flight
 
     @property
-    def group(self) -> ShardGroup | None:
-        return self.spill.group if self.spill is not None else None
+    def on(self) -> bool:
+        """Whether there is an SSD tier (a cache dir)."""
+        return self.outbox is not None
 
     def is_pending(self, key: str) -> bool:
-        """Whether RAM key `key` has an async write queued or running (single process)."""
-        return key in self._pending
+        """Whether RAM key `key`'s async write is queued or running (single process)."""
+        write = self._writes.get(key)
+        return write is not None and write.pending
 
-    async def recover(self, namespace: str) -> None:
-        """Index the SSD tier's verified files of `namespace` and its paired namespaces
-        (after SsdTier.recover)."""
-        if self.spill is None:
-            return
-        for entry in await self.spill.recover(namespace, self.namespaces.all()):
-            header = entry.header
-            if entry.key in self.index:
+    def recovered(self, entries: list[tuple[str, str, tuple[int, ...], int, int]]) -> list[str]:
+        """Index the recovered files (key, namespace, tokens, reuse bound, bytes), before
+        the actors start; returns the keys their supersession leaves to remove."""
+        removed: list[str] = []
+        for key, namespace, tokens, bound, num_bytes in entries:
+            if key in self.index:
                 continue
             superseded, _ = self.index.publish(PrefixEntry(
-                key=entry.key, namespace=header.namespace, tokens=header.token_ids,
-                minimum_reusable_offset=reuse_bound(header), trimmable=True,
-                num_bytes=entry.num_bytes), Tier.SSD, self._tick())
-            await self._remove_files(superseded)
+                key=key, namespace=namespace, tokens=tokens, minimum_reusable_offset=bound,
+                trimmable=True, num_bytes=num_bytes), Tier.SSD, self._tick())
+            removed += superseded
+        return removed
 
-    async def restore(self, key: str) -> tuple[str, int] | None:
-        """SSD hit `key` rebuilt in the runner: (its temporary runner key, its bytes), from
-        its pending write's bytes or else its file; None if it is gone since the lookup (its
-        write ended) or cannot be restored (the request runs cold)."""
-        job = self._pending.get(key) if self.index.tier(key) is Tier.PENDING else None
-        if job is not None:
-            return await self._restore_pending(job)
-        if key in self.index and self.index.tier(key) is Tier.SSD:
-            return await self._restore_file(key, self.index.entry(key))
-        return None
-
-    async def _restore_file(self, key: str, entry: PrefixEntry) -> tuple[str, int] | None:
-        """The SSD entry `key` rebuilt in the runner (actors.spill); None if its file is gone
-        or fails any check (such a file is quarantined)."""
-        if self.spill is None:
-            return None
+    async def load(self, key: str, state: str) -> str:
+        """Ask the spill actor to rebuild SSD hit `key` (PENDING: from its write's bytes);
+        returns the temporary runner key it will be held under."""
+        assert self.outbox is not None
         temporary = f"s{next(self._ids)}"
-        self.restoring.add(temporary)
-        try:
-            num_bytes, gone = await self.spill.restore(
-                key, temporary, entry.minimum_reusable_offset, self._runner_call,
-                self.namespaces.state_of)
-        finally:
-            self.restoring.discard(temporary)
-        if num_bytes is None:
-            self.index.forget(key)
-            if gone:  # a file was missing or unreadable: drop every entry whose file vanished
-                await self._forget_gone(reconcile=True)
-            return None
-        return temporary, num_bytes
+        self.restoring[temporary] = key
+        pending = self.index.tier(key) is Tier.PENDING
+        entry = self.index.entry(key)
+        await self.outbox.send(SpillLoad(key=key, temporary=temporary, pending=pending,
+                                         bound=entry.minimum_reusable_offset, state=state))
+        return temporary
 
-    async def _restore_pending(self, job: SnapshotWrite) -> tuple[str, int] | None:
-        """A PENDING entry rebuilt in the runner from its write's bytes (our own: a failure
-        is our bug, logged; the request runs cold)."""
-        temporary = f"s{next(self._ids)}"
-        header = job.payload.header
-        planes = {name: (data, tuple(shape), dtype)
-                  for name, data, shape, dtype in job.payload.planes}
-        self.restoring.add(temporary)
-        try:
-            num_bytes = await self._runner_call(
-                temporary, str(header["extra"]["layer_kinds"]), header["offset"],
-                header["minimum_reusable_offset"], planes,
-                self.namespaces.state_of(job.namespace) or "")
-        except Exception:
-            log.exception("snapshot %s could not be restored from its pending write",
-                          job.ram_key)
-            return None
-        finally:
-            self.restoring.discard(temporary)
-        return temporary, int(num_bytes)
-
-    async def _forget_gone(self, *, reconcile: bool = False) -> None:
-        """Forget the SSD entries the tier no longer holds (evicted, vanished, cold: with
-        `reconcile`, every one if the tier went cold: storage.health)."""
-        if self.spill is None:
+    def write(self, job: SnapshotWrite, *, sync: bool = False) -> None:
+        """Send `job` to the spill actor (never waits: past WRITE_QUEUE async writes in
+        flight, or with its mailbox full, it is dropped and counted); its entry is pending
+        until the answer (single process, async)."""
+        if not sync and self._num_async >= WRITE_QUEUE:
+            self.num_dropped += 1
             return
-        live = await self.spill.live_keys(reconcile=reconcile)
-        gone = [k for k in self.index.keys(Tier.SSD) if k not in live]
-        for key in gone:
-            self.index.forget(key)
-        if self.group is not None and gone:
-            await self.group.remove(gone)
-
-    def enqueue(self, job: SnapshotWrite) -> None:
-        """Queue `job` for the writer task (a full queue drops it, counted); its entry is
-        pending until the write ends (single process: see the module doc)."""
+        key = snapshot_key(job.namespace, job.tokens)
+        fields = {"model_fingerprint": self.fingerprint, "namespace": job.namespace,
+                  "token_ids": job.tokens, "created_ns": time.time_ns()}
+        order = self.orders.order(job.ram_key, key, fields) if self.orders is not None else 0
+        message = SpillWrite(ram_key=job.ram_key, key=key, header={**job.payload.header,
+                                                                   **fields},
+                             planes=job.payload.planes, sync=sync, order=order,
+                             keep=key in self.index)
         try:
-            if self.spill is None:
-                raise trio.WouldBlock
-            self.spill.enqueue_nowait(job)
+            assert self.outbox is not None
+            self.outbox.send_nowait(message)
         except trio.WouldBlock:
-            self._counts["spills_dropped"] += 1
+            log.warning("snapshot %s dropped: the spill mailbox is full", job.ram_key)
+            self.num_dropped += 1
             return
-        if self.group is None:
-            self._pending[job.ram_key] = job
-        self._order(job)
-
-    def _order(self, job: SnapshotWrite) -> None:
-        """--distributed: every other rank is to write its shard of `job` too."""
-        if self.spill is not None:
-            self.spill.order(job)
+        self._writes[job.ram_key] = _InFlight(
+            namespace=job.namespace, tokens=job.tokens,
+            minimum_reusable_offset=job.minimum_reusable_offset,
+            pending=not sync and self.orders is None, sync=sync)
 
     async def write_now(self, job: SnapshotWrite) -> bool:
-        """A sync flush: order the other ranks' writes, then `write`."""
-        self._order(job)
-        if self.spill is not None:
-            await self.spill.send_orders()
-        return await self.write(job)
+        """A sync flush: send the write, then wait for its answer (applying every other
+        answer meanwhile); whether the file is durable."""
+        self.write(job, sync=True)
+        if self.orders is not None:
+            await self.orders.send()
+        assert self.replies is not None
+        while job.ram_key in self._writes:
+            await self.apply(await self.replies.receive())
+        return self._sync_durable.pop(job.ram_key, False)
 
     async def send_spill(self, payload: SpillPayload, tokens: tuple[int, ...] | None) -> None:
         """A write-back spill of the tokens `tokens` (None: the cache lost them): the RAM
         copy is gone; write it or drop it."""
-        if self.spill is None or tokens is None or payload.key not in self.index:
+        if self.outbox is None or tokens is None or payload.key not in self.index:
             self.index.forget(payload.key)
             return
         entry = self.index.entry(payload.key)
         job = SnapshotWrite(ram_key=payload.key, namespace=entry.namespace, tokens=tokens,
-                     payload=payload, minimum_reusable_offset=entry.minimum_reusable_offset)
+                            payload=payload, minimum_reusable_offset=entry.minimum_reusable_offset)
         if self.flush == "sync":
             self.index.forget(payload.key)  # published on the SSD once durable
             await self.write_now(job)
             return
-        self.enqueue(job)
-        if payload.key in self._pending:
+        self.write(job)
+        if self.is_pending(payload.key):
             self.index.pending(payload.key)  # matchable from its bytes until written
         else:
             self.index.forget(payload.key)
 
-    async def write(self, job: SnapshotWrite) -> bool:
-        """Write one snapshot to the SSD tier and index it there; False if it failed."""
-        if self.spill is None:
-            raise RuntimeError("write without an SSD tier")
-        put = await self.spill.put(job, keep=lambda key: key in self.index)
-        key, stored, problem = put.key, put.stored, put.problem
-        if stored is None or problem is not None:
-            self._end_pending(job)
-            # A disk error was logged once by the tier (storage.health), not per snapshot.
-            log.log(logging.DEBUG if put.disk_error else logging.WARNING,
-                    "snapshot %s abandoned: %s", key, problem)
-            await self._tier_shrank()  # a write may find the tier gone cold
-            return False
-        log.info("snapshot acknowledged %s", key)
-        self._counts["spills"] += 1
-        self._acknowledged(job.ram_key)
+    async def remove(self, keys: list[str]) -> None:
+        """Have the spill actor remove the files of `keys`."""
+        if self.outbox is not None and keys:
+            await self.outbox.send(SpillRemove(keys=tuple(keys)))
+
+    def take_replies(self) -> list[SpillWritten | SpillLoaded]:
+        """Every answer waiting on the reply edge, without waiting."""
+        out = []
+        while self.replies is not None:
+            try:
+                out.append(self.replies.receive_nowait())
+            except (trio.WouldBlock, trio.EndOfChannel):
+                break
+        return out
+
+    async def apply(self, reply: SpillWritten | SpillLoaded) -> None:
+        """Book one answer of the spill actor: a write's outcome, or a load's (kept for
+        the PrefixCache: `take_loaded`)."""
+        self._forget_gone(reply.gone, reply.live)
+        match reply:
+            case SpillWritten():
+                await self._written(reply)
+            case SpillLoaded():
+                self.restoring.pop(reply.temporary, None)
+                self._loaded.append(reply)
+            case _:
+                raise TypeError(f"scheduler got unexpected {type(reply).__name__}")
+
+    def take_loaded(self) -> list[SpillLoaded]:
+        loaded, self._loaded = self._loaded, []
+        return loaded
+
+    async def _written(self, reply: SpillWritten) -> None:
+        write = self._writes.pop(reply.ram_key, None)
+        if write is None:
+            raise RuntimeError(f"an answer for write {reply.ram_key}, which was not sent")
         superseded: list[str] = []
-        if key not in self.index:
-            superseded, _ = self.index.publish(PrefixEntry(
-                key=key, namespace=job.namespace, tokens=job.tokens,
-                minimum_reusable_offset=job.minimum_reusable_offset, trimmable=True,
-                num_bytes=stored.num_bytes), Tier.SSD, self._tick())
-        self._end_pending(job)  # with no await since the publish: always one matches
-        await self._remove_files(superseded)
-        await self._tier_shrank()  # the tier may have evicted files, or gone cold
-        return True
+        if write.sync:
+            self._sync_durable[reply.ram_key] = reply.num_bytes is not None
+        if reply.num_bytes is not None:
+            self._acknowledged(reply.ram_key)
+            if reply.key not in self.index:
+                superseded, _ = self.index.publish(PrefixEntry(
+                    key=reply.key, namespace=write.namespace, tokens=write.tokens,
+                    minimum_reusable_offset=write.minimum_reusable_offset, trimmable=True,
+                    num_bytes=reply.num_bytes), Tier.SSD, self._tick())
+        if self.index.tier(reply.ram_key) is Tier.PENDING:  # its RAM copy went meanwhile
+            self.index.forget(reply.ram_key)
+        await self.remove(superseded)
 
-    async def _tier_shrank(self) -> None:
-        """After a write: the tier holds fewer entries than the index knows (it evicted
-        some, or went cold): forget those."""
-        if self.spill is not None and self.spill.num_entries < self.index.statistics().ssd_entries:
-            await self._forget_gone()
+    def _forget_gone(self, gone: tuple[str, ...], live: tuple[str, ...] | None) -> None:
+        """Forget the SSD entries whose files a reply says are gone (`live`: every file
+        left, when the tier lost some it could not name)."""
+        for key in gone:
+            if key in self.index and self.index.tier(key) is Tier.SSD:
+                self.index.forget(key)
+        if live is not None:
+            kept = set(live)
+            for key in self.index.keys(Tier.SSD):
+                if key not in kept:
+                    self.index.forget(key)
 
-    def _end_pending(self, job: SnapshotWrite) -> None:
-        """`job`'s write ended: its PENDING entry (if its RAM copy went) leaves the index."""
-        self._pending.pop(job.ram_key, None)
-        if self.index.tier(job.ram_key) is Tier.PENDING:
-            self.index.forget(job.ram_key)
-
-    async def _remove_files(self, keys: list[str]) -> None:
-        if self.spill is not None:
-            await self.spill.remove(keys)
-
-    def statistics(self) -> PrefixSsdStatistics:
-        spill = self.spill
-        errors = spill.error_counts() if spill is not None else {}
-        return PrefixSsdStatistics(
-            spills=self._counts["spills"], spills_dropped=self._counts["spills_dropped"],
-            quarantined=errors.get("quarantined", 0), ssd_errors=errors.get("ssd_errors", 0),
-            ssd_write_errors=errors.get("ssd_write_errors", 0),
-            ssd_state=spill.tier.statistics().state if spill is not None else "off",
-            writes_pending=spill.num_queued if spill is not None else 0)
-
-    async def close_writes(self) -> None:
-        """No more writes: the writer task writes what is queued, then returns."""
-        if self.spill is not None:
-            await self.spill.close_writes()
+    @property
+    def _num_async(self) -> int:
+        """Async writes sent and not yet answered."""
+        return sum(not w.sync for w in self._writes.values())

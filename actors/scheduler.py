@@ -4,16 +4,22 @@ Owns: the SchedulerCore (queue, rows) and the Runner (via the runner thread).
 Receives: Submit, Cancel (from admission, SCHEDULER_MAILBOX; a Cancel with reason "stop"
           and `num_tokens` comes from the hub, which met a stop string in the row's text).
 Sends: one StepTokens per step (every row's new tokens) and Done/Error to the hub;
-       Lease/Release/KvUsage to the cache owner;
+       Lease/Release/KvUsage to the cache owner (the core's KV decisions: each row's
+       charged positions, the running rows' charge against the budget);
+       SpillWrite/SpillLoad/SpillRemove to the spill actor (with a cache dir), whose
+       SpillWritten/SpillLoaded it reads on the spill_replies reply edge: all drained
+       between steps, waited for when idle (actors.prefix_ssd);
        Dequeued to admission on the reply edge (send_nowait: that mailbox holds
        one message per queued request, so it cannot fill);
        one SpecStep per step to the speculation actor (with speculation), whose
        SpecDecisions it reads without waiting (the speculation_replies reply edge).
 Between steps it drains its mailbox without waiting, so a cancel frees its row
 at the start of the next step. When idle it waits for a message.
+Posts: the core's and the prefix cache's statistics to the board (actors.board) at every
+turn of its loop. Stamps each request's queue wait (its Done's `queue_seconds`).
 With a prefix cache (actors.prefix_cache), a request looks up its donor when it is about
-to take a row; an SSD hit loads in a task of this actor's nursery (worker thread, then the
-runner thread between steps) while the request waits without a row and the other rows keep
+to take a row; an SSD hit is loaded by the spill actor (its disk thread, then the runner
+thread between steps) while the request waits without a row and the other rows keep
 decoding; it joins when its KV is ready.
 One decider: before each step the prefix cache and the speculation link put what they
 know into one StepAdvice (engine.step: pending spill/drop orders, write-through, the
@@ -34,10 +40,11 @@ from contextlib import nullcontext
 
 import trio
 
+from tqserve.actors.board import Board
 from tqserve.actors.mailbox import Inbox, Outbox
 from tqserve.actors.prefix_cache import LOADING, PrefixCache, Reuse
 from tqserve.actors.messages import (Cancel, Dequeued, Done, Error, KvUsage, Lease, Release,
-                                     RowTokens, StepTokens, Submit)
+                                     SpillLoaded, SpillWritten, StepTokens, Submit)
 from tqserve.actors.runner_thread import RunnerThread
 from tqserve.engine.distributed import GroupFailure
 from tqserve.actors.speculation import SpeculationLink
@@ -70,26 +77,32 @@ async def run_scheduler(
     admission_replies: Outbox,
     cache_owner: Outbox,
     hub: Outbox,
+    board: Board,
     prefix: PrefixCache | None = None,
     group_failed: GroupFailed | None = None,
     speculation: SpeculationLink | None = None,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """The step loop: drain the mailbox, look up donors, then step or wait for work."""
+    """The step loop: drain the mailbox and the spill actor's answers, look up donors,
+    then step or wait for work."""
     actor = _Scheduler(core, runner, thread, inbox, admission_replies, cache_owner, hub, prefix,
                        speculation)
-    actor.group_failed = group_failed
+    actor.group_failed, actor.board = group_failed, board
+    actor.post()
     task_status.started()
+    spill = prefix.ssd.outbox if prefix is not None else None
     async with (admission_replies, cache_owner, hub,
                 speculation.outbox if speculation is not None else nullcontext(),
-                trio.open_nursery() as loads):
+                spill if spill is not None else nullcontext()):
         while True:
             await actor.drain_inbox()
-            actor.look_up(loads)
+            if prefix is not None:
+                await prefix.apply_replies()
+            await actor.look_up()
+            actor.post()
             if actor.has_work():
                 await actor.step()
             elif actor.finished():
-                loads.cancel_scope.cancel()
                 return
             else:
                 await actor.wait_for_work()
@@ -108,6 +121,17 @@ class _Scheduler:
         self.closed = False  # the mailbox ended: finish what runs, then return
         self.last_usage = KvUsage(kv_bytes=0, num_rows=0)
         self.group_failed: GroupFailed | None = None
+        self.board = Board()
+        self.arrived: dict[str, float] = {}  # request id -> when it reached the queue
+        self.waited: dict[str, float] = {}   # request id -> seconds it was queued
+
+    def post(self) -> None:
+        """Put the core's and the prefix cache's statistics on the board."""
+        if self.prefix is not None:
+            self.board.post(scheduler=self.core.statistics(),
+                            prefix_cache=self.prefix.statistics())
+        else:
+            self.board.post(scheduler=self.core.statistics())
 
     async def drain_inbox(self) -> None:
         """Handle every waiting Submit/Cancel without waiting (cancels free rows now)."""
@@ -126,6 +150,7 @@ class _Scheduler:
                     self.core.add(msg.request_id, msg.prompt_tokens, msg.params,
                                   response_format=msg.response_format,
                                   speculative=msg.speculative)
+                    self.arrived[msg.request_id] = trio.current_time()
                 except ValueError as exc:
                     self.admission_replies.send_nowait(Dequeued(
                         request_id=msg.request_id, num_prompt_tokens=len(msg.prompt_tokens)))
@@ -139,10 +164,7 @@ class _Scheduler:
     async def emit(self, events: list[Event], error: str | None = None) -> None:
         """Send what the core decided: every row's tokens in ONE StepTokens, then the
         starts and finishes in order (a row's tokens always precede its Done)."""
-        rows = [RowTokens(request_id=e.request_id, index=e.index, token_ids=e.token_ids,
-                          logprobs=e.logprobs, top_logprobs=e.top_logprobs, final=e.final,
-                          stop_token=e.stop_token, prompt_logprobs=e.prompt_logprobs)
-                for e in events if isinstance(e, TokenOut)]
+        rows = [e for e in events if isinstance(e, TokenOut)]
         if rows:
             await self.hub.send(StepTokens(rows=rows))
         for event in events:
@@ -153,11 +175,17 @@ class _Scheduler:
                     await self.finish(event, error)
 
     async def started(self, event: Started) -> None:
+        arrived = self.arrived.pop(event.request_id, None)
+        if arrived is not None:
+            self.waited[event.request_id] = trio.current_time() - arrived
         self.admission_replies.send_nowait(Dequeued(
             request_id=event.request_id, num_prompt_tokens=event.num_prompt_tokens))
-        await self.cache_owner.send(Lease(request_id=event.request_id, row_id=event.row_id))
+        await self.cache_owner.send(Lease(request_id=event.request_id, row_id=event.row_id,
+                                          kv_positions=event.kv_positions))
 
     async def finish(self, event: Finished, error: str | None) -> None:
+        self.arrived.pop(event.request_id, None)
+        waited = self.waited.pop(event.request_id, None)
         if self.prefix is not None:
             self.prefix.finished(event)
         if event.was_queued:
@@ -179,7 +207,7 @@ class _Scheduler:
                 cached_tokens=event.cached_tokens, cached_tier=event.cached_tier,
                 speculative=None if event.speculative is None else (
                     event.speculative.proposed, event.speculative.accepted,
-                    event.speculative.verify_steps)))
+                    event.speculative.verify_steps), queue_seconds=waited))
 
     async def report_usage(self, usage: KvUsage) -> None:
         """Tell the cache owner, only when it changed (the cache grows every 256 steps)."""
@@ -187,7 +215,7 @@ class _Scheduler:
             self.last_usage = usage
             await self.cache_owner.send(usage)
 
-    def look_up(self, loads: trio.Nursery) -> None:
+    async def look_up(self) -> None:
         """Donors for the requests about to take a row; SSD hits start loading."""
         prefix, core = self.prefix, self.core
         if prefix is None:
@@ -214,8 +242,7 @@ class _Scheduler:
                                    cached_tier=found.tier, snapshot_prompt=snapshot)
                 else:  # None: nothing cached
                     core.set_reuse(rid, snapshot_prompt=snapshot)
-        for key in prefix.loads_to_start():
-            loads.start_soon(prefix.load, key)
+        await prefix.start_loads()
 
     def has_work(self) -> bool:
         """A step would do something: rows to run, or prefix-cache orders to carry."""
@@ -223,7 +250,7 @@ class _Scheduler:
 
     def finished(self) -> bool:
         """The mailbox ended, nothing runs and no KV is loading: the actor may return."""
-        return self.closed and (self.prefix is None or not self.prefix.statistics().loads_pending)
+        return self.closed and (self.prefix is None or not self.prefix.loads_pending)
 
     async def step(self) -> None:
         """One engine step: plan, run it on the runner thread, send what came of it."""
@@ -235,16 +262,20 @@ class _Scheduler:
         plan, started = self.core.schedule(advice)  # the whole step; nobody edits it after
         if self.speculation is not None:
             self.speculation.planned(plan)
+        self.post()
         await self.emit(started)
         try:
             result = await self.thread.call(self.runner.execute, plan)
         except Exception as exc:
             await self.fail(plan, exc)
             return
-        await self.report_usage(KvUsage(kv_bytes=result.kv_bytes, num_rows=len(plan.decode)))
         if self.prefix is not None:
             await self.prefix.absorb(plan, result, self.core.prompt)
-        await self.emit(self.core.postprocess(result))
+        events = self.core.postprocess(result)
+        await self.report_usage(KvUsage(kv_bytes=result.kv_bytes, num_rows=len(plan.decode),
+                                        charged_bytes=self.core.kv_charge()))
+        self.post()  # before the events: whoever reads a Done reads the books after it
+        await self.emit(events)
         if self.speculation is not None:
             await self.speculation.report(plan, result, self.core.decoding_ids(),
                                           set(self.core.active_ids()))
@@ -271,15 +302,17 @@ class _Scheduler:
             await self.thread.call(self.runner.retain, self.prefix.reconcile(held))
         await self.emit(self.core.fail_all(),
                         error=f"engine step failed: {type(exc).__name__}: {exc}")
-        await self.report_usage(KvUsage(kv_bytes=0, num_rows=0))
+        await self.report_usage(KvUsage(kv_bytes=0, num_rows=0, charged_bytes=0))
 
     async def wait_for_work(self) -> None:
-        """Idle: wait for a message (handled here) or a finished load."""
+        """Idle: wait for a message or the spill actor's next answer, then handle what came
+        (each receive is cancel-safe: what one took is never lost to the other's win)."""
         prefix = self.prefix
         if self.closed and prefix is not None:  # not finished(): a load is pending
-            await prefix.changed.wait()
+            await prefix.wait_reply()
             return
         received: list[Submit | Cancel] = []
+        answers: list[SpillWritten | SpillLoaded] = []
         async with trio.open_nursery() as race:
             async def receive() -> None:
                 try:
@@ -289,11 +322,15 @@ class _Scheduler:
                 race.cancel_scope.cancel()
 
             race.start_soon(receive)
-            if prefix is not None:
-                async def loaded() -> None:
-                    await prefix.changed.wait()
+            if prefix is not None and prefix.ssd.replies is not None:
+                replies = prefix.ssd.replies
+
+                async def answered() -> None:
+                    answers.append(await replies.receive())
                     race.cancel_scope.cancel()
 
-                race.start_soon(loaded)
+                race.start_soon(answered)
+        if prefix is not None and answers:
+            await prefix.apply_replies(answers)
         for msg in received:
             await self.handle(msg)

@@ -3,14 +3,15 @@
 Every rank writes its own shard of each persisted snapshot to its own directory
 (storage.shard); the other ranks do their file work on a disk thread (storage.shard_disk)
 under rank 0's orders, which reach them through the runner (engine.distributed.LeaderRunner:
-a broadcast, in one order with the plans; engine.follower on their side). The prefix cache
-(actors.prefix_cache) calls this in rank 0's trio thread, in its own task:
+a broadcast, in one order with the plans; engine.follower on their side).
 
-* writes: a snapshot queued for the disk (or written now, --ssd-flush sync) is ordered
-  written on every rank (`order`; `send_orders` before the next step, since the other
-  ranks keep a step's payloads only until the next one). Rank 0 writes its own file, then
-  `written` waits for every rank's report: the snapshot is acknowledged only once every
-  rank's file is durable; if any rank failed, no rank keeps a file of it;
+* write orders (`ShardOrders`, the scheduler's prefix cache, in its task): a snapshot
+  queued for the disk (or written now, --ssd-flush sync) is ordered written on every rank
+  (`order`, numbered; `send` before the next step, since the other ranks keep a step's
+  payloads only until the next one). Its number rides the SpillWrite to the spill actor;
+* the rest (`ShardGroup`, the spill actor, actors.spill, in its task): rank 0 writes its
+  own file, then `written` waits for every rank's report: the snapshot is acknowledged
+  only once every rank's file is durable; if any rank failed, no rank keeps a file of it;
 * loads: `fetch` orders every rank to read and verify its file while rank 0 reads its
   own; `fetched` waits for their reports, and only when every read passed is the snapshot
   restored, on every rank in one operation (`restore`). Otherwise it is a miss on every
@@ -60,40 +61,48 @@ def agreed(mine: Collection[str], others: Iterable[Collection[str]]) -> set[str]
     return set(mine).intersection(*others)
 
 
+class ShardOrders:
+    """The write orders of rank 0's prefix cache (module doc), numbered from 1."""
+
+    def __init__(self, runner: LeaderRunner, thread: RunnerThread) -> None:
+        self._runner, self._thread = runner, thread
+        self._ids = itertools.count(1)
+        self._unsent: list[tuple[int, str, str, dict[str, Any]]] = []
+
+    def order(self, ram_key: str, key: str, fields: Mapping[str, Any]) -> int:
+        """Every rank is to write its payload of snapshot `ram_key` (this step's) as file
+        `key` with these header fields (sent by `send`); returns the order's number."""
+        order = next(self._ids)
+        self._unsent.append((order, ram_key, key, dict(fields)))
+        return order
+
+    async def send(self) -> None:
+        """Hand the step's write orders to the other ranks (before the next step)."""
+        if self._unsent:
+            orders, self._unsent = tuple(self._unsent), []
+            await self._thread.call(self._runner.shard, "shard_persist", orders)
+
+
 class ShardGroup:
-    """Rank 0's books of the other ranks' SSD work (see the module doc)."""
+    """Rank 0's books of the other ranks' SSD work, driven by the spill actor (module
+    doc). Read orders are numbered here, write orders by ShardOrders (their reports are
+    told apart by kind)."""
 
     def __init__(self, runner: LeaderRunner, thread: RunnerThread, tier: SsdTier,
                  num_ranks: int) -> None:
         self._runner, self._thread, self._tier = runner, thread, tier
         self._others = num_ranks - 1
         self._ids = itertools.count(1)
-        self._orders: dict[str, int] = {}   # RAM key -> the order of its write
         self._fetches: dict[str, int] = {}  # SSD key -> the order of its read
-        self._unsent: list[tuple[int, str, str, dict[str, Any]]] = []
         self._reports: dict[tuple[str, int], dict[int, dict[str, Any]]] = {}
         self._polling = trio.Lock()
         self.num_quarantined = 0   # files the other ranks quarantined
         self.num_write_errors = 0  # writes that failed on another rank
 
-    def order(self, ram_key: str, key: str, fields: Mapping[str, Any]) -> None:
-        """Every rank is to write its payload of snapshot `ram_key` (this step's) as file
-        `key` with these header fields (sent by `send_orders`)."""
-        order = next(self._ids)
-        self._orders[ram_key] = order
-        self._unsent.append((order, ram_key, key, dict(fields)))
-
-    async def send_orders(self) -> None:
-        if self._unsent:
-            orders, self._unsent = tuple(self._unsent), []
-            await self._thread.call(self._runner.shard, "shard_persist", orders)
-
-    async def written(self, ram_key: str, key: str, *, mine: bool, keep: bool) -> str | None:
-        """Wait for every rank's write of `ram_key`; None when all are durable (and rank 0's,
-        `mine`), else what failed. On a failure no rank keeps a file of `key`, unless
+    async def written(self, order: int, key: str, *, mine: bool, keep: bool) -> str | None:
+        """Wait for every rank's write order `order`; None when all are durable (and rank
+        0's, `mine`), else what failed. On a failure no rank keeps a file of `key`, unless
         `keep` (an earlier write of it was acknowledged)."""
-        order = self._orders.pop(ram_key)
-        await self.send_orders()  # (already sent, unless the step's absorb was cancelled)
         failed = {rank: report["reason"]
                   for rank, report in (await self._wait("write", order)).items()
                   if report["status"] != "ok"}

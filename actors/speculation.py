@@ -5,6 +5,7 @@ Owns: a SpeculationPolicy (engine.speculative.policy: per row the method, k, acc
       engine.speculative.throughput) and the server's default choice.
 Receives: SpecStep from the scheduler (SPECULATION_MAILBOX), one per engine step: rows
       opened and released, verified lengths per row, the step's measured duration.
+Posts: its SpeculationStatistics to the board (actors.board) after each SpecStep.
 Sends: one SpecDecision per SpecStep to the scheduler on the reply edge
       (speculation_replies): tokens each open row proposes from the next step planned.
       The scheduler never waits for it: the latest decision it has goes to the core as
@@ -25,6 +26,7 @@ from typing import Collection, Sequence
 import attrs
 import trio
 
+from tqserve.actors.board import Board
 from tqserve.actors.mailbox import Inbox, Outbox
 from tqserve.actors.messages import RowVerified, SpecDecision, SpecOpen, SpecStep
 from tqserve.engine.step import StepAdvice, StepPlan, StepResult
@@ -58,16 +60,19 @@ def decide_step(policy: SpeculationPolicy, default: SpecChoice | None,
 
 
 async def run_speculation(policy: SpeculationPolicy, default: SpecChoice | None,
-                          inbox: Inbox, replies: Outbox,
+                          inbox: Inbox, replies: Outbox, board: Board,
                           task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
                           ) -> None:
-    """Answer each SpecStep with a SpecDecision until the scheduler closes the edge."""
+    """Answer each SpecStep with a SpecDecision until the scheduler closes the edge; post
+    the books' statistics to the board after each."""
+    board.post(speculation=policy.statistics())
     task_status.started()
     async with replies:
         async for msg in inbox:
             match msg:
                 case SpecStep():
                     replies.send_nowait(decide_step(policy, default, msg))
+                    board.post(speculation=policy.statistics())
                 case _:
                     raise TypeError(f"speculation got unexpected {type(msg).__name__}")
 

@@ -141,7 +141,7 @@ class _Connection:
         rid = command.request_id
         try:
             events = self._engine.generate(command.request, engine_id)
-            tracked = self._metrics.track(events, rid, "WS /v1/stream", engine_id)
+            tracked = self._metrics.track(events, rid, "WS /v1/stream")
             async with aclosing(tracked) as stream:
                 async for event in stream:
                     wire = event.to_wire()

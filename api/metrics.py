@@ -22,7 +22,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from tqserve.actors.facade import Engine
-from tqserve.actors.messages import Done, Error, Event, Queued, Token
+from tqserve.actors.messages import Done, Error, Event, Token
 from tqserve.api.httpcommon import STATUS_BY_CODE
 
 access_log = logging.getLogger("tqserve.access")
@@ -145,23 +145,13 @@ class Metrics:
                                "(stop, length, cancelled).", ["model_name", "finished_reason"],
                                registry=self.registry)
         self.registry.register(_EngineCollector(engine))
-        self._queued_at: dict[str, float] = {}
-        engine.add_dequeue_listener(self._dequeued)
-
-    def _dequeued(self, request_id: str) -> None:
-        start = self._queued_at.pop(request_id, None)
-        if start is not None:
-            self.queue.observe(trio.current_time() - start)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
 
-    async def track(self, events: AsyncIterator[Event], request_id: str, route: str,
-                    engine_id: str | None = None) -> AsyncIterator[Event]:
-        """Pass `events` through, timing them; log one access line when they end.
-
-        `engine_id` is the id the engine knows the request by (default: request_id)."""
-        engine_id = engine_id or request_id
+    async def track(self, events: AsyncIterator[Event], request_id: str,
+                    route: str) -> AsyncIterator[Event]:
+        """Pass `events` through, timing them; log one access line when they end."""
         start = trio.current_time()
         wall = time.perf_counter()
         first: float | None = None
@@ -172,14 +162,11 @@ class Metrics:
         try:
             async for event in stream:
                 now = trio.current_time()
-                if isinstance(event, Queued):
-                    self._queued_at[engine_id] = now
-                elif isinstance(event, Token):
+                if isinstance(event, Token):
                     tokens += 1
                     if first is None:
                         first = now
                         self.ttft.observe(now - start)
-                        self._dequeued(engine_id)  # if the dequeue reply has not come yet
                     else:
                         self.itl.observe(now - last)
                     last = now
@@ -189,10 +176,11 @@ class Metrics:
         finally:
             with trio.CancelScope(shield=True):
                 await stream.aclose()  # type: ignore[attr-defined]
-            self._queued_at.pop(engine_id, None)
             self.generation_tokens.inc(tokens)
             if isinstance(end, Done):
                 self.e2e.observe(trio.current_time() - start)
+                if end.queue_seconds is not None:  # the scheduler's stamp (Done.queue_seconds)
+                    self.queue.observe(end.queue_seconds)
                 self.prompt_tokens.inc(end.prompt_tokens)
                 self.prefix_queries.inc(end.prompt_tokens)
                 self.prefix_hits.inc(end.cached_tokens)

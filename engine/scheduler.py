@@ -56,6 +56,16 @@ class SchedulerStatistics:
     num_prefill_tokens: int  # padding included: what the prefill forwards processed
 
 
+def check_speculative(methods: frozenset[str], speculative: object) -> None:
+    """ValueError naming speculative.method if a request's method is not one of `methods`
+    (the proposers served)."""
+    method = getattr(speculative, "method", None)
+    if method is not None and method not in methods:
+        served = ", ".join(sorted(methods)) or "none"
+        raise ValueError(f"speculative.method {method!r} is not served here (served: "
+                         f"{served}; see --speculative and --draft-model)")
+
+
 class SchedulerCore:
     """Keeps the books of requests and rows; decides each step."""
 
@@ -119,11 +129,7 @@ class SchedulerCore:
 
     def check_speculative(self, speculative: object) -> None:
         """ValueError naming speculative.method if the request's method is not served."""
-        method = getattr(speculative, "method", None)
-        if method is not None and method not in self._speculative_methods:
-            served = ", ".join(sorted(self._speculative_methods)) or "none"
-            raise ValueError(f"speculative.method {method!r} is not served here (served: "
-                             f"{served}; see --speculative and --draft-model)")
+        check_speculative(self._speculative_methods, speculative)
 
     def next_to_start(self) -> list[tuple[str, tuple[int, ...]]]:
         """Queued requests that would take a row at the next `schedule` and were not yet
@@ -236,7 +242,8 @@ class SchedulerCore:
             self._prefilling.append(row.request_id)
             started.append(row)
             events.append(Started(request_id=row.request_id, row_id=row.row_id,
-                                  num_prompt_tokens=len(row.prompt)))
+                                  num_prompt_tokens=len(row.prompt),
+                                  kv_positions=self._kv_positions(row)))
         self._prefill.form(started)
         new_rows = tuple(NewRow(request_id=row.request_id, row_id=row.row_id,  # type: ignore
                                 prompt=row.prompt, params=row.params, reuse=row.reuse,
@@ -292,15 +299,11 @@ class SchedulerCore:
             widths += [width] * len(starting)
         return budget.charge(lengths, widths, capacity=self._kv_capacity)
 
-    @property
-    def kv_budget_bytes(self) -> int:
-        """The KV budget (0 without one)."""
-        return self._kv_budget.budget_bytes if self._kv_budget is not None else 0
-
-    def check_kv_alone(self, num_prompt_tokens: int, max_tokens: int) -> None:
-        """ValueError naming the sizes if a request this large could never start."""
-        if self._kv_budget is not None:
-            self._kv_budget.check_alone(num_prompt_tokens, max_tokens)
+    def _kv_positions(self, row: Row) -> int:
+        """The positions a starting row is charged for (0 without a budget)."""
+        budget = self._kv_budget
+        return 0 if budget is None else budget.row_positions(len(row.prompt),
+                                                              row.params.max_tokens)
 
     def postprocess(self, result: StepResult) -> list[Event]:
         """Turn sampled tokens into events; finish rows that hit a stop token, their

@@ -9,6 +9,8 @@ engine.runner executes them).
 
 from __future__ import annotations
 
+from typing import Any
+
 import attrs
 
 from tqserve.engine.sampling import SamplingParams
@@ -165,26 +167,53 @@ class StepResult:
 
 @attrs.frozen(kw_only=True)
 class Started:
-    """A request left the queue and holds row `row_id`."""
+    """A request left the queue and holds row `row_id`, charged for `kv_positions`
+    positions of KV over its life (0 without a KV budget: engine.kv_budget)."""
 
     request_id: str
     row_id: int
     num_prompt_tokens: int
+    kv_positions: int = 0
+
+
+def _pairs(value: Any) -> tuple[tuple[int, float], ...]:
+    return tuple((int(t), float(lp)) for t, lp in value or ())
+
+
+def _floats(value: Any) -> tuple[float, ...] | None:
+    return None if value is None else tuple(float(v) for v in value)
+
+
+def _tops(value: Any) -> tuple[tuple[tuple[int, float], ...], ...] | None:
+    return None if value is None else tuple(_pairs(top) for top in value)
+
+
+def _prompt_entries(value: Any) -> tuple[PromptEntry, ...] | None:
+    if value is None:
+        return None
+    return tuple((int(t), None if lp is None else float(lp), _pairs(top))
+                 for t, lp, top in value)
 
 
 @attrs.frozen(kw_only=True)
 class TokenOut:
-    """A row's new tokens of one step; `index` numbers the first. `final`: the row finished
-    with the last one; `stop_token`: that one is a stop token."""
+    """A row's new tokens of one step; `index` numbers the first (several when speculation
+    accepted some), with one logprob / top-logprobs entry per token when the request asked
+    for them. `final`: the row finished with the last one (its held-back text is flushed);
+    `stop_token`: that one is a stop token (its text is empty); `prompt_logprobs`: with a
+    row's first token, when it asked. The one shape of a step's tokens from the core to
+    the hub (inside actors.messages.StepTokens); converters restore tuples after msgpack."""
 
     request_id: str
     index: int
-    token_ids: tuple[int, ...]
-    logprobs: tuple[float, ...] | None = None
-    top_logprobs: tuple[tuple[tuple[int, float], ...], ...] | None = None
+    token_ids: tuple[int, ...] = attrs.field(converter=lambda v: tuple(int(t) for t in v))
+    logprobs: tuple[float, ...] | None = attrs.field(default=None, converter=_floats)
+    top_logprobs: tuple[tuple[tuple[int, float], ...], ...] | None = attrs.field(
+        default=None, converter=_tops)
     final: bool = False
     stop_token: bool = False
-    prompt_logprobs: tuple[PromptEntry, ...] | None = None  # with a row's first token
+    prompt_logprobs: tuple[PromptEntry, ...] | None = attrs.field(
+        default=None, converter=_prompt_entries)
 
 
 @attrs.frozen(kw_only=True)

@@ -2,11 +2,12 @@
 
 The actors talk only through their mailboxes (tests/actors/test_graph.py checks that the
 drawn mailboxes are the ones built and that only the drawn messages cross them). The
-facade (`Engine` in actors/facade.py) also holds a few actors' books: every attribute it
-reads or calls on them is listed here with the reason it is not a message. A new door
+facade (`Engine` in actors/facade.py) only sends into admission's mailbox and reads the
+board, the one statistics snapshot the actors post to (actors.board); the hub's stream
+hand-over is the one door into an actor, since a trio channel is not a message. Every
+attribute the facade reads or calls on either is listed here with its reason: a new door
 fails this test until it is listed (and so argued for); a door that went away must be
-struck off. The goal of issue 21 is a facade that only sends and reads one statistics
-snapshot; DOORS is what stands between today's code and that goal.
+struck off.
 """
 
 import ast
@@ -14,32 +15,16 @@ from pathlib import Path
 
 import tqserve.actors.facade as facade_module
 
-# The facade's fields that are actors' state, and the actor that owns each.
-STATE = {"_hub": "hub", "_control": "admission", "_books": "cache_owner",
-         "_core": "scheduler", "prefix": "scheduler (prefix cache)",
-         "_speculation": "speculation"}
+# The facade's fields that are actors' state (or the board they post to), and whose.
+STATE = {"_hub": "hub", "_board": "the board (every actor posts its statistics there)"}
 
 DOORS = {
     ("_hub", "open_stream"): "a stream's channel is a trio object, not a msgpack message",
     ("_hub", "close_stream"): "called from a dropped iterator's __del__: no await there",
     ("_hub", "overflowed"): "why the hub cut a stream, read when its channel ended",
-    ("_control", "full"): "the O(1) overload gate before tokenizing (issue 20)",
-    ("_control", "room"): "the acceptor process's O(1) gate: the queue's free slots",
-    ("_control", "dequeue_listeners"): "metrics time queue waits on the engine's thread",
-    ("_control", "stop_admitting"): "shutdown refuses new requests at once",
-    ("_books", "idle"): "wait_idle: no row leased, no KV resident",
-    ("_books", "changed"): "wait_idle's wake-up",
-    ("_core", "check_speculative"): "validation needs the proposers the core was built with",
-    ("_core", "check_kv_alone"): "validation: a request larger than the KV budget alone",
-    ("_core", "kv_budget_bytes"): "statistics",
-    ("_core", "kv_charge"): "statistics",
-    ("_hub", "statistics"): "statistics",
-    ("_control", "statistics"): "statistics",
-    ("_books", "statistics"): "statistics",
-    ("_core", "statistics"): "statistics",
-    ("prefix", "statistics"): "statistics",
-    ("prefix", "index"): "kv_events: a pure read of the index's KV event log (issue 26)",
-    ("_speculation", "statistics"): "statistics",
+    ("_board", "snapshot"): "the one statistics snapshot (statistics, the overload gate)",
+    ("_board", "wait_until"): "wait_idle: wakes when a post makes the ledger idle",
+    ("_board", "kv_events"): "the prefix cache's append-only KV event log, read by page",
 }
 
 

@@ -264,8 +264,8 @@ async def test_stop_string_found_by_the_hub_ends_the_request_and_frees_the_row(d
         stop = text[len(text) // 2: len(text) // 2 + 3]  # greedy: the rerun meets it again
         events = await drain(engine, request(max_tokens=40, stop=[stop]))
         await engine.wait_idle()
-        books = engine._books.statistics()
-        hub = engine._hub.statistics()
+        snapshot = engine._board.snapshot  # the actors' own records, as they posted them
+        books, hub = snapshot.cache_owner, snapshot.hub
     tokens = [e for e in events if isinstance(e, Token)]
     done = events[-1]
     assert isinstance(done, Done) and done.finish_reason == "stop"

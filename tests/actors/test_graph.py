@@ -15,8 +15,10 @@ from tqserve.engine.sampling import SamplingParams
 
 EDGE = re.compile(r"^    (\w+) -> (\w+): ([\w ]+?)( \(reply edge\))?$")
 # the mailboxes read by another actor's task
-OWNER = {"admission_replies": "admission", "speculation_replies": "scheduler"}
+OWNER = {"admission_replies": "admission", "speculation_replies": "scheduler",
+         "spill_replies": "scheduler"}
 SPECULATION = {"speculation", "speculation_replies"}  # only with speculation
+SPILL = {"spill", "spill_replies"}  # only with a cache dir
 
 
 def drawn_edges():
@@ -26,7 +28,7 @@ def drawn_edges():
 
 def test_the_drawn_graph_is_a_dag_plus_reply_edges():
     edges = drawn_edges()
-    assert len(edges) == 9
+    assert len(edges) == 11
     graph: dict[str, set[str]] = {}
     for sender, mailbox, _, reply in edges:
         if not reply:
@@ -44,7 +46,7 @@ def test_the_drawn_graph_is_a_dag_plus_reply_edges():
         visit(node, [])
     replies = [(s, OWNER.get(m, m)) for s, m, _, reply in edges if reply]
     assert replies == [("scheduler", "admission"), ("hub", "admission"),
-                       ("speculation", "scheduler")]
+                       ("speculation", "scheduler"), ("spill", "scheduler")]
 
 
 async def test_open_engine_creates_the_drawn_mailboxes_and_only_drawn_messages_cross(
@@ -67,7 +69,7 @@ async def test_open_engine_creates_the_drawn_mailboxes_and_only_drawn_messages_c
                 break
         await engine.wait_idle()
         mailboxes = engine.mailboxes
-    edges = [e for e in drawn_edges() if e[1] not in SPECULATION]
+    edges = [e for e in drawn_edges() if e[1] not in SPECULATION | SPILL]
     assert set(mailboxes) == {mailbox for _, mailbox, _, _ in edges}
     assert all(size >= 1 for size in mailboxes.values())
     allowed = {}
@@ -94,7 +96,7 @@ async def test_with_speculation_the_speculation_edges_carry_steps_and_decisions(
         await trio.testing.wait_all_tasks_blocked()  # the speculation actor read the last step
         mailboxes = engine.mailboxes
         stats = engine.statistics().speculative
-    edges = drawn_edges()
+    edges = [e for e in drawn_edges() if e[1] not in SPILL]
     assert set(mailboxes) == {mailbox for _, mailbox, _, _ in edges}
     allowed = {}
     for _, mailbox, messages, _ in edges:
@@ -113,3 +115,34 @@ async def _drain(engine, prompt):
     async for _ in engine.generate(GenerateRequest(
             prompt=prompt, params=SamplingParams(temperature=0.0, max_tokens=24))):
         pass
+
+
+async def test_with_a_cache_dir_the_spill_edges_carry_every_file_operation(draft_model,
+                                                                        tmp_path):
+    """Writes, loads and removals reach the SSD tier only as orders in the spill actor's
+    mailbox, and its answers come back on its reply edge: a request's snapshots are
+    written (SpillWrite -> SpillWritten), a superseded prompt file is removed
+    (SpillRemove), and after a restart with a 1-byte RAM tier a repeat is an SSD hit
+    (SpillLoad -> SpillLoaded)."""
+    prompt = "def fibonacci(n):\n    if n < 2:\n        return n\n"
+    seen: list[tuple[str, str]] = []
+    config = Config(cache_dir=str(tmp_path), ssd_flush="sync", ram_cache_bytes=1)
+    for _ in range(2):
+        async with open_engine(config, loaded=draft_model,
+                               recorder=lambda name, data: seen.append(
+                                   (name, type(decode(data)).__name__))) as engine:
+            events = [e async for e in engine.generate(GenerateRequest(
+                prompt=prompt, params=SamplingParams(temperature=0.0, max_tokens=8)))]
+            await engine.wait_idle()
+            mailboxes = engine.mailboxes
+    assert events[-1].cached_tier == "ssd", events[-1]
+    edges = drawn_edges()
+    assert set(mailboxes) == {mailbox for _, mailbox, _, _ in edges} - SPECULATION
+    allowed = {}
+    for _, mailbox, messages, _ in edges:
+        allowed.setdefault(mailbox, set()).update(messages)
+    assert all(kind in allowed[name] for name, kind in set(seen)), set(seen)
+    for message in ("SpillWrite", "SpillLoad", "SpillRemove"):
+        assert ("spill", message) in seen, message
+    assert seen.count(("spill_replies", "SpillWritten")) == seen.count(("spill", "SpillWrite"))
+    assert seen.count(("spill_replies", "SpillLoaded")) == seen.count(("spill", "SpillLoad"))

@@ -3,8 +3,9 @@ stream; a stop string found there ends the stream and cancels the row (reply edg
 
 import trio
 
+from tqserve.engine.step import TokenOut
 from tqserve.actors.hub import Hub
-from tqserve.actors.messages import Cancel, Done, RowTokens, StepTokens, Token
+from tqserve.actors.messages import Cancel, Done, StepTokens, Token
 from tqserve.engine.detokenize import TextStream
 
 
@@ -31,12 +32,12 @@ async def test_step_tokens_split_per_stream_with_own_text(draft_model):
     a, b = hub.open_stream("a"), hub.open_stream("b", label="caller's id")
     ids = tok.encode("def f(x):\n    return x")
     hub.deliver(StepTokens(rows=(
-        RowTokens(request_id="a", index=0, token_ids=ids[:3], logprobs=(-1.0, -2.0, -3.0),
+        TokenOut(request_id="a", index=0, token_ids=ids[:3], logprobs=(-1.0, -2.0, -3.0),
                   top_logprobs=(((ids[0], -1.0),), ((ids[1], -2.0),), ((ids[2], -3.0),))),
-        RowTokens(request_id="b", index=0, token_ids=ids[:1]),
-        RowTokens(request_id="gone", index=0, token_ids=ids[:1]))))
+        TokenOut(request_id="b", index=0, token_ids=ids[:1]),
+        TokenOut(request_id="gone", index=0, token_ids=ids[:1]))))
     hub.deliver(StepTokens(rows=(
-        RowTokens(request_id="a", index=3, token_ids=tuple(ids[3:]) + (0,), final=True,
+        TokenOut(request_id="a", index=3, token_ids=tuple(ids[3:]) + (0,), final=True,
                   stop_token=True),)))
     hub.deliver(_done("a", len(ids) + 1, "stop"))
     events = _drain(a)
@@ -62,8 +63,8 @@ async def test_stop_string_drops_later_tokens_cancels_and_counts_what_was_delive
     cut = next(i for i in range(len(ids)) if "return" in tok.decode(ids[:i + 1]))
     # the stop string completes inside a multi-token entry; more tokens follow in it and in
     # the next step, sampled before the cancel could reach the scheduler
-    hub.deliver(StepTokens(rows=(RowTokens(request_id="s", index=0, token_ids=ids[:cut + 2]),)))
-    hub.deliver(StepTokens(rows=(RowTokens(request_id="s", index=cut + 2,
+    hub.deliver(StepTokens(rows=(TokenOut(request_id="s", index=0, token_ids=ids[:cut + 2]),)))
+    hub.deliver(StepTokens(rows=(TokenOut(request_id="s", index=cut + 2,
                                            token_ids=ids[cut + 2:]),)))
     [cancel] = await hub.wait_cancels()
     assert cancel == Cancel(request_id="s", reason="stop", num_tokens=cut + 1)
@@ -85,7 +86,7 @@ async def test_stop_string_on_a_final_token_needs_no_cancel(draft_model):
     hub = _hub(tok)
     receive = hub.open_stream("s", stop=("\n",))
     ids = tok.encode("a = 1\n")
-    hub.deliver(StepTokens(rows=(RowTokens(request_id="s", index=0, token_ids=ids,
+    hub.deliver(StepTokens(rows=(TokenOut(request_id="s", index=0, token_ids=ids,
                                            final=True),)))
     hub.deliver(_done("s", len(ids)))
     with trio.move_on_after(0) as scope:  # nothing queued: returns only if a cancel were
@@ -99,6 +100,6 @@ async def test_stop_string_on_a_final_token_needs_no_cancel(draft_model):
 async def test_overflow_cuts_the_stream_and_cancels(draft_model):
     hub = _hub(draft_model.tokenizer, buffer=2)
     hub.open_stream("slow")
-    hub.deliver(StepTokens(rows=(RowTokens(request_id="slow", index=0, token_ids=(5, 6, 7)),)))
+    hub.deliver(StepTokens(rows=(TokenOut(request_id="slow", index=0, token_ids=(5, 6, 7)),)))
     assert hub.overflowed("slow") and not hub.is_open("slow")
     assert await hub.wait_cancels() == [Cancel(request_id="slow")]

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import trio.testing
 
+from tqserve.engine.step import TokenOut
 import tqserve.tools.replay.recorder as recorder_mod
-from tqserve.actors.messages import (Done, Error, Queued, RowTokens, StepTokens, Submit, Token,
+from tqserve.actors.messages import (Done, Error, Queued, StepTokens, Submit, Token,
                                      encode)
 from tqserve.engine.sampling import SamplingParams
 from tqserve.tools.replay.recording import read_recording
@@ -65,11 +66,11 @@ async def test_step_tokens_are_recorded_and_cut_at_the_done_count(tmp_path):
             hook("admission", encode(Submit(request_id=rid, prompt_tokens=(2,),
                                             params=SamplingParams(max_tokens=9))))
             hook("hub", encode(Queued(request_id=rid)))
-        hook("hub", encode(StepTokens(rows=(RowTokens(request_id="s", index=0,
+        hook("hub", encode(StepTokens(rows=(TokenOut(request_id="s", index=0,
                                                       token_ids=(5, 6)),
-                                            RowTokens(request_id="t", index=0,
+                                            TokenOut(request_id="t", index=0,
                                                       token_ids=(7,))))))
-        hook("hub", encode(StepTokens(rows=(RowTokens(request_id="s", index=2,
+        hook("hub", encode(StepTokens(rows=(TokenOut(request_id="s", index=2,
                                                       token_ids=(8,)),))))
         # a stop string met at token 6 (the hub's cancel counted 2): token 8 is cut
         hook("hub", encode(Done(request_id="s", finish_reason="stop", prompt_tokens=1,

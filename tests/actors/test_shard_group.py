@@ -29,10 +29,13 @@ import pytest
 import trio
 from mlx_lm.models.cache import make_prompt_cache
 
+from tqserve.actors.board import Board
+from tqserve.actors.mailbox import open_mailbox
 from tqserve.actors.prefix_cache import PrefixCache
-from tqserve.actors.spill import header_validator
+from tqserve.actors.spill import (SPILL_MAILBOX, Evictions, Spill, header_validator,
+                                  reply_mailbox_size, run_spill)
 from tqserve.actors.runner_thread import RunnerThread
-from tqserve.actors.shard_group import ShardGroup
+from tqserve.actors.shard_group import ShardGroup, ShardOrders
 from tqserve.engine.distributed import LeaderRunner, ShardRestoreError, Watchdog
 from tqserve.engine import follower as follower_module
 from tqserve.engine.follower import FollowerShards, follow
@@ -177,6 +180,7 @@ async def test_rank_0_books_the_other_ranks_disk_work(draft_model: Any, tmp_path
                            expected_fingerprints=[fingerprint],
                            validate_header=header_validator(NS, layout), shard=ShardId(2, 0))
             group = ShardGroup(leader, thread, tier, 2)
+            orders = ShardOrders(leader, thread)
             await group.start_recovery(NS)
             await trio.to_thread.run_sync(tier.recover)
             assert await group.agree([]) == set()
@@ -186,12 +190,12 @@ async def test_rank_0_books_the_other_ranks_disk_work(draft_model: Any, tmp_path
                 key, fields = common(tokens[name], fingerprint)
                 if staged:  # what the step's execute stages on rank 1 (rank 1 is waiting)
                     shards.stage(StepResult(outputs=(), kv_bytes=0, writes=(payloads[name],)))
-                group.order(payloads[name].key, key, {**fields, **override})
-                await group.send_orders()
+                order = orders.order(payloads[name].key, key, {**fields, **override})
+                await orders.send()
                 payload = payloads[name]
                 await trio.to_thread.run_sync(tier.put, key, {**payload.header, **fields},
                                               payload.planes)
-                return await group.written(payload.key, key, mine=True, keep=False)
+                return await group.written(order, key, mine=True, keep=False)
 
             # acknowledged: both ranks' files durable
             assert await write("A") is None and await write("C") is None
@@ -259,25 +263,37 @@ async def test_rank_0_books_the_other_ranks_disk_work(draft_model: Any, tmp_path
 
             # the prefix cache's own path (sync flush) over a budget of two files: the
             # third write evicts the oldest on rank 0, and rank 1's file of it goes too
+            evictions = Evictions()
             small = SsdTier(ShardId(2, 0).directory(tmp_path), 5 * tier.entries()[0].num_bytes
                             // 2, expected_fingerprints=[fingerprint], shard=ShardId(2, 0),
-                            validate_header=header_validator(NS, layout))
+                            validate_header=header_validator(NS, layout), on_evict=evictions)
             small_group = ShardGroup(leader, thread, small, 2)
+            spill = Spill(small, evictions=evictions, group=small_group)
+            spill_out, spill_in = open_mailbox(SPILL_MAILBOX, "spill")
+            answers_out, answers_in = open_mailbox(reply_mailbox_size(4), "spill_replies")
             prefix = PrefixCache(namespace=NS, fingerprint=fingerprint, ram_budget=1 << 30,
-                                 tier=small, flush="sync", runner_call=thread.call,
-                                 group=small_group)
-            await prefix.recover()
-            for i, name in enumerate("GHI"):
-                # the core's prompt snapshot order for a joining row (engine.orders)
-                ram_key = f"p{i}"
-                plan = StepPlan(join=(name,), prompt_snapshot=((name, ram_key),),
-                                persist=True)
-                made = attrs.evolve(payloads[name], key=ram_key)
-                result = StepResult(outputs=(), kv_bytes=0, writes=(made,), snapshots=(
-                    SnapshotMade(key=ram_key, request_id=name, offset=len(tokens[name]),
-                                 minimum_reusable_offset=0, num_bytes=1),))
-                shards.stage(result)  # (what rank 1's execute of this plan staged)
-                await prefix.absorb(plan, result, lambda rid: (*tokens[rid], 1))
+                                 flush="sync", spill=spill_out, replies=answers_in,
+                                 orders=orders)
+            await spill.remove(prefix.recovered(await spill.recover(NS, {NS})))
+
+            async def no_loads(*args: Any) -> int:
+                raise AssertionError("nothing is loaded here")
+
+            async with trio.open_nursery() as actors:  # the spill actor, as open_engine runs it
+                await actors.start(run_spill, spill, spill_in, answers_out, Board(), no_loads)
+                for i, name in enumerate("GHI"):
+                    # the core's prompt snapshot order for a joining row (engine.orders)
+                    ram_key = f"p{i}"
+                    plan = StepPlan(join=(name,), prompt_snapshot=((name, ram_key),),
+                                    persist=True)
+                    made = attrs.evolve(payloads[name], key=ram_key)
+                    result = StepResult(outputs=(), kv_bytes=0, writes=(made,), snapshots=(
+                        SnapshotMade(key=ram_key, request_id=name, offset=len(tokens[name]),
+                                     minimum_reusable_offset=0, num_bytes=1),))
+                    shards.stage(result)  # (what rank 1's execute of this plan staged)
+                    await prefix.absorb(plan, result, lambda rid: (*tokens[rid], 1))
+                spill_out.close()  # the actor drains its disk queue and ends
+            await prefix.apply_replies()
             # rank 1 removes an evicted key's file after its queued work, unacknowledged;
             # a read of H queued after that removal is the barrier (its disk works in order)
             mine = await trio.to_thread.run_sync(small.get, keys["H"])

@@ -10,6 +10,7 @@ import pytest
 import trio
 import trio.testing
 
+from tqserve.actors.board import Board
 from tqserve.actors.mailbox import open_mailbox
 from tqserve.actors.messages import RowVerified, SpecDecision, SpecOpen, SpecStep
 from tqserve.actors.speculation import (SPECULATION_MAILBOX, SpeculationLink,
@@ -26,7 +27,7 @@ DEFAULT = SpecChoice(method="draft", num_tokens=3)
 async def _start(nursery, policy):
     spec_out, spec_in = open_mailbox(SPECULATION_MAILBOX, "speculation")
     replies_out, replies_in = open_mailbox(reply_mailbox_size(), "speculation_replies")
-    await nursery.start(run_speculation, policy, DEFAULT, spec_in, replies_out)
+    await nursery.start(run_speculation, policy, DEFAULT, spec_in, replies_out, Board())
     return SpeculationLink(outbox=spec_out, replies=replies_in)
 
 
@@ -58,7 +59,7 @@ async def test_an_unexpected_message_is_a_loud_bug():
     replies_out, _ = open_mailbox(reply_mailbox_size(), "speculation_replies")
     await spec_out.send(SpecDecision(step=9))  # a reply, sent the wrong way
     with pytest.raises(TypeError, match="speculation got unexpected SpecDecision"):
-        await run_speculation(SpeculationPolicy(), DEFAULT, spec_in, replies_out)
+        await run_speculation(SpeculationPolicy(), DEFAULT, spec_in, replies_out, Board())
 
 
 def _plan(decode, new=(), release=()):

@@ -176,13 +176,13 @@ async def test_forged_file_at_load_runs_cold_and_spares_its_batch_mate(draft_mod
         got = await run_all(engine, pairs, 2)
         stats = engine.statistics().prefix_cache
         assert stats.quarantined == 3, stats
-        assert stats.ssd_entries == 3 and engine.prefix.tier.statistics().num_entries == 3
+        assert stats.ssd_entries == 3 and stats.tier_entries == 3
         # The cache dir deleted while serving: the hit runs cold, and no entry stays (not
         # only the one looked up).
         shutil.rmtree(directory)
         again = await run_all(engine, [requests[3]], 1)
         stats = engine.statistics().prefix_cache
-        assert stats.ssd_entries == 0 and engine.prefix.tier.statistics().num_entries == 0
+        assert stats.ssd_entries == 0 and stats.tier_entries == 0
     assert_same(got, [want[0], want[4], want[1], want[5], want[2], want[4]])
     assert all(done.finish_reason in ("stop", "length") for _, _, done in got)
     assert_same(again, [want[3]])
@@ -216,7 +216,7 @@ async def test_recovery_reads_only_headers_of_hundreds_of_files(draft_model, tmp
     total = sum(p.stat().st_size for p in directory.glob("*.tqsnap"))
     config = Config(max_batch=8, ram_cache_bytes=1, cache_dir=str(directory))
     async with open_engine(config, loaded=draft_model) as engine:
-        read_at_start = engine.prefix.tier.statistics().num_bytes_read
+        read_at_start = engine.statistics().prefix_cache.bytes_read
         assert engine.statistics().prefix_cache.ssd_entries == 301
         got = await run_all(engine, requests, 1)
         stats = engine.statistics().prefix_cache
@@ -262,7 +262,10 @@ async def test_a_file_that_fails_to_restore_is_quarantined(draft_model, tmp_path
     """A load failure of any kind quarantines the file and the request runs cold: here a
     tier without the header validator, so the runner's own restore (a TurboQuant runner,
     for a plain-cache file) is what refuses it. Real files, real Runner, real PrefixCache."""
-    from tqserve.actors.prefix_cache import LOADING, PrefixCache
+    from tqserve.actors.board import Board
+    from tqserve.actors.mailbox import open_mailbox
+    from tqserve.actors.prefix_cache import LOADING, PrefixCache, PrefixCacheStatistics
+    from tqserve.actors.spill import SPILL_MAILBOX, Spill, reply_mailbox_size, run_spill
     from tqserve.engine.kv.factory import cache_factory_for
     from tqserve.engine.runner import Runner
     from tqserve.storage import SsdTier
@@ -276,15 +279,22 @@ async def test_a_file_that_fails_to_restore_is_quarantined(draft_model, tmp_path
     async def restore(*args):
         return runner.restore(*args)
 
+    spill = Spill(SsdTier(directory, 1 << 30))
+    spill_out, spill_in = open_mailbox(SPILL_MAILBOX, "spill")
+    answers_out, answers_in = open_mailbox(reply_mailbox_size(1), "spill_replies")
     prefix = PrefixCache(namespace=header.namespace, fingerprint=header.model_fingerprint,
-                         ram_budget=1 << 30, tier=SsdTier(directory, 1 << 30), flush="sync",
-                         runner_call=restore)
-    await prefix.recover()
+                         ram_budget=1 << 30, flush="sync", spill=spill_out, replies=answers_in)
+    await spill.remove(prefix.recovered(await spill.recover(header.namespace,
+                                                            {header.namespace})))
     assert prefix.statistics().ssd_entries == 1
-    assert prefix.lookup("r1", requests[0][0]) == LOADING  # an SSD hit: load it
-    for key in prefix.loads_to_start():
-        await prefix.load(key)
-    assert prefix.take_ready() == [("r1", None)]  # the load failed: r1 runs cold
-    stats = prefix.statistics()
+    board = Board()
+    async with trio.open_nursery() as actors:  # the spill actor, as open_engine runs it
+        await actors.start(run_spill, spill, spill_in, answers_out, board, restore)
+        assert prefix.lookup("r1", requests[0][0]) == LOADING  # an SSD hit: load it
+        await prefix.start_loads()
+        await prefix.wait_reply()
+        assert prefix.take_ready() == [("r1", None)]  # the load failed: r1 runs cold
+        spill_out.close()
+    stats = PrefixCacheStatistics.of(prefix.statistics(), board.snapshot.spill)
     assert (stats.quarantined, stats.ssd_entries) == (1, 0), stats
     assert (directory / QUARANTINE_DIR / path.name).is_file() and not path.exists()

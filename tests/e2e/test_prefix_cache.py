@@ -76,14 +76,13 @@ async def settle(engine) -> None:
     releases and snapshots the finished rows, the second carries their spill orders, which
     are written (or queued, --ssd-flush async) before its second token is sent. Queued
     writes are then awaited by polling the index until nothing is SPILLING."""
-    from tqserve.engine.prefix import Tier
-
     barrier = GenerateRequest(prompt_tokens=BARRIER,
                               params=SamplingParams(max_tokens=2, temperature=0.0))
     events = [event async for event in engine.generate(barrier)]
     assert isinstance(events[-1], Done) and events[-1].completion_tokens == 2, events[-1]
     for _ in range(SETTLE_POLLS):
-        if not engine.prefix.index.keys(Tier.SPILLING) and not engine.prefix.has_orders():
+        stats = engine.statistics().prefix_cache
+        if not stats.spilling_entries and not stats.orders_pending:
             return
         await trio.sleep(0.005)
     raise AssertionError("spills still in flight")

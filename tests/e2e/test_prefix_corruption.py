@@ -16,7 +16,6 @@ import struct
 from pathlib import Path
 
 import pytest
-import trio
 
 from tqserve.actors.engine import open_engine
 from tqserve.engine.config import Config
@@ -173,13 +172,16 @@ async def test_more_corruptions_end_to_end(draft_model, tmp_path):
     config = Config(max_batch=8, ram_cache_bytes=1, cache_dir=str(tmp_path))
     async with open_engine(config, loaded=draft_model) as engine:
         again = await run_all(engine, requests, 1)
-        # Start-up checks headers only; plane checksums are checked when a file is loaded.
-        # A corrupt file that no request loaded (a longer donor won) is still indexed:
-        # load every remaining entry as a hit would, and each bad one is quarantined.
-        tier = engine.prefix.tier
-        for entry in tier.entries():
-            with contextlib.suppress(SnapshotError):
-                await trio.to_thread.run_sync(tier.get, entry.key)
+    # Start-up checks headers only; plane checksums are checked when a file is loaded.
+    # A corrupt file that no request loaded (a longer donor won) is still indexed: load
+    # every remaining entry as a hit would (the same checks, a tier on the same
+    # directory, after the engine), and each bad one is quarantined.
+    tier = SsdTier(tmp_path, config.ssd_cache_bytes,
+                   expected_fingerprints=[draft_model.fingerprint])
+    tier.recover()
+    for entry in tier.entries():
+        with contextlib.suppress(SnapshotError):
+            tier.get(entry.key)
     assert_same(again, want)
     assert len(list((tmp_path / "quarantine").iterdir())) == len(cases)
     assert not list(tmp_path.glob(".tmp-*"))

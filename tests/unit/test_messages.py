@@ -4,6 +4,7 @@ import attrs
 import msgpack
 import pytest
 
+from tqserve.engine.step import TokenOut
 from tqserve.actors import messages as m
 from tqserve.engine.sampling import SamplingParams
 from tqserve.engine.speculative.policy import SpecChoice
@@ -27,17 +28,17 @@ EXAMPLES = [
     m.Token(request_id="r1", index=0, token_id=9, text="é", logprob=-0.5,
             top_logprobs=((9, -0.5), (3, -1.25))),
     m.Token(request_id="r1", index=1, token_id=9, text=""),
-    m.RowTokens(request_id="r1", index=0, token_ids=(9,)),
-    m.RowTokens(request_id="r1", index=0, token_ids=(9,),
+    TokenOut(request_id="r1", index=0, token_ids=(9,)),
+    TokenOut(request_id="r1", index=0, token_ids=(9,),
                 prompt_logprobs=((4, None, ()), (7, -1.5, ((7, -1.5), (2, -1.75))))),
     m.PromptLogprobs(request_id="r1", token_ids=(4, 7), logprobs=(None, -1.5),
                      top_logprobs=(None, ((7, -1.5), (2, -1.75)))),
     m.PromptLogprobs.of("r1", ((4, None, ()), (7, -0.5, ()))),
     m.StepTokens(rows=(
-        m.RowTokens(request_id="r1", index=3, token_ids=(9, 4, 2), logprobs=(-0.5, -1.0, -0.25),
+        TokenOut(request_id="r1", index=3, token_ids=(9, 4, 2), logprobs=(-0.5, -1.0, -0.25),
                     top_logprobs=(((9, -0.5),), ((4, -1.0),), ((2, -0.25),)), final=True,
                     stop_token=True),
-        m.RowTokens(request_id="r2", index=0, token_ids=(7,), logprobs=(-2.0,)))),
+        TokenOut(request_id="r2", index=0, token_ids=(7,), logprobs=(-2.0,)))),
     m.StepTokens(rows=()),
     m.Done(request_id="r1", finish_reason="length", prompt_tokens=3, completion_tokens=5,
            cached_tokens=0),
@@ -61,6 +62,25 @@ EXAMPLES = [
     m.RowVerified(request_id="r5", num_proposed=1, num_accepted=0),
     m.SpecDecision(step=7, proposals=(("r1", 4), ("r2", 0))),
     m.SpecDecision(step=9, new_rows=False),
+    m.StopAdmitting(),
+    m.Lease(request_id="r1", row_id=3, kv_positions=512),
+    m.KvUsage(kv_bytes=1024, num_rows=2, charged_bytes=4096),
+    m.Done(request_id="r1", finish_reason="stop", prompt_tokens=3, completion_tokens=9,
+           queue_seconds=0.25),
+    m.SpillWrite(ram_key="r4", key="ab" * 32, header={"namespace": "ns", "offset": 3,
+                                                      "token_ids": [1, 2, 3]},
+                 planes=(("keys", b"\x01" * 64, (1, 2, 4, 8), "float16"),), order=2),
+    m.SpillWrite(ram_key="p5", key="cd" * 32, header={}, planes=(), sync=True, keep=True),
+    m.SpillLoad(key="ab" * 32, temporary="s0", bound=12, state="draft:x"),
+    m.SpillLoad(key="r4", temporary="s1", bound=0, pending=True),
+    m.SpillRemove(keys=("ab" * 32, "cd" * 32)),
+    m.SpillWritten(ram_key="r4", key="ab" * 32, num_bytes=4096),
+    m.SpillWritten(ram_key="r4", key="ab" * 32, problem="No space left", disk_error=True,
+                   gone=("cd" * 32,)),
+    m.SpillWritten(ram_key="r5", key="ef" * 32, problem="rank 1: disk full",
+                   live=("ab" * 32,)),
+    m.SpillLoaded(key="ab" * 32, temporary="s0", num_bytes=2048),
+    m.SpillLoaded(key="ab" * 32, temporary="s0", gone=("ab" * 32,)),
 ]
 
 
@@ -110,3 +130,25 @@ def test_unregistered_class_is_refused():
 
     with pytest.raises(TypeError, match="not a registered"):
         m.encode(Stray(1))
+
+
+def test_large_bytes_travel_out_of_band_and_come_back_as_the_same_objects():
+    """A snapshot's planes cross a mailbox without a copy: with `buffers`, bytes of
+    OUT_OF_BAND or more are set aside (the msgpack data holds their index); small bytes
+    and the same message without `buffers` stay inline."""
+    from tqserve.actors.codec import OUT_OF_BAND
+    big, small = bytes(range(256)) * (OUT_OF_BAND // 256), b"\x07" * 16
+    write = m.SpillWrite(ram_key="r1", key="ab" * 32, header={"offset": 2},
+                         planes=(("keys", big, (1, 1, 2, 8), "uint8"),
+                                 ("norms", small, (1, 1, 2, 1), "float16")))
+    buffers: list[bytes] = []
+    data = m.encode(write, buffers)
+    assert buffers == [big] and len(data) < 1024
+    back = m.decode(data, buffers)
+    assert back == write and back.planes[0][1] is big
+    inline = m.encode(write)
+    assert len(inline) > OUT_OF_BAND and m.decode(inline) == write
+    with pytest.raises(m.CodecError):
+        m.decode(data)  # its buffer is missing
+    with pytest.raises(m.CodecError, match="extension type"):
+        m.decode(msgpack.packb(msgpack.ExtType(9, b"\x00")))
