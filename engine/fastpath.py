@@ -151,7 +151,7 @@ class DecodeForward:
         self._pre = [mx.compile(self._pre_fn(layer)) for layer in model.layers]
         self._post = [mx.compile(self._post_fn(layer)) for layer in model.layers]
         # each layer's module namespace: its attention function is looked up per call, so
-        # a dispatch installed later (engine.kv.attention.install_attention) is seen
+        # a dispatch installed later (engine.attention.sdpa.install_attention) is seen
         self._namespaces = [vars(sys.modules[type(layer.self_attn).__module__])
                             for layer in model.layers]
 

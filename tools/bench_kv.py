@@ -8,7 +8,7 @@ For each context length N: --rows rows (default 1) are prefilled with N random t
 decode steps are timed (each step: forward of one token per row, argmax, mx.eval — the
 same loop for every scheme). Schemes (--schemes picks some; plain always runs): "plain",
 the mlx-lm cache (the baseline, in the model's dtype); TurboQuant --turboquant (default
-k4v4) "fused" (on CUDA the kernels of engine/kv/cuda_decode.py), "plain-ops", and on CUDA
+k4v4) "fused" (on CUDA the kernels of engine/attention/cuda_decode.py), "plain-ops", and on CUDA
 "fused-compiled-ops" (the compiled graph instead of the kernels); "affine8", --kv-quant 8.
 TQSERVE_TURBOQUANT_FUSED_DECODE is read when a cache is built. Schemes run interleaved,
 --repeats times, median ms/step reported, with each scheme's ratio to the plain cache and
@@ -56,7 +56,7 @@ def _random_model(shape: str, dtype: str) -> Any:
 
 def _schemes(turboquant: str, wanted: Sequence[str] | None) -> dict[str, tuple[Any, ...]]:
     """scheme -> (turboquant, fused decode env, CUDA kernel env, affine bits)."""
-    from tqserve.engine.kv import cuda_decode
+    from tqserve.engine.attention import cuda_decode
 
     schemes: dict[str, tuple[Any, ...]] = {
         "plain": (None, "1", "1", None), f"{turboquant}-fused": (turboquant, "1", "1", None),
@@ -77,7 +77,7 @@ def _make_cache(model: Any, turboquant: str | None, fused: str, kernel: str,
                 affine: int | None = None) -> list[Any]:
     from mlx_lm.models.cache import make_prompt_cache
 
-    from tqserve.engine.kv.cuda_decode import KERNEL_ENV
+    from tqserve.engine.attention.cuda_decode import KERNEL_ENV
     from tqserve.engine.kv.factory import cache_factory_for
 
     os.environ[FUSED_ENV] = fused

@@ -53,7 +53,8 @@ import numpy as np
 from mlx_lm.models.cache import QuantizedKVCache, make_prompt_cache
 
 from tqserve.engine.codec.turboquant import TurboQuantCodec
-from tqserve.engine.kv import install_attention, make_turboquant_cache_factory, parse_turboquant
+from tqserve.engine.attention import install_attention
+from tqserve.engine.kv import make_turboquant_cache_factory, parse_turboquant
 from tqserve.engine.model import load_model
 
 REPO_ROOT = Path(__file__).resolve().parents[1]

@@ -64,7 +64,8 @@ def profile(context: int, rows: int, layers: int, repeats: int) -> dict[str, flo
     """Microseconds per call of each piece at `context` positions."""
     import mlx.core as mx
 
-    from tqserve.engine.kv import attention, cuda_decode
+    from tqserve.engine.attention import cuda_decode
+    from tqserve.engine.attention import sdpa as attention
     from tqserve.engine.kv.affine import AffineKVCache
     from tqserve.engine.kv.turboquant import TurboQuantKVCache
 

@@ -30,7 +30,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
-from tqserve.engine.kv.attention import MixedRowsKV
+from tqserve.engine.attention.sdpa import MixedRowsKV
 from tqserve.engine.kv.delayed import (DelayedTurboQuantKVCache, _convert, _plain_cache,
                                        _plain_planes)
 from tqserve.engine.kv.quant_slots import SlotsCache, TurboQuantSlotsKVCache

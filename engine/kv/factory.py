@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import re
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -31,9 +32,9 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from tqserve.engine.codec.turboquant import MAX_BITS, MIN_BITS, SUPPORTED_HEAD_DIMS
-from tqserve.engine.kv import cuda_decode
+from tqserve.engine.attention import cuda_decode
 from tqserve.engine.kv.affine import AffineKVCache, check_affine_settings
-from tqserve.engine.kv.attention import install_attention, on_cuda
+from tqserve.engine.attention.sdpa import install_attention, on_cuda
 from tqserve.engine.kv.delayed import DelayedTurboQuantKVCache
 from tqserve.engine.kv.turboquant import TurboQuantConfig, TurboQuantKVCache
 
@@ -152,9 +153,26 @@ def _warm_cuda_kernels(model: Any, k_bits: int, v_bits: int) -> None:
     proj = getattr(attn, "q_proj", None)
     dtype = getattr(proj, "scales", getattr(proj, "weight", None))
     dtype = dtype.dtype if dtype is not None else mx.bfloat16
-    seconds = cuda_decode.warm_up(dims, heads // kv_heads, k_bits, v_bits, dtype)
+    seconds = warm_up_kernels(dims, heads // kv_heads, k_bits, v_bits, dtype)
     logger.info("TurboQuant k%dv%d CUDA kernels built in %.1f s (head dims %s, group %d, %s)",
                 k_bits, v_bits, seconds, sorted(set(dims.values())), heads // kv_heads, dtype)
+
+
+def warm_up_kernels(head_dims: dict[int, int], group: int, k_bits: int, v_bits: int,
+            dtype: mx.Dtype, seed: int = 0) -> float:
+    """Build (JIT-compile) the kernels for these shapes now, so no request pays for it:
+    one encode and one decode step per distinct head dim. Returns the seconds spent."""
+    tic = time.perf_counter()
+    for head_dim in sorted(set(head_dims.values())):
+        if not cuda_decode.available(head_dim, group):
+            continue
+        cache = TurboQuantKVCache(k_bits, v_bits, head_dim, seed=seed, fused_decode=True)
+        kv = mx.zeros((1, 1, 2, head_dim), dtype=dtype) + 1
+        cache.update_and_fetch(kv, kv)
+        fetched, _ = cache.update_and_fetch(kv[:, :, :1], kv[:, :, :1])
+        q = mx.ones((1, group, 1, head_dim), dtype=dtype)
+        mx.eval(cuda_decode.decode_attention(q, fetched, 1.0))
+    return time.perf_counter() - tic
 
 
 def _layer_replacing_factory(label: str, full_layers: Callable[[Any], dict[int, int]],

@@ -27,10 +27,10 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import _BaseCache
 
-from tqserve.engine.kv import cuda_decode
+from tqserve.engine.attention import cuda_decode
 from tqserve.engine.kv.affine import PLANES as AFFINE_PLANES
 from tqserve.engine.kv.affine import AffineKVCache, Quantized
-from tqserve.engine.kv.attention import RotatedKV
+from tqserve.engine.attention.sdpa import RotatedKV
 from tqserve.engine.kv.rows import KvTensorRows, row_indices
 from tqserve.engine.kv.slot_rows import Planes, SlotRows
 from tqserve.engine.kv.turboquant import PLANES as TQ_PLANES

@@ -5,7 +5,7 @@ AND values (the rotated basis; engine/codec/turboquant.py), as four planes of a
 `KvTensorRows`: key_codes (uint32, d*k_bits/32 words), key_norms (fp16, 1), value_codes,
 value_norms. `update_and_fetch` encodes the new block, appends it and returns a
 `RotatedKV` (the written planes and the codecs) as both elements of the (keys, values)
-pair; attention (engine/kv/attention.py) consumes it. No decoded copy is kept: decoding
+pair; attention (engine/attention/sdpa.py) consumes it. No decoded copy is kept: decoding
 happens transiently inside one attention call.
 
 * `TurboQuantKVCache` is one row (int `offset`, no padding), like mlx-lm's KVCache; a
@@ -35,8 +35,8 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
 from tqserve.engine.codec.turboquant import DEFAULT_ROTATION, TurboQuantCodec
-from tqserve.engine.kv import cuda_decode
-from tqserve.engine.kv.attention import RotatedKV, fused_decode_from_env
+from tqserve.engine.attention import cuda_decode
+from tqserve.engine.attention.sdpa import RotatedKV, fused_decode_from_env
 from tqserve.engine.kv.rows import KvTensorRows, PlanesCache, SingleRowView
 
 PLANES = ("key_codes", "key_norms", "value_codes", "value_norms")

@@ -64,7 +64,7 @@ def test_unequal_group_through_the_cuda_attention_routing(draft_model, monkeypat
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
-    from tqserve.engine.kv import attention
+    from tqserve.engine.attention import sdpa as attention
     from tqserve.engine.prefill import PrefillGroups
     from tqserve.engine.step import PrefillChunk
 

@@ -25,7 +25,7 @@ from tqserve.engine.config import Config
 from tqserve.engine.request import GenerateRequest
 from tqserve.engine.sampling import SamplingParams
 
-from tqserve.engine.kv.attention import FUSED_DECODE_ENV
+from tqserve.engine.attention.sdpa import FUSED_DECODE_ENV
 from tqserve.engine.kv.factory import cache_factory_for
 from tqserve.engine.kv.slots import is_slot_batch, retire_order, slot_batch
 from tqserve.engine.prefill import PrefillGroups

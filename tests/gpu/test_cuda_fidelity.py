@@ -41,7 +41,7 @@ import trio
 from tqserve.actors.engine import open_engine
 from tqserve.actors.messages import Done, Token
 from tqserve.engine.config import Config
-from tqserve.engine.kv import attention
+from tqserve.engine.attention import sdpa as attention
 from tqserve.engine.model import keep_float32_exact, load_model
 from tqserve.engine.request import GenerateRequest
 from tqserve.engine.sampling import SamplingParams

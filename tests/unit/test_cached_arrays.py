@@ -14,7 +14,9 @@ import threading
 import mlx.core as mx
 import pytest
 
-from tqserve.engine.kv import attention, cuda_decode, slot_rows
+from tqserve.engine.attention import cuda_decode
+from tqserve.engine.attention import sdpa as attention
+from tqserve.engine.kv import slot_rows
 
 BUILDERS = {
     "cuda_decode._ones": (cuda_decode._ones, (128,)),

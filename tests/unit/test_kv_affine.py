@@ -283,7 +283,7 @@ def test_cli_maps_kv_quant_flags() -> None:
 @pytest.mark.parametrize("length,mask", [(1, None), (5, "causal")])
 def test_affine_sdpa_matches_mlx_lm_quantized_attention(bits, group_size, length, mask):
     """affine_sdpa (what --kv-quant uses on MLX-CUDA) computes mlx-lm's quantized attention."""
-    from tqserve.engine.kv.attention import affine_sdpa
+    from tqserve.engine.attention.sdpa import affine_sdpa
 
     cache = AffineKVCache(bits, group_size)
     k = mx.random.normal((2, 2, 40, 128), key=mx.random.key(1))

@@ -18,8 +18,8 @@ from mlx_lm.models import base, gemma3_text, qwen3
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
 from tqserve.engine.codec.turboquant import EncodedVectors
-from tqserve.engine.kv import attention
-from tqserve.engine.kv.attention import FUSED_DECODE_ENV, install_attention, turboquant_sdpa
+from tqserve.engine.attention import sdpa as attention
+from tqserve.engine.attention.sdpa import FUSED_DECODE_ENV, install_attention, turboquant_sdpa
 from tqserve.engine.kv.delayed import DelayedTurboQuantKVCache
 from tqserve.engine.kv.factory import check_head_dims, make_turboquant_cache_factory
 from tqserve.engine.kv.quant_slots import TurboQuantSlotsKVCache
@@ -302,7 +302,7 @@ def test_short_block_attention_equals_the_fused_op(mask_kind, length):
     """The plain-ops attention that MLX-CUDA's short query blocks use (no per-shape cuDNN
     graph) computes what mx.fast.scaled_dot_product_attention does: GQA, the query block
     at the end of the key span, every mask kind mlx-lm passes."""
-    from tqserve.engine.kv.attention import short_block_attention
+    from tqserve.engine.attention.sdpa import short_block_attention
 
     mx.random.seed(3)
     batch, heads, kv_heads, span, dim = 2, 8, 2, 37, 64
@@ -329,7 +329,7 @@ def test_short_block_attention_stays_finite_where_a_query_sees_no_key(length):
     fused op (boolean mask) attends uniformly there; so must the short-block path, else
     NaN reaches the next layer's K/V and, through 0 * NaN, the real positions (issue 19:
     the MLX-CUDA batched prefill of unequal prompts)."""
-    from tqserve.engine.kv.attention import short_block_attention
+    from tqserve.engine.attention.sdpa import short_block_attention
 
     mx.random.seed(4)
     pads = mx.array([0, length - 1, 2])

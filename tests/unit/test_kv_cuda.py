@@ -8,7 +8,9 @@ import numpy as np
 import pytest
 
 from tqserve.engine.codec.turboquant import TurboQuantCodec
-from tqserve.engine.kv import attention, cuda_decode
+from tqserve.engine.attention import cuda_decode
+from tqserve.engine.kv.factory import warm_up_kernels
+from tqserve.engine.attention import sdpa as attention
 from tqserve.engine.kv.quant_slots import TurboQuantSlotsKVCache
 from tqserve.engine.kv.slots import slot_batch_of
 from tqserve.engine.kv.turboquant import TurboQuantKVCache
@@ -121,4 +123,4 @@ def test_kernel_on_slots_reads_each_rows_own_end(monkeypatch, bits):
 
 
 def test_warm_up_builds_the_kernels():
-    assert cuda_decode.warm_up({0: 128}, 4, 4, 4, mx.bfloat16) >= 0.0
+    assert warm_up_kernels({0: 128}, 4, 4, 4, mx.bfloat16) >= 0.0

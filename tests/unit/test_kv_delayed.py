@@ -9,7 +9,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from tqserve.engine.kv.attention import MixedRowsKV, RotatedKV, turboquant_sdpa
+from tqserve.engine.attention.sdpa import MixedRowsKV, RotatedKV, turboquant_sdpa
 from tqserve.engine.kv.delayed import DelayedTurboQuantKVCache
 from tqserve.engine.kv.delayed_slots import DelayedTurboQuantSlotsKVCache
 from tqserve.engine.kv.slots import slot_batch, slot_batch_of

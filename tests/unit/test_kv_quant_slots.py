@@ -10,7 +10,7 @@ import pytest
 from mlx_lm.models import base
 
 from tqserve.engine.kv.affine import AffineKVCache
-from tqserve.engine.kv.attention import MixedRowsKV, RotatedKV, install_attention
+from tqserve.engine.attention.sdpa import MixedRowsKV, RotatedKV, install_attention
 from tqserve.engine.kv.delayed import DelayedTurboQuantKVCache
 from tqserve.engine.kv.slot_rows import SlotRows
 from tqserve.engine.kv.slots import is_slot_batch, retire_order, slot_batch, slot_batch_of

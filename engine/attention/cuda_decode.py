@@ -27,7 +27,8 @@ Per layer and decode step the CUDA path launches two kernels, whatever the conte
 The split count follows the context: about `_TARGET_BLOCKS` blocks in all, at least one
 tile per split. Kernels compile once per (head dim, group, bits, dtype): positions, splits
 and each row's (start, end) travel as one int32 array, so a growing context never recompiles;
-`warm_up` builds them at engine start. The math is the compiled path's (scores
+engine.kv.factory's `warm_up_kernels` builds them at engine start. The math is the compiled
+path's (scores
 <R q, norm_k c[code_k]> * scale, values norm_v c[code_v] in the rotated basis, float32),
 which stays the fallback and the reference it is tested against (tests/unit/test_kv_cuda.py).
 Used only where `available()` (MLX's CUDA backend); the "qr" rotation keeps its rotations
@@ -39,14 +40,13 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import time
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
 
 from tqserve.engine.codec.turboquant import EncodedVectors, TurboQuantCodec, lloyd_max_codebook
-from tqserve.engine.kv.cuda_sources import ATTEND_SOURCE, ENCODE_SOURCE, HEADER
+from tqserve.engine.attention.cuda_sources import ATTEND_SOURCE, ENCODE_SOURCE, HEADER
 
 logger = logging.getLogger(__name__)
 
@@ -195,22 +195,3 @@ def _counters_of(size: int) -> mx.array:
 def _counters(blocks: int) -> mx.array:
     """A zeroed uint32 array of >= `blocks` split counters; the kernel leaves it zeroed."""
     return _counters_of(1 << max(blocks - 1, 0).bit_length())
-
-
-def warm_up(head_dims: dict[int, int], group: int, k_bits: int, v_bits: int,
-            dtype: mx.Dtype, seed: int = 0) -> float:
-    """Build (JIT-compile) the kernels for these shapes now, so no request pays for it:
-    one encode and one decode step per distinct head dim. Returns the seconds spent."""
-    from tqserve.engine.kv.turboquant import TurboQuantKVCache
-
-    tic = time.perf_counter()
-    for head_dim in sorted(set(head_dims.values())):
-        if not available(head_dim, group):
-            continue
-        cache = TurboQuantKVCache(k_bits, v_bits, head_dim, seed=seed, fused_decode=True)
-        kv = mx.zeros((1, 1, 2, head_dim), dtype=dtype) + 1
-        cache.update_and_fetch(kv, kv)
-        fetched, _ = cache.update_and_fetch(kv[:, :, :1], kv[:, :, :1])
-        q = mx.ones((1, group, 1, head_dim), dtype=dtype)
-        mx.eval(decode_attention(q, fetched, 1.0))
-    return time.perf_counter() - tic

@@ -1,4 +1,4 @@
-"""CUDA sources of the TurboQuant kernels (engine/kv/cuda_decode.py describes them).
+"""CUDA sources of the TurboQuant kernels (engine/attention/cuda_decode.py describes them).
 
 HEADER holds device helpers (warp/block reductions, the Hadamard butterfly, code
 extraction, one-vector encode); ENCODE_SOURCE and ATTEND_SOURCE are kernel bodies for

@@ -26,7 +26,7 @@ Two implementations, selected per cache (see `fused_decode_from_env`):
 * plain: decode the rotated planes with the codec, `mx.fast.scaled_dot_product_attention`
   on the rotated query, unrotate. Used for every prefill (query length > 1).
 * fused (decode, query length 1): on MLX's CUDA backend the kernels of
-  engine/kv/cuda_decode.py; elsewhere one `mx.compile`d function does unpack, centroid lookup,
+  engine/attention/cuda_decode.py; elsewhere one `mx.compile`d function does unpack, centroid lookup,
   scaled scores, mask, softmax and the value sum in float32. It is compiled per
   (bits, mask kind) and per shape (shapeless compile gave wrong results on MLX 0.32.4 when
   the key length changed); the CPU backend reuses its generated kernels across shapes.
@@ -48,7 +48,7 @@ import mlx.core as mx
 import numpy as np
 
 from tqserve.engine.codec.turboquant import EncodedVectors, TurboQuantCodec, lloyd_max_codebook
-from tqserve.engine.kv import cuda_decode
+from tqserve.engine.attention import cuda_decode
 
 FUSED_DECODE_ENV = "TQSERVE_TURBOQUANT_FUSED_DECODE"
 _ORIGINAL = "_tqserve_original"
