@@ -30,6 +30,7 @@ from tqserve.actors.messages import Done
 from tqserve.api.anthropic_stream import BlockStream, content_blocks
 from tqserve.api.anthropic_tools import prompt_messages, tool_plan
 from tqserve.api.chatout import ChatOutput
+from tqserve.api.config import ServerConfig
 from tqserve.api.chattools import tools_error
 from tqserve.api.ending import complete
 from tqserve.api.httpcommon import (SSE_HEADERS, ApiError, Body, Run, build_request, new_id,
@@ -56,11 +57,10 @@ def error_response(status: int, message: str) -> Response:
     return response
 
 
-def register(app: QuartTrio, engine: Engine, metrics: Metrics) -> None:
-    """Add POST /v1/messages to the app."""
-    config = engine.config
+def register(app: QuartTrio, engine: Engine, config: ServerConfig, metrics: Metrics) -> None:
+    """Add POST /v1/messages to the app (`config`: the server's settings)."""
     tokenizer = engine.model.tokenizer
-    served = ServedNames(engine)
+    served = ServedNames(engine, config.served_model_name)
     end_ids = set(engine.model.eos_token_ids)
     template = engine.chat_template or getattr(tokenizer, "chat_template", None)
     thinks = bool(template) and "<think>" in template

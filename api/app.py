@@ -31,6 +31,7 @@ from werkzeug.exceptions import HTTPException
 from tqserve.actors.facade import Engine
 from tqserve.actors.messages import Error
 from tqserve.api.auth import WS_PROTOCOL
+from tqserve.api.config import ServerConfig
 from tqserve.api.playground import add_playground
 from tqserve.api.metrics import Metrics
 from tqserve.api.protocol import (CancelCommand, GenerateCommand, ProtocolError, decode_frame,
@@ -73,9 +74,10 @@ class Connections:
 class _Connection:
     """One WebSocket connection: its requests and its writer."""
 
-    def __init__(self, engine: Engine, nursery: trio.Nursery,
+    def __init__(self, engine: Engine, config: ServerConfig, nursery: trio.Nursery,
                  out: trio.MemorySendChannel[str | bytes], metrics: Metrics) -> None:
         self._engine = engine
+        self._config = config
         self._metrics = metrics
         self._nursery = nursery
         self._out = out
@@ -106,10 +108,10 @@ class _Connection:
         if self.closing:
             return
         binary = isinstance(data, bytes)
-        config = self._engine.config
+        config = self._config
         try:
             obj = decode_frame(data, config.max_message_bytes)
-            command = parse_command(obj, config.default_max_tokens)
+            command = parse_command(obj, config.engine.default_max_tokens)
             if isinstance(command, CancelCommand):
                 engine_id = self._active.get(command.request_id)
                 if engine_id is None:
@@ -157,22 +159,22 @@ class _Connection:
             self._changed = trio.Event()
 
 
-def create_app(engine: Engine, connections: Connections | None = None, *,
-               response_id_prefix: str = "resp_") -> QuartTrio:
-    """The ASGI app bound to a running engine (and the server's connection registry)."""
+def create_app(engine: Engine, config: ServerConfig, connections: Connections | None = None,
+               *, response_id_prefix: str = "resp_") -> QuartTrio:
+    """The ASGI app bound to a running engine, the server's settings and connections."""
     app = QuartTrio("tqserve")
     connections = connections if connections is not None else Connections()
 
     # Quart refuses a body whose Content-Length is over it before reading any, and stops
     # buffering one that streams past it (its own default is 16 MiB, read before our check)
-    app.config["MAX_CONTENT_LENGTH"] = engine.config.max_message_bytes
+    app.config["MAX_CONTENT_LENGTH"] = config.max_message_bytes
 
     @app.errorhandler(HTTPException)
     async def http_error(exc: HTTPException) -> Any:
         code = (exc.name or "error").lower().replace(" ", "_")
         return jsonify({"error": {"code": code, "message": exc.description}}), exc.code
 
-    apis = register_http_apis(app, engine, response_id_prefix)  # after: its 404/405 win
+    apis = register_http_apis(app, engine, config, response_id_prefix)  # after: its 404/405 win
     metrics = apis.metrics
 
     @app.get("/health")
@@ -192,7 +194,7 @@ def create_app(engine: Engine, connections: Connections | None = None, *,
         if engine.shutting_down or connections.closing.is_set():
             return jsonify({"error": {"code": "shutting_down",
                                       "message": "the server is shutting down"}}), 503
-        limit = engine.config.max_connections
+        limit = config.max_connections
         if connections.num_open >= limit:  # checked and counted with no await between
             engine.note_rejection("too_many_connections")
             return jsonify({"error": {"code": "too_many_connections",
@@ -207,7 +209,7 @@ def create_app(engine: Engine, connections: Connections | None = None, *,
             return answer
         connections.opened()
         try:
-            await _serve_socket(engine, connections, metrics)
+            await _serve_socket(engine, config, connections, metrics)
         finally:
             connections.closed()
         return None
@@ -226,7 +228,8 @@ def create_app(engine: Engine, connections: Connections | None = None, *,
     return app
 
 
-async def _serve_socket(engine: Engine, connections: Connections, metrics: Metrics) -> None:
+async def _serve_socket(engine: Engine, config: ServerConfig, connections: Connections,
+                        metrics: Metrics) -> None:
     """One accepted WebSocket: its frames, its requests, its writer, its close at shutdown."""
     chosen = WS_PROTOCOL if WS_PROTOCOL in websocket.requested_subprotocols else None
     await websocket.accept(subprotocol=chosen)
@@ -249,7 +252,7 @@ async def _serve_socket(engine: Engine, connections: Connections, metrics: Metri
 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(writer)
-        conn = _Connection(engine, nursery, send, metrics)
+        conn = _Connection(engine, config, nursery, send, metrics)
         nursery.start_soon(close_at_shutdown, conn)
         try:
             while True:

@@ -1,7 +1,8 @@
 """`tqserve` command line: serve | generate | route | ray-serve | replay | bench NAME | eval-kv.
 
-serve and generate map their flags 1:1 onto engine.config.Config; the other commands hand
-their arguments to the module api.commands names (`bench kv` to tools.bench_kv, ...).
+serve and generate map their flags 1:1 onto engine.config.Config, serve's server flags onto
+api.config.ServerConfig (which holds the Config); the other commands hand their arguments
+to the module api.commands names (`bench kv` to tools.bench_kv, ...).
 
 Bad arguments print one line and exit with code 2; a model that cannot be loaded
 too. Nothing here prints a traceback for the user's mistakes. SIGINT and SIGTERM, from
@@ -25,6 +26,7 @@ from tqserve.api.flags import add_config_flags
 from tqserve.api.signals import SIGNALS, SignalLatch
 
 if TYPE_CHECKING:
+    from tqserve.api.config import ServerConfig
     from tqserve.engine.config import Config
     from tqserve.engine.sampling import SamplingParams
 
@@ -83,6 +85,7 @@ def _check_cache_dir(path: str) -> None:
 
 
 def _config(args: argparse.Namespace) -> Config:
+    """The engine's Config of parsed flags (serve's, generate's); ValueError naming a flag."""
     import attrs
 
     from tqserve.api.kvflag import OLD_FLAGS, kv_fields
@@ -90,6 +93,18 @@ def _config(args: argparse.Namespace) -> Config:
 
     fields = {f.name for f in attrs.fields(Config)} - set(OLD_FLAGS)
     return Config(**{k: v for k, v in vars(args).items() if k in fields}, **kv_fields(args))
+
+
+def _server_config(args: argparse.Namespace) -> ServerConfig:
+    """serve's ServerConfig of parsed flags, the engine's Config in it; ValueError naming
+    a flag."""
+    import attrs
+
+    from tqserve.api.config import ServerConfig
+
+    fields = {f.name for f in attrs.fields(ServerConfig)} - {"engine"}
+    return ServerConfig(engine=_config(args),
+                        **{k: v for k, v in vars(args).items() if k in fields})
 
 
 _GENERATE_FLAGS = ("max_tokens", "temperature", "seed")  # SamplingParams fields with a flag
@@ -118,7 +133,7 @@ def _report(line: str | None) -> None:
     blas.say_once(line)
 
 
-async def _serve(config: Config, latch: SignalLatch, blas_line: str | None = None,
+async def _serve(config: ServerConfig, latch: SignalLatch, blas_line: str | None = None,
                  record: str | None = None) -> int:
     """Serve until SIGTERM or SIGINT, then shut down cleanly (api.server) and exit 0.
 
@@ -156,7 +171,7 @@ async def _serve(config: Config, latch: SignalLatch, blas_line: str | None = Non
             nursery.start_soon(watch)
             url = await nursery.start(run)
             _report(blas_line)
-            print(f"tqserve: serving {config.model} on {url} (WebSocket /v1/stream; HTTP "
+            print(f"tqserve: serving {config.engine.model} on {url} (WebSocket /v1/stream; HTTP "
                   "/v1/completions, /v1/chat/completions, /v1/messages, /metrics)", flush=True)
             if config.api_key is None and config.host not in _LOOPBACK:
                 print(f"tqserve: warning: listening on {config.host} without --api-key: anyone "
@@ -264,10 +279,11 @@ def _command(argv: list[str], latch: SignalLatch) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        config = _config(args)
+        server = _server_config(args) if args.command == "serve" else None
+        config = server.engine if server is not None else _config(args)
         if config.cache_dir is not None and config.prefix_cache:
             _check_cache_dir(config.cache_dir)
-        if args.command == "generate":
+        if server is None:  # generate
             return trio.run(run_generate, config, _sampling(config, args), args.prompt,
                             latch, blas_line)
         if config.distributed:
@@ -277,7 +293,7 @@ def _command(argv: list[str], latch: SignalLatch) -> int:
             if group.rank() != 0:
                 latch.hand_over()  # a follower ends on signals as any process does
                 return _follow(config, group)
-        return trio.run(_serve, config, latch, blas_line, args.record)
+        return trio.run(_serve, server, latch, blas_line, args.record)
     except ValueError as exc:  # ModelLoadError is a ValueError
         print(f"tqserve: error: {exc}", file=sys.stderr)
         return 2

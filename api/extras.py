@@ -19,6 +19,7 @@ from quart_trio import QuartTrio
 
 from tqserve.actors.facade import Engine
 from tqserve.api.chattools import chat_messages, tool_plan
+from tqserve.api.config import ServerConfig
 from tqserve.api.httpcommon import ApiError, Body, build_request, param_of
 from tqserve.api.served import ServedNames
 
@@ -27,9 +28,8 @@ TOKENIZE_FIELDS = frozenset(("model", "prompt", "messages", "tools", "tool_choic
 _SINCE = re.compile(r"[0-9]{1,20}")  # a KV event batch seq: decimal digits only
 
 
-def register(app: QuartTrio, engine: Engine) -> None:
-    config = engine.config
-    served = ServedNames(engine)
+def register(app: QuartTrio, engine: Engine, config: ServerConfig) -> None:
+    served = ServedNames(engine, config.served_model_name)
     tokenizer = engine.model.tokenizer
     template = engine.chat_template or getattr(tokenizer, "chat_template", None)
 

@@ -1,7 +1,7 @@
 """The flags of `serve` and `generate`, in groups, each mapping 1:1 onto a field of
-engine.config.Config (api.cli builds the Config from them). docs/serving.md has the same
-groups. Flags only a server has (network, auth, HTTP API, tensor parallel) are added for
-`serve` alone.
+engine.config.Config (the engine's) or api.config.ServerConfig (the server's); api.cli
+builds them from the flags. docs/serving.md has the same groups. Flags only a server has
+(network, auth, HTTP API, tensor parallel) are added for `serve` alone.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import argparse
 import os
 from typing import Any
 
-INT_FLAGS = {  # Config field -> help; every one maps 1:1 onto engine.config.Config
+INT_FLAGS = {  # Config or ServerConfig field -> help; every one maps 1:1 onto its field
     "max_batch": "rows decoding together in one batched forward",
     "prefill_chunk": "prompt positions one prefill group advances per engine step (at most)",
     "max_step_tokens": "tokens one engine step processes: one per decoding row, prefill "
@@ -34,40 +34,44 @@ INT_FLAGS = {  # Config field -> help; every one maps 1:1 onto engine.config.Con
     "max_prompt_chars": "characters of prompt text one request may carry (docs/limits.md)",
     "max_messages": "entries of a chat messages array one request may carry",
 }
-SERVER_ONLY = ("port", "max_message_bytes", "max_streams_per_connection", "max_connections")
 
 
 def add_config_flags(p: argparse.ArgumentParser, *, server: bool) -> None:
-    """Every Config flag of `serve` (server=True) or `generate`, in help groups."""
+    """Every Config flag of `serve` (server=True) or `generate`, and `serve`'s ServerConfig
+    flags, in help groups."""
     # engine imports MLX: imported here, so that `tqserve bench --blas` can preload a BLAS
-    from tqserve.engine.config import Config
+    from tqserve.api.config import ServerConfig
 
-    defaults = Config()
-    _model(p.add_argument_group("model and backend"), defaults)
+    defaults = ServerConfig()
+    engine = defaults.engine
+    _model(p.add_argument_group("model and backend"), engine)
     _ints(p.add_argument_group("batching and memory"), defaults, server,
           ("max_batch", "prefill_chunk", "max_step_tokens", "kv_budget_bytes"))
     _ints(p.add_argument_group("admission and request limits (docs/limits.md)"), defaults,
           server, ("max_queued_requests", "max_queued_tokens", "max_tokens_cap",
                    "default_max_tokens", "stream_buffer", "max_prompt_chars", "max_messages",
                    "max_message_bytes", "max_streams_per_connection", "max_connections"))
-    _kv(p.add_argument_group("KV cache (docs/kv-cache.md)"), defaults, server)
+    _kv(p.add_argument_group("KV cache (docs/kv-cache.md)"), engine, server)
     prefix = p.add_argument_group("prefix cache (docs/prefix-cache.md)")
-    _prefix(prefix, defaults)
+    _prefix(prefix, engine)
     _ints(prefix, defaults, server, ("ram_cache_bytes", "ssd_cache_bytes"))
-    _speculative(p.add_argument_group("speculative decoding (docs/speculative.md)"), defaults)
+    _speculative(p.add_argument_group("speculative decoding (docs/speculative.md)"), engine)
     if server:
         network = p.add_argument_group("network, auth, lifecycle (docs/serving.md)")
         _ints(network, defaults, server, ("port",))
         _network(network, defaults)
         _http_api(p.add_argument_group("HTTP APIs (docs/agents.md)"))
-        _tensor_parallel(p.add_argument_group("tensor parallel (docs/scale-out.md)"), defaults)
+        _tensor_parallel(p.add_argument_group("tensor parallel (docs/scale-out.md)"), engine)
 
 
 def _ints(g: Any, defaults: Any, server: bool, names: tuple[str, ...]) -> None:
+    """The integer flags `names`: the engine's Config fields, and with `server` the
+    ServerConfig's too (`defaults` is a ServerConfig)."""
     for name in names:
-        if server or name not in SERVER_ONLY:
+        owner = defaults.engine if hasattr(defaults.engine, name) else defaults
+        if server or owner is defaults.engine:
             g.add_argument("--" + name.replace("_", "-"), type=int,
-                           default=getattr(defaults, name), help=INT_FLAGS[name])
+                           default=getattr(owner, name), help=INT_FLAGS[name])
 
 
 def _model(g: Any, defaults: Any) -> None:

@@ -60,7 +60,7 @@ class HttpLimits:
     max_connections: int = attrs.field(default=1024, validator=attrs.validators.ge(1))
 
 
-TIMEOUT_FLAGS = {  # HttpLimits / Config field -> help (both CLIs)
+TIMEOUT_FLAGS = {  # HttpLimits / ServerConfig field -> help (both CLIs)
     "http_idle_timeout": "seconds an HTTP connection may stay idle between requests "
                          "(then it is closed)",
     "http_header_timeout": "seconds a request's line and headers may take from its first "

@@ -31,6 +31,7 @@ from quart_trio import QuartTrio
 
 from tqserve.actors.facade import Engine
 from tqserve.api.chatout import ChatOutput
+from tqserve.api.config import ServerConfig
 from tqserve.api.chattools import ToolPlan, chat_messages, tool_plan, tools_error
 from tqserve.api.httpcommon import ApiError, Body, build_request, new_id, token_text
 from tqserve.api.openai_choices import Choice, admit, base_of, streamed, whole
@@ -131,11 +132,10 @@ def _prompts(prompt: str | list[Any]) -> list[dict[str, Any]]:
                    "prompt")
 
 
-def register(app: QuartTrio, engine: Engine, metrics: Metrics) -> None:
-    """Add the OpenAI routes to the app."""
-    config = engine.config
+def register(app: QuartTrio, engine: Engine, config: ServerConfig, metrics: Metrics) -> None:
+    """Add the OpenAI routes to the app (`config`: the server's settings)."""
     text_of = token_text(engine.model.tokenizer)
-    served = ServedNames(engine)
+    served = ServedNames(engine, config.served_model_name)
     template = engine.chat_template or getattr(engine.model.tokenizer, "chat_template", None)
     thinks = bool(template) and "<think>" in template
 
@@ -204,7 +204,7 @@ def register(app: QuartTrio, engine: Engine, metrics: Metrics) -> None:
             raise ApiError(400, "suffix is not supported (no fill-in-the-middle template)",
                            "suffix")
         prompts = _prompts(body.get("prompt", (str, list), required=True))
-        params = _sampling(body, config.default_max_tokens)
+        params = _sampling(body, config.engine.default_max_tokens)
         logprobs = body.get("logprobs", int)
         if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
             raise ApiError(400, f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {logprobs}",
@@ -224,7 +224,7 @@ def register(app: QuartTrio, engine: Engine, metrics: Metrics) -> None:
         plan = tool_plan(body, template)
         body.get("reasoning_effort", str)  # accepted; the chat template decides on thinking
         messages = chat_messages(body.get("messages", list, required=True))
-        params = _sampling(body, config.default_max_tokens, "max_completion_tokens")
+        params = _sampling(body, config.engine.default_max_tokens, "max_completion_tokens")
         if body.get("logprobs", bool, False):
             params.update(logprobs=True, top_logprobs=body.get("top_logprobs", int, 0))
         elif body.get("top_logprobs", int) is not None:

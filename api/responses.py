@@ -25,6 +25,7 @@ from quart_trio import QuartTrio
 
 from tqserve.actors.facade import Engine
 from tqserve.api.chatout import ChatOutput
+from tqserve.api.config import ServerConfig
 from tqserve.api.chattools import tools_error
 from tqserve.api.ending import complete
 from tqserve.api.httpcommon import (SSE_HEADERS, ApiError, Body, Run, build_request, new_id,
@@ -125,13 +126,12 @@ class Turn:
 class Responder:
     """Starts responses for both transports (HTTP here, api.responses_ws)."""
 
-    def __init__(self, engine: Engine, metrics: Metrics) -> None:
-        self.engine, self.metrics = engine, metrics
+    def __init__(self, engine: Engine, config: ServerConfig, metrics: Metrics) -> None:
+        self.engine, self.config, self.metrics = engine, config, metrics
         # what a response's id starts with: a Ray replica puts its own name in it, so that
         # `previous_response_id` can be routed back to the replica storing the response
         self.id_prefix = "resp_"
-        self.config = engine.config
-        self.served = ServedNames(engine)
+        self.served = ServedNames(engine, config.served_model_name)
         self.store = ResponseStore()
         self.template = engine.chat_template or getattr(engine.model.tokenizer,
                                                         "chat_template", None)
@@ -155,7 +155,7 @@ class Responder:
                                     "tool_choice", "text")
             response_format = {"type": "grammar", "lark": plan.forced}
         params: dict[str, Any] = {"max_tokens": body.get("max_output_tokens", int,
-                                                         config.default_max_tokens)}
+                                                         config.engine.default_max_tokens)}
         for name, kind in (("temperature", float), ("top_p", float), ("top_k", int),
                            ("seed", int)):
             if body.get(name, kind) is not None:
@@ -191,9 +191,10 @@ class Responder:
         return Turn(run, out, base, keep, history + new, self.store)
 
 
-def register(app: QuartTrio, engine: Engine, metrics: Metrics) -> Responder:
+def register(app: QuartTrio, engine: Engine, config: ServerConfig,
+             metrics: Metrics) -> Responder:
     """Add the Responses API's HTTP routes to the app; its Responder (for the WebSocket)."""
-    responder = Responder(engine, metrics)
+    responder = Responder(engine, config, metrics)
 
     @app.get("/v1/responses/<rid>")
     async def get_response(rid: str) -> Response:
@@ -205,7 +206,7 @@ def register(app: QuartTrio, engine: Engine, metrics: Metrics) -> Responder:
 
     @app.post("/v1/responses")
     async def create() -> Response:
-        body = Body(await request.get_data(cache=False), engine.config.max_message_bytes)
+        body = Body(await request.get_data(cache=False), config.max_message_bytes)
         rid = new_id(responder.id_prefix)
         g.tracked = True
         g.request_id = rid

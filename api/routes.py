@@ -14,6 +14,7 @@ from werkzeug.exceptions import MethodNotAllowed, NotFound, RequestEntityTooLarg
 
 from tqserve.actors.facade import Engine
 from tqserve.api import anthropic, auth, extras, openai, responses
+from tqserve.api.config import ServerConfig
 from tqserve.api.httpcommon import ApiError
 from tqserve.api.httpconn import too_large_message
 from tqserve.api.metrics import Metrics
@@ -36,19 +37,18 @@ class HttpApis:
     responder: Responder    # the Responses API's, for its WebSocket mode
 
 
-def register_http_apis(app: QuartTrio, engine: Engine,
+def register_http_apis(app: QuartTrio, engine: Engine, config: ServerConfig,
                        response_id_prefix: str = "resp_") -> HttpApis:
     """Add the HTTP APIs, /metrics and auth to `app`; what the WebSockets share.
     `response_id_prefix` starts the Responses API's ids (a Ray replica's name goes there)."""
     metrics = Metrics(engine)
-    config = engine.config
     auth.install(app, config.api_key, config.allowed_origins, metrics,
                  lambda path, status, message: api_error(path, status, message))
-    openai.register(app, engine, metrics)
-    anthropic.register(app, engine, metrics)
-    responder = responses.register(app, engine, metrics)
+    openai.register(app, engine, config, metrics)
+    anthropic.register(app, engine, config, metrics)
+    responder = responses.register(app, engine, config, metrics)
     responder.id_prefix = response_id_prefix
-    extras.register(app, engine)
+    extras.register(app, engine, config)
 
     @app.get("/metrics")
     async def prometheus() -> Response:

@@ -13,9 +13,9 @@ from tqserve.api.httpcommon import ApiError
 
 
 class ServedNames:
-    def __init__(self, engine: Engine) -> None:
-        self.names = engine.config.served_model_name or (engine.model.path.name,)
-        self.checked = bool(engine.config.served_model_name)
+    def __init__(self, engine: Engine, served_model_name: tuple[str, ...]) -> None:
+        self.names = served_model_name or (engine.model.path.name,)
+        self.checked = bool(served_model_name)
 
     @property
     def primary(self) -> str:

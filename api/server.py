@@ -27,7 +27,7 @@ from tqserve.api.handover import serve_handed_over
 from tqserve.api.hardening import listen_hardened
 from tqserve.api.overload import OverloadGate
 from tqserve.api.httpconn import HttpLimits
-from tqserve.engine.config import Config
+from tqserve.api.config import ServerConfig
 from tqserve.engine.model import LoadedModel
 
 # hypercorn's own hard cap: twice --max-message-bytes (at least 64 KiB over it). The app's
@@ -39,7 +39,7 @@ _HARD_FRAME_MARGIN = 64 << 10
 APP_QUEUE = 1
 
 
-def hard_message_bytes(config: Config) -> int:
+def hard_message_bytes(config: ServerConfig) -> int:
     """Bytes of one WebSocket message over which the socket is closed with 1009."""
     return max(config.max_message_bytes * _HARD_FRAME_FACTOR,
                config.max_message_bytes + _HARD_FRAME_MARGIN)
@@ -56,7 +56,7 @@ def overload_gate(engine: Engine, api_key: str | None) -> OverloadGate:
                         room=engine.admission_room)
 
 
-def listen(config: Config) -> tuple[HypercornConfig, Sockets]:
+def listen(config: ServerConfig) -> tuple[HypercornConfig, Sockets]:
     """hypercorn's config and the bound, listening sockets; ValueError naming host:port
     when the address is taken or invalid (so callers can fail before loading a model)."""
     limits = HttpLimits(http_idle_timeout=config.http_idle_timeout,
@@ -79,29 +79,33 @@ async def close_app(engine: Engine, connections: Connections, timeout: float
     return report
 
 
-async def serve(config: Config, *, loaded: LoadedModel | None = None,
+async def serve(config: ServerConfig, *, loaded: LoadedModel | None = None,
                 listening: tuple[HypercornConfig, Sockets] | None = None,
                 shutdown_trigger: trio.Event | None = None, record: str | None = None,
                 task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED
                 ) -> ShutdownReport:
-    """Start the engine and the server; report the bound URL through task_status; serve
-    until `shutdown_trigger` is set (forever without one), then shut down cleanly.
+    """Start the engine (`config.engine`) and the server; report the bound URL through
+    task_status; serve until `shutdown_trigger` is set (forever without one), then shut
+    down cleanly.
 
     The listening socket is bound first, so a taken port is a ValueError naming it before
     the model loads. `record`: write every admitted request to this file (tools/replay)."""
+    if not isinstance(config, ServerConfig):
+        raise TypeError(f"serve takes a ServerConfig(engine=Config(...), ...), got "
+                        f"{type(config).__name__}")
     hc, sockets = listening if listening is not None else listen(config)
     async with AsyncExitStack() as stack:
         recorder = None
         if record is not None:
             from tqserve.tools.replay.recorder import open_recorder
             recorder, _ = await stack.enter_async_context(open_recorder(
-                record, {"model": config.model, "config": attrs.asdict(config)}))
+                record, {"model": config.engine.model, "config": attrs.asdict(config.engine)}))
         engine = await stack.enter_async_context(
-            open_engine(config, loaded=loaded, recorder=recorder))
+            open_engine(config.engine, loaded=loaded, recorder=recorder))
         connections = Connections()
         hc.connection_cap.on_refused = lambda: engine.note_rejection("too_many_connections")
         gate = hc.overload_gate = overload_gate(engine, config.api_key)
-        app = wrap_app(create_app(engine, connections), hc.wsgi_max_body_size, None)
+        app = wrap_app(create_app(engine, config, connections), hc.wsgi_max_body_size, None)
         stop_http = trio.Event()
         handed_over = config.acceptor == "process" and not (
             sockets.secure_sockets or sockets.quic_sockets)

@@ -6,9 +6,11 @@ import importlib.util
 from pathlib import Path
 from typing import Any, AsyncIterator
 
+import attrs
 import pytest
 import trio
 
+from tqserve.api.config import ServerConfig
 from tqserve.engine.config import Config
 from tqserve.engine.model import DEFAULT_MODEL, LoadedModel, load_model
 
@@ -56,10 +58,18 @@ def instruct_model() -> LoadedModel:
     return load_model(path, "float32")
 
 
+def server_config(**fields: Any) -> ServerConfig:
+    """A ServerConfig on port 0 from Config and ServerConfig fields, each to its own class."""
+    own = attrs.fields_dict(ServerConfig).keys() - {"engine"}
+    engine = Config(**{k: v for k, v in fields.items() if k not in own})
+    return ServerConfig(engine=engine, **{"port": 0, **{k: v for k, v in fields.items()
+                                                          if k in own}})
+
+
 class Server:
     """A running tqserve on loopback: its base URL and the WebSocket URL."""
 
-    def __init__(self, url: str, config: Config) -> None:
+    def __init__(self, url: str, config: ServerConfig) -> None:
         self.url = url
         self.ws_url = url.replace("http://", "ws://") + "/v1/stream"
         self.config = config
@@ -67,11 +77,12 @@ class Server:
 
 async def start_server(nursery: trio.Nursery, loaded: LoadedModel,
                        shutdown_trigger: trio.Event | None = None, **config: Any) -> Server:
-    """Start a real hypercorn server with the given Config fields on port 0; setting
-    `shutdown_trigger` starts its clean shutdown (as SIGTERM does for `tqserve serve`)."""
+    """Start a real hypercorn server with the given Config and ServerConfig fields on port 0;
+    setting `shutdown_trigger` starts its clean shutdown (as SIGTERM does for `tqserve
+    serve`)."""
     from tqserve.api.server import serve
 
-    cfg = Config(port=0, **config)
+    cfg = server_config(**config)
     url = await nursery.start(lambda task_status: serve(
         cfg, loaded=loaded, shutdown_trigger=shutdown_trigger, task_status=task_status))
     return Server(url, cfg)

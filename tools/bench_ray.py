@@ -172,10 +172,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     import tempfile
 
+    from tqserve.api.config import ServerConfig
     from tqserve.engine.config import Config
 
-    config = Config(dtype="float32", warmup="off", max_batch=8, shutdown_timeout=2.0,
-                    **({"model": args.model} if args.model else {}))
+    config = ServerConfig(engine=Config(dtype="float32", warmup="off", max_batch=8,
+                                        **({"model": args.model} if args.model else {})),
+                          shutdown_timeout=2.0)
     with tempfile.TemporaryDirectory() as tmp:
         reqs = trace_requests(args.trace, args.families, args.block_tokens, args.max_output,
                               Path(tmp))

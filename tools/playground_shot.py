@@ -89,8 +89,8 @@ async def _serve_and_shoot(args: argparse.Namespace) -> None:
     import trio
     from playwright.sync_api import sync_playwright
 
+    from tqserve.api.config import ServerConfig
     from tqserve.api.server import serve
-    from tqserve.engine.config import Config
     from tqserve.engine.model import load_model
 
     def shoot(url: str) -> None:
@@ -104,8 +104,8 @@ async def _serve_and_shoot(args: argparse.Namespace) -> None:
 
     loaded = load_model(args.model, "float32")
     async with trio.open_nursery() as nursery:
-        url = await nursery.start(lambda task_status: serve(Config(port=0), loaded=loaded,
-                                                            task_status=task_status))
+        url = await nursery.start(lambda task_status: serve(
+            ServerConfig(port=0), loaded=loaded, task_status=task_status))
         await trio.to_thread.run_sync(shoot, url)
         nursery.cancel_scope.cancel()
 

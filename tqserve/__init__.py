@@ -2,8 +2,9 @@
 
 The front door: everything an embedding program needs, from one import, e.g.
 `from tqserve import open_engine, Config, GenerateRequest, SamplingParams, Token, Done`
-(docs/embedding.md). The names load lazily (PEP 562): `import tqserve` and
-`import tqserve.client` import no MLX; the first use of an engine name does.
+(docs/embedding.md); `serve` and its `ServerConfig` (which holds a Config) run the server.
+The names load lazily (PEP 562): `import tqserve` and `import tqserve.client` import no
+MLX; the first use of an engine name does.
 
 The installed distribution puts every part under this one namespace: `tqserve.engine`,
 `tqserve.actors`, `tqserve.api`, `tqserve.storage`, `tqserve.tools`, and the bundled model
@@ -29,6 +30,7 @@ _FRONT_DOOR = {  # public name -> the module that defines it
     "SamplingParams": "tqserve.engine.sampling",
     "load_model": "tqserve.engine.model",
     "serve": "tqserve.api.server",
+    "ServerConfig": "tqserve.api.config",
     "Queued": "tqserve.actors.messages",
     "Token": "tqserve.actors.messages",
     "Done": "tqserve.actors.messages",
@@ -36,12 +38,14 @@ _FRONT_DOOR = {  # public name -> the module that defines it
 }
 
 __all__ = ["Config", "Done", "Engine", "Error", "GenerateRequest", "Queued", "SamplingParams",
-           "Token", "__version__", "load_model", "open_engine", "serve"]  # = _FRONT_DOOR
+           "ServerConfig", "Token", "__version__", "load_model", "open_engine",
+           "serve"]  # = _FRONT_DOOR
 
 if TYPE_CHECKING:
     from tqserve.actors.engine import open_engine
     from tqserve.actors.facade import Engine
     from tqserve.actors.messages import Done, Error, Queued, Token
+    from tqserve.api.config import ServerConfig
     from tqserve.api.server import serve
     from tqserve.engine.config import Config
     from tqserve.engine.model import load_model

@@ -2,7 +2,8 @@
 
 Starts a local Ray cluster (or joins `--address`), Ray Serve's HTTP proxy on --host/--port,
 and the tqserve application (api.rayserve.deployment) with N replicas, each one engine
-with serve's engine flags (mapped 1:1 onto engine.config.Config, as for `tqserve serve`).
+with serve's flags (mapped 1:1 onto api.config.ServerConfig and the engine's Config in it,
+as for `tqserve serve`).
 Runs until SIGTERM or SIGINT, then deletes the application (each replica shuts its engine
 down cleanly) and, for a cluster it started, stops Ray. Bad arguments print one line and
 exit with code 2, Ray missing too (naming the extra to install).
@@ -17,7 +18,7 @@ import sys
 import threading
 from typing import Sequence
 
-from tqserve.api.cli import HelpFormatter, _config, _Parser
+from tqserve.api.cli import HelpFormatter, _Parser, _server_config
 from tqserve.api.flags import add_config_flags
 
 _RAY_MISSING = "tqserve ray-serve needs Ray Serve: pip install 'tqserve[ray]'"
@@ -95,7 +96,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                              "is one process; docs/scale-out-ray.md)")
         if args.address is not None and args.cluster_cpus is not None:
             raise ValueError("--cluster-cpus sizes a local cluster: not with --address")
-        config = _config(args)
+        config = _server_config(args)
         if config.port == 0:
             raise ValueError("--port 0: Ray Serve's proxy needs a fixed port")
         ray_config = RayServeConfig(
@@ -121,7 +122,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         scale = (f"replicas {ray_config.num_replicas}..{ray_config.max_replicas}"
                  if ray_config.max_replicas > ray_config.num_replicas
                  else f"replicas: {ray_config.num_replicas}")
-        print(f"tqserve: serving {config.model} on {url} through Ray Serve ({scale}; "
+        print(f"tqserve: serving {config.engine.model} on {url} through Ray Serve ({scale}; "
               "WebSocket /v1/stream, HTTP /v1/completions, /v1/chat/completions, "
               f"/v1/messages, /v1/responses; router {ray_config.router})", flush=True)
         name = _wait_for_signal()

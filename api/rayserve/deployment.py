@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import trio
@@ -33,6 +33,9 @@ from tqserve.api.rayserve.guest import GuestEnded, GuestRun
 from tqserve.api.rayserve.relay import (CancelCall, HttpCall, WsCall, WsRequests,
                                         response_id_prefix, serve_http)
 from tqserve.engine.kvevents import BLOCK_TOKENS, BlockRemoved, BlockStored
+
+if TYPE_CHECKING:
+    from tqserve.api.config import ServerConfig
 
 log = logging.getLogger("tqserve.rayserve")
 KV_BLOCK_TOKENS = BLOCK_TOKENS  # the KV events' block: the routers' keys use it too
@@ -90,7 +93,7 @@ class RayServeConfig:
             raise ValueError(f"--route-prefix must start with '/', got {self.route_prefix!r}")
 
 
-async def _run_engine(config: Any, replica: str, stop: trio.Event, *,
+async def _run_engine(config: ServerConfig, replica: str, stop: trio.Event, *,
                       task_status: trio.TaskStatus[Any] = trio.TASK_STATUS_IGNORED) -> None:
     """Inside the guest: the engine and its app until `stop`, then a clean shutdown. The
     app's response ids carry the replica's name (the front pins follow-ups by it)."""
@@ -98,9 +101,10 @@ async def _run_engine(config: Any, replica: str, stop: trio.Event, *,
     from tqserve.api.app import Connections, create_app
     from tqserve.api.server import close_app
 
-    async with open_engine(config) as engine:
+    async with open_engine(config.engine) as engine:
         connections = Connections()
-        app = create_app(engine, connections, response_id_prefix=response_id_prefix(replica))
+        app = create_app(engine, config, connections,
+                         response_id_prefix=response_id_prefix(replica))
         task_status.started((engine, app))
         await stop.wait()
         report = await close_app(engine, connections, config.shutdown_timeout)
@@ -113,7 +117,7 @@ class TqserveReplica:
     front (api.rayserve.front) calls it; Ray Serve's graceful shutdown calls `__del__`,
     which is the engine's clean shutdown."""
 
-    async def __init__(self, config: Any) -> None:
+    async def __init__(self, config: ServerConfig) -> None:
         self._config = config
         self._guest = GuestRun()
         self._ws = WsRequests()
@@ -205,12 +209,13 @@ def kv_window(engine: Any) -> dict[str, Any]:
     return {"kv_next": page.next, "kv_batches": batches, "kv_blocks": page.num_blocks}
 
 
-def _replica_options(config: Any, ray_config: RayServeConfig) -> dict[str, Any]:
+def _replica_options(config: ServerConfig, ray_config: RayServeConfig) -> dict[str, Any]:
     from ray.serve.config import RequestRouterConfig
 
     from tqserve.api.rayserve.routing import POW2_ROUTER_CLASS, ROUTER_CLASS
 
-    per_replica = config.max_batch + config.max_queued_requests  # what admission holds
+    engine = config.engine
+    per_replica = engine.max_batch + engine.max_queued_requests  # what admission holds
     router: dict[str, Any] = {"request_routing_stats_period_s": STATS_PERIOD,
                               "request_routing_stats_timeout_s": HEALTH_TIMEOUT}
     if ray_config.router == "prefix":
@@ -228,7 +233,7 @@ def _replica_options(config: Any, ray_config: RayServeConfig) -> dict[str, Any]:
         "max_ongoing_requests": ray_config.max_ongoing_requests or per_replica,
         # beyond what the replicas hold, each front queues at most what one server would
         # (--max-queued-requests); more are refused 429 `overloaded`, never left to wait
-        "max_queued_requests": config.max_queued_requests,
+        "max_queued_requests": engine.max_queued_requests,
         "health_check_period_s": HEALTH_PERIOD,
         "health_check_timeout_s": HEALTH_TIMEOUT,
         "graceful_shutdown_timeout_s": config.shutdown_timeout + 5.0,
@@ -238,15 +243,16 @@ def _replica_options(config: Any, ray_config: RayServeConfig) -> dict[str, Any]:
         options["autoscaling_config"] = AutoscalingConfig(
             min_replicas=ray_config.num_replicas, max_replicas=ray_config.max_replicas,
             initial_replicas=ray_config.num_replicas,
-            target_ongoing_requests=ray_config.target_ongoing_requests or config.max_batch)
+            target_ongoing_requests=ray_config.target_ongoing_requests or engine.max_batch)
     else:
         options["num_replicas"] = ray_config.num_replicas
     return options
 
 
-def build_app(config: Any, ray_config: RayServeConfig) -> Any:
+def build_app(config: ServerConfig, ray_config: RayServeConfig) -> Any:
     """The bound Ray Serve application: `serve.run(build_app(...))`. Its ingress is the
-    front (api.rayserve.front), which calls the replica deployment through a handle."""
+    front (api.rayserve.front), which calls the replica deployment through a handle; each
+    replica serves `config` (its engine: `config.engine`)."""
     from tqserve.api.rayserve.front import FRONT_NAME, TqserveFront
     from tqserve.api.rayserve.keys import FrontConfig
 
@@ -256,13 +262,13 @@ def build_app(config: Any, ray_config: RayServeConfig) -> Any:
                         max_message_bytes=config.max_message_bytes,
                         max_streams_per_connection=config.max_streams_per_connection,
                         api_key=config.api_key, allowed_origins=config.allowed_origins,
-                        chat_template=_template(config.chat_template))
+                        chat_template=_template(config.engine.chat_template))
     per_front = ray_config.num_replicas * (ray_config.max_ongoing_requests or (
-        config.max_batch + config.max_queued_requests)) * 4
+        config.engine.max_batch + config.engine.max_queued_requests)) * 4
     return serve.deployment(TqserveFront).options(
         name=FRONT_NAME, num_replicas=ray_config.front_replicas,
         ray_actor_options={"num_cpus": 0}, max_ongoing_requests=max(256, per_front),
-    ).bind(replicas, front, str(config.model))
+    ).bind(replicas, front, str(config.engine.model))
 
 
 def _template(path: Any) -> str | None:

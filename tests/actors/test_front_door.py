@@ -11,7 +11,7 @@ import trio
 
 REPO = Path(__file__).resolve().parents[2]
 NAMES = ("open_engine", "Engine", "Config", "GenerateRequest", "SamplingParams", "load_model",
-         "serve", "Queued", "Token", "Done", "Error")
+         "serve", "ServerConfig", "Queued", "Token", "Done", "Error")
 
 
 def test_import_tqserve_and_the_client_load_no_mlx():
@@ -44,6 +44,7 @@ def test_the_front_door_names_are_the_internal_ones():
     from tqserve.actors.engine import open_engine
     from tqserve.actors.facade import Engine
     from tqserve.actors.messages import Done, Error, Queued, Token
+    from tqserve.api.config import ServerConfig
     from tqserve.api.server import serve
     from tqserve.engine.config import Config
     from tqserve.engine.model import load_model
@@ -51,7 +52,7 @@ def test_the_front_door_names_are_the_internal_ones():
     from tqserve.engine.sampling import SamplingParams
 
     internal = (open_engine, Engine, Config, GenerateRequest, SamplingParams, load_model,
-                serve, Queued, Token, Done, Error)
+                serve, ServerConfig, Queued, Token, Done, Error)
     assert all(getattr(tqserve, n) is obj for n, obj in zip(NAMES, internal, strict=True))
 
 

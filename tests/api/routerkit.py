@@ -7,11 +7,11 @@ from typing import Any
 import httpx
 import trio
 
+from tests.conftest import server_config
 from tqserve.api.router.app import serve_router
 from tqserve.api.router.core import RoutingConfig
 from tqserve.api.router.service import RouterConfig
 from tqserve.api.server import serve
-from tqserve.engine.config import Config
 from tqserve.engine.model import LoadedModel
 
 
@@ -30,7 +30,7 @@ class Replica:
 async def start_replica(nursery: trio.Nursery, loaded: LoadedModel, **config: Any) -> Replica:
     scope = trio.CancelScope()
     stop = trio.Event()
-    cfg = Config(port=0, **config)
+    cfg = server_config(**config)
 
     async def run(task_status: trio.TaskStatus[str]) -> None:
         with scope:

@@ -1,23 +1,60 @@
-"""serve's exposure flags map onto Config: --api-key (or TQSERVE_API_KEY), --allowed-origins."""
+"""serve's flags map 1:1 onto ServerConfig and the engine's Config in it (generate's onto
+Config alone); the exposure flags: --api-key (or TQSERVE_API_KEY), --allowed-origins."""
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import attrs
 import httpx
 import pytest
 
-from tqserve.api.cli import _config, build_parser, main
+from tqserve.api.cli import _config, _server_config, build_parser, main
+from tqserve.api.config import ServerConfig
+from tqserve.engine.config import Config
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-def serve_config(argv: list[str]):
-    return _config(build_parser().parse_args(["serve", *argv]))
+def serve_config(argv: list[str]) -> ServerConfig:
+    return _server_config(build_parser().parse_args(["serve", *argv]))
+
+
+NOT_FIELDS = {"help", "blas", "kv", "record"}  # serve's flags that set no config field
+# engine fields only `serve` has a flag for (a one-request generate keeps their defaults)
+SERVE_ONLY_ENGINE = {"chat_template", "distributed", "distributed_timeout"}
+
+
+def _dests(command: str) -> set[str]:
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return {a.dest for a in sub.choices[command]._actions}
+
+
+def test_every_field_of_both_configs_has_its_flag_and_every_flag_its_field():
+    engine = {f.name for f in attrs.fields(Config)}
+    server = {f.name for f in attrs.fields(ServerConfig)} - {"engine"}
+    assert not engine & server  # each setting lives in one class
+    assert _dests("serve") == engine | server | NOT_FIELDS
+    assert _dests("generate") == (engine - SERVE_ONLY_ENGINE) | {
+        "help", "blas", "kv", "prompt", "max_tokens", "temperature", "seed"}
+
+
+def test_flag_defaults_are_the_field_defaults_and_each_flag_lands_in_its_class(monkeypatch):
+    monkeypatch.delenv("TQSERVE_API_KEY", raising=False)
+    assert serve_config([]) == ServerConfig()
+    generate = build_parser().parse_args(["generate", "--prompt", "x"])
+    assert _config(generate) == attrs.evolve(Config(), warmup="off")  # one request
+    config = serve_config(["--port", "9001", "--max-batch", "4", "--max-message-bytes", "99",
+                           "--chat-template", "README.md", "--strict-fields"])
+    assert (config.port, config.max_message_bytes, config.strict_fields) == (9001, 99, True)
+    assert (config.engine.max_batch, config.engine.chat_template) == (4, "README.md")
+    assert config.engine == _config(build_parser().parse_args(
+        ["serve", "--max-batch", "4", "--chat-template", "README.md"]))
 
 
 def test_api_key_and_origins_flags(monkeypatch):
@@ -70,8 +107,8 @@ def test_serve_takes_the_key_from_the_environment_and_prints_the_access_log():
 
 
 def test_max_step_tokens_flag_maps_and_is_checked_against_max_batch(capsys):
-    assert serve_config([]).max_step_tokens == 1024
-    assert serve_config(["--max-step-tokens", "2048"]).max_step_tokens == 2048
+    assert serve_config([]).engine.max_step_tokens == 1024
+    assert serve_config(["--max-step-tokens", "2048"]).engine.max_step_tokens == 2048
     assert main(["serve", "--max-batch", "64", "--max-step-tokens", "32"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--max-step-tokens (32) must be >= --max-batch (64)" in err[0]
@@ -80,8 +117,8 @@ def test_max_step_tokens_flag_maps_and_is_checked_against_max_batch(capsys):
 
 
 def test_warmup_flag_maps_and_a_bad_value_is_a_one_line_error(capsys):
-    assert serve_config([]).warmup == "auto"
-    assert serve_config(["--warmup", "on"]).warmup == "on"
+    assert serve_config([]).engine.warmup == "auto"
+    assert serve_config(["--warmup", "on"]).engine.warmup == "on"
     generate = ["generate", "--prompt", "x"]
     assert _config(build_parser().parse_args(generate)).warmup == "off"  # one request
     generate_auto = build_parser().parse_args([*generate, "--warmup", "auto"])
@@ -94,8 +131,8 @@ def test_warmup_flag_maps_and_a_bad_value_is_a_one_line_error(capsys):
 
 
 def test_fast_decode_flag_maps_and_refuses_on_with_distributed(capsys):
-    assert serve_config([]).fast_decode == "auto"
-    assert serve_config(["--fast-decode", "off"]).fast_decode == "off"
+    assert serve_config([]).engine.fast_decode == "auto"
+    assert serve_config(["--fast-decode", "off"]).engine.fast_decode == "off"
     assert main(["serve", "--fast-decode", "on", "--distributed"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--fast-decode on is not supported with --distributed" in err[0]

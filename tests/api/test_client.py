@@ -7,7 +7,7 @@ import pytest
 import trio
 
 from tqserve.api.server import serve
-from tqserve.engine.config import Config
+from tqserve.api.config import ServerConfig
 from tests.conftest import start_server
 from tqserve.client import (Client, ConnectionLost, DoneEvent, ErrorEvent, QueuedEvent,
                             TokenEvent)
@@ -106,7 +106,7 @@ async def test_connection_loss_fails_in_flight_requests_then_reconnects(draft_mo
                 assert len(failures) == 1 and "in flight" in str(failures[0])
                 assert client.statistics().num_lost == 1
                 second = await outer.start(lambda task_status: serve(
-                    Config(port=port), loaded=draft_model, task_status=task_status))
+                    ServerConfig(port=port), loaded=draft_model, task_status=task_status))
                 assert second.replace("http://", "ws://") + "/v1/stream" == url[0]
                 events = await _collect(client, prompt=PROMPT, max_tokens=4, temperature=0)
                 assert isinstance(events[-1], DoneEvent)  # a new socket, not a restart

@@ -146,7 +146,8 @@ async def send_case(session: Session, case: Case, binary: bool) -> str | None:
 
 async def test_bad_input_battery_keeps_the_socket(server, draft_model):
     tok = draft_model.tokenizer
-    limits = (draft_model.vocab_size, draft_model.context_length, server.config.max_tokens_cap)
+    limits = (draft_model.vocab_size, draft_model.context_length,
+              server.config.engine.max_tokens_cap)
     problems: list[str] = []
     async with open_websocket_url(server.ws_url) as ws, httpx.AsyncClient() as client:
         session = Session(ws)

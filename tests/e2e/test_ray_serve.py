@@ -23,6 +23,7 @@ ray = pytest.importorskip("ray", reason="Ray Serve is not installed: pip install
                                         "'tqserve[ray]'")
 serve = pytest.importorskip("ray.serve", reason="pip install 'tqserve[ray]'")
 
+from tqserve.api.config import ServerConfig  # noqa: E402
 from tqserve.api.rayserve.deployment import (APP_NAME, DEPLOYMENT_NAME,  # noqa: E402
                                              RayServeConfig, build_app)
 from tqserve.api.rayserve.keys import response_pin  # noqa: E402
@@ -48,8 +49,9 @@ def proxy() -> Iterator[str]:
              _metrics_export_port=METRICS["port"])
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        config = Config(dtype="float32", max_batch=4, max_queued_requests=16,
-                        max_tokens_cap=2048, warmup="off", shutdown_timeout=2.0)
+        config = ServerConfig(engine=Config(dtype="float32", max_batch=4,
+                                            max_queued_requests=16, max_tokens_cap=2048,
+                                            warmup="off"), shutdown_timeout=2.0)
         serve.run(build_app(config, RayServeConfig(num_replicas=2, num_cpus=0.5)),
                   name=APP_NAME, route_prefix="/")
         yield f"http://127.0.0.1:{port}"
@@ -379,7 +381,8 @@ def test_prefix_router_keeps_single_server_reuse_on_a_trace(proxy: str, tmp_path
         pytest.skip(f"shared trace not found at {TRACE}")
     reqs = trace_requests(TRACE, families=0.004, block_tokens=8, max_output=2,
                           workdir=tmp_path)
-    config = Config(dtype="float32", max_batch=8, warmup="off", shutdown_timeout=2.0)
+    config = ServerConfig(engine=Config(dtype="float32", max_batch=8, warmup="off"),
+                          shutdown_timeout=2.0)
     seen: dict[str, Any] = {}
     serve.delete(APP_NAME)  # each run deploys an application of its own on "/"
 
@@ -414,8 +417,8 @@ def test_full_replicas_and_a_full_queue_refuse_429_at_once(proxy: str) -> None:
     that queues 1 more: the rest are refused 429 `overloaded` with Retry-After at once, not
     left waiting in Ray's queue; the admitted ones complete and the replica ends with no
     row."""
-    config = Config(dtype="float32", max_batch=1, max_queued_requests=1, warmup="off",
-                    shutdown_timeout=2.0)
+    config = ServerConfig(engine=Config(dtype="float32", max_batch=1, max_queued_requests=1,
+                                        warmup="off"), shutdown_timeout=2.0)
     serve.delete(APP_NAME)  # an application of its own on "/" (this test runs last)
     serve.run(build_app(config, RayServeConfig(num_replicas=1, num_cpus=0.5)),
               name="tqserve-overload", route_prefix="/")

@@ -91,6 +91,7 @@ async def test_azure_slice_totals_on_server_and_embedded(draft_model, nursery):
 
 def _record(tmp_path: Path, draft_model) -> tuple[Path, list]:
     """Serve with --record and replay a Mooncake slice on it (odd requests seeded)."""
+    from tqserve.api.config import ServerConfig
     from tqserve.api.server import serve
 
     rec = tmp_path / "run.tqrec"
@@ -102,7 +103,8 @@ def _record(tmp_path: Path, draft_model) -> tuple[Path, list]:
     async def run() -> list:
         async with trio.open_nursery() as nursery:
             url = await nursery.start(lambda task_status: serve(
-                Config(port=0), loaded=draft_model, record=str(rec), task_status=task_status))
+                ServerConfig(port=0), loaded=draft_model, record=str(rec),
+                task_status=task_status))
             async with UrlTarget(url.replace("http", "ws") + "/v1/stream") as target:
                 results = await replay(target, reqs, time_scale=0.001)
             nursery.cancel_scope.cancel()

@@ -186,7 +186,7 @@ def _serve_args(config: Any) -> list[str]:
     defaults = Config()
     for f in attrs.fields(Config):
         value = getattr(config, f.name)
-        if f.name in ("host", "port") or value == getattr(defaults, f.name):
+        if value == getattr(defaults, f.name):
             continue
         if f.name == "prefix_cache":
             out.append("--no-prefix-cache")
