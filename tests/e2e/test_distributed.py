@@ -51,6 +51,11 @@ EXIT_TIMEOUT = 120   # seconds for the group to end after a signal: a hang guard
 # collective that long, and a loaded 2-core machine once made that exceed 10 s (the watchdog
 # ended a healthy group mid-batch).
 TIMEOUT = 30
+# The same for the group that finds its dead rank while idle: short, so the test ends soon
+# after the kill (a ping every IDLE_TIMEOUT / 4), yet long enough for a healthy step on a
+# loaded machine (4 s once ended a healthy group mid-batch, during a full suite run beside
+# other work: the client saw the socket close with 1006).
+IDLE_TIMEOUT = 15
 MAX_TOKENS = 12
 GREEDY = dict(temperature=0.0, max_tokens=MAX_TOKENS)
 IDLE = dict(rows_active=0, rows_queued=0, kv_bytes=0, streams_open=0)
@@ -363,7 +368,8 @@ async def test_without_a_launcher_affine_then_a_rank_dies_while_idle(
         env = dict(os.environ, PYTHONPATH=str(REPO), MLX_RANK=str(rank),
                    MLX_HOSTFILE=str(hostfile))
         procs.append(subprocess.Popen(
-            [*SERVE, "--kv", "affine:8", "--distributed-timeout", "4"], cwd=REPO, env=env,
+            [*SERVE, "--kv", "affine:8", "--distributed-timeout", str(IDLE_TIMEOUT)],
+            cwd=REPO, env=env,
             text=True,
             stdout=subprocess.PIPE, stderr=err.open("w") if rank == 0 else subprocess.DEVNULL))
     try:
