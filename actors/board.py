@@ -58,8 +58,9 @@ class Board:
     def post(self, **records: Any) -> None:
         """Replace the named actors' records (keyword: the BoardSnapshot field)."""
         self.snapshot = attrs.evolve(self.snapshot, **records)
-        self._changed.set()
-        self._changed = trio.Event()
+        if self._changed.statistics().tasks_waiting:  # a fresh event only when one was used
+            self._changed.set()
+            self._changed = trio.Event()
 
     async def wait_until(self, condition: Callable[[BoardSnapshot], bool]) -> None:
         """Return once `condition(snapshot)` holds (checked now and after every post)."""

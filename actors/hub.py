@@ -21,8 +21,8 @@ waits for them.
 
 `open_stream` / `close_stream` are called by the consumer side (same trio thread):
 they hand over a local channel endpoint, which no message can carry.
-Posts: its HubStatistics to the board (actors.board) after each delivery and each stream
-opened or closed.
+Posts: its HubStatistics to the board (actors.board) once the messages waiting in its
+mailbox are delivered, and when a stream opens or closes.
 """
 
 from __future__ import annotations
@@ -195,7 +195,8 @@ async def run_hub(hub: Hub, inbox: Inbox,
     task_status.started()
     async for message in inbox:
         hub.deliver(message)
-        hub.post()
+        if inbox.empty:  # once the messages waiting are delivered, not after each
+            hub.post()
     for rid in list(hub._streams):
         hub.close_stream(rid)
 

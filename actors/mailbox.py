@@ -76,6 +76,11 @@ class Inbox:
         """Receive without waiting; raises trio.WouldBlock when empty."""
         return decode(*self._channel.receive_nowait())
 
+    @property
+    def empty(self) -> bool:
+        """Whether no message waits (the next receive would wait)."""
+        return self._channel.statistics().current_buffer_used == 0
+
     def __aiter__(self) -> "Inbox":
         return self
 

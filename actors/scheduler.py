@@ -15,8 +15,8 @@ Sends: one StepTokens per step (every row's new tokens) and Done/Error to the hu
        SpecDecisions it reads without waiting (the speculation_replies reply edge).
 Between steps it drains its mailbox without waiting, so a cancel frees its row
 at the start of the next step. When idle it waits for a message.
-Posts: the core's and the prefix cache's statistics to the board (actors.board) at every
-turn of its loop. Stamps each request's queue wait (its Done's `queue_seconds`).
+Posts: the core's and the prefix cache's statistics to the board (actors.board) once per
+step (before the step's events go out) and whenever it goes idle. Stamps each request's queue wait (its Done's `queue_seconds`).
 With a prefix cache (actors.prefix_cache), a request looks up its donor when it is about
 to take a row; an SSD hit is loaded by the spill actor (its disk thread, then the runner
 thread between steps) while the request waits without a row and the other rows keep
@@ -99,13 +99,13 @@ async def run_scheduler(
             if prefix is not None:
                 await prefix.apply_replies()
             await actor.look_up()
-            actor.post()
             if actor.has_work():
-                await actor.step()
-            elif actor.finished():
+                await actor.step()  # posts before it sends the step's events
+                continue
+            actor.post()  # idle, or done: the board shows the books as they rest
+            if actor.finished():
                 return
-            else:
-                await actor.wait_for_work()
+            await actor.wait_for_work()
 
 
 class _Scheduler:
@@ -262,7 +262,6 @@ class _Scheduler:
         plan, started = self.core.schedule(advice)  # the whole step; nobody edits it after
         if self.speculation is not None:
             self.speculation.planned(plan)
-        self.post()
         await self.emit(started)
         try:
             result = await self.thread.call(self.runner.execute, plan)
