@@ -87,38 +87,24 @@ class PrefixIndexStatistics:
 
 
 @attrs.frozen(kw_only=True)
-class PrefixCacheStatistics:
-    """The prefix cache's statistics, both tiers (the index's record and the spill
-    actor's, put together by the facade)."""
+class PrefixCacheStatistics(PrefixIndexStatistics):
+    """The prefix cache's statistics, both tiers: the index's record with the spill actor's
+    fields (actors.spill.SpillStatistics; without a cache dir zeros and `ssd_state`
+    "off"), put together by the facade."""
 
-    ram_bytes: int
-    ram_entries: int
-    ssd_bytes: int
-    ssd_entries: int
-    hits_ram: int
-    hits_ssd: int
-    misses: int
-    spills: int
-    spills_dropped: int
-    quarantined: int
-    ssd_write_errors: int
-    ssd_errors: int  # errors of the cache dir's file system (storage.health)
-    ssd_state: str   # "ok", "read_only", "cold" (storage.health), or "off" (no cache dir)
-    writes_pending: int
-    loads_pending: int
-    spilling_entries: int = 0
-    orders_pending: int = 0
-    tier_entries: int = 0  # files the SSD tier holds (ssd_entries: those indexed)
-    bytes_read: int = 0    # bytes the SSD tier read (headers at start, files on loads)
+    spills: int = 0
+    writes_pending: int = 0
+    quarantined: int = 0
+    ssd_write_errors: int = 0
+    ssd_errors: int = 0
+    ssd_state: str = "off"
+    tier_entries: int = 0
+    bytes_read: int = 0
 
     @classmethod
     def of(cls, index: PrefixIndexStatistics, spill: SpillStatistics | None
            ) -> PrefixCacheStatistics:
-        ssd = attrs.asdict(spill) if spill is not None else {
-            "spills": 0, "writes_pending": 0, "quarantined": 0,
-            "ssd_write_errors": 0, "ssd_errors": 0, "ssd_state": "off", "tier_entries": 0,
-            "bytes_read": 0}
-        return cls(**attrs.asdict(index), **ssd)
+        return cls(**attrs.asdict(index), **(attrs.asdict(spill) if spill is not None else {}))
 
 
 @attrs.frozen(kw_only=True)
