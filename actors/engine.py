@@ -15,7 +15,8 @@ bounded mailbox of msgpack bytes, named after the actor that reads it:
                                                    ^                                |
                                                    +-- StepTokens, Done, Error -----+
 
-    scheduler <--> runner thread (all MLX work, one thread)
+    scheduler <--> runner thread (all MLX work, one thread; the spill actor's loads
+                   rebuild their snapshots there too, between steps)
     scheduler --SpecStep--> speculation --SpecDecision (reply)--> scheduler
     scheduler --SpillWrite, SpillLoad, SpillRemove--> spill
         spill --SpillWritten, SpillLoaded (reply)--> scheduler
