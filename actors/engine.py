@@ -8,10 +8,10 @@ The actor graph, drawn once (here; docs/design.md and DESIGN.md point to it). Ev
 bounded mailbox of msgpack bytes, named after the actor that reads it:
 
     generate() --Submit, Cancel, StopAdmitting--> admission --Submit, Cancel--> scheduler
-        ^                                          |  ^  ^                          |
-        |                            Queued, Error |  |  +-- Dequeued (reply) ------+
-        |                                          v  |                             |
-        +-- per-stream channels ----------------- hub +-- Cancel (reply)            |
+        ^                                          |  ^                             |  ^
+        |                            Queued, Error |  +-- Dequeued (reply) ---------+  |
+        |                                          v                                |  |
+        +-- per-stream channels ----------------- hub --- Cancel (reply) -----------|--+
                                                    ^                                |
                                                    +-- StepTokens, Done, Error -----+
 
@@ -35,7 +35,7 @@ mailboxes `open_engine` creates and the messages that cross them:
     scheduler -> hub: StepTokens Done Error
     scheduler -> cache_owner: Lease Release KvUsage
     scheduler -> admission_replies: Dequeued (reply edge)
-    hub -> admission: Cancel (reply edge)
+    hub -> scheduler: Cancel (reply edge)
     scheduler -> speculation: SpecStep
     speculation -> speculation_replies: SpecDecision (reply edge)
     scheduler -> spill: SpillWrite SpillLoad SpillRemove
@@ -46,7 +46,8 @@ The speculation actor and its two mailboxes exist only with speculation (--specu
 the reply edges the graph is a DAG. The reply edges never block a sender:
 admission_replies is sized for one Dequeued per queued request (send_nowait), the hub's
 Cancels (a stream overflowed, or its text met a stop string) are sent by a task of their
-own (`run_hub_cancels`), never by delivery; the ids waiting are at most the open streams;
+own (`run_hub_cancels`) straight into the scheduler's mailbox, never by delivery; the ids
+waiting are at most the open streams;
 speculation_replies holds one decision per SpecStep that can be answered before the
 scheduler reads them all again (actors.speculation; send_nowait); spill_replies one answer
 per order in flight (actors.spill; send_nowait).
@@ -65,7 +66,7 @@ waits for it, so a restart finds every snapshot that was queued.
 Cancelling the caller's scope (or leaving the `async for` early) sends a Cancel;
 the row is freed at the start of the next engine step. A stream that falls behind is cut
 off by the hub, and a stream whose text meets a stop string is ended by it; either way
-`run_hub_cancels` sends the Cancel into admission's mailbox at once (the reply edge), and
+`run_hub_cancels` sends the Cancel into the scheduler's mailbox at once (the reply edge), and
 the row is freed within a step or two.
 """
 
@@ -210,7 +211,7 @@ async def open_engine(config: Config, *, loaded: LoadedModel | None = None,
                                           group_failed=group_failed, speculation=link),
                         core, runner, thread, scheduler_in, replies_out, owner_out,
                         hub_out.clone())
-                    nursery.start_soon(run_hub_cancels, hub, admission_out.clone())
+                    nursery.start_soon(run_hub_cancels, hub, scheduler_out.clone())
                     if isinstance(runner, LeaderRunner):
                         nursery.start_soon(run_health_check, runner, thread,
                                            config.distributed_timeout / HEALTH_CHECKS,

@@ -4,7 +4,7 @@ Owns: the open streams (request id -> bounded trio channel to its consumer, and 
 stream's TextStream: detokenization and stop strings happen here, off the scheduler's path).
 Receives: Queued/Done/Error from admission and the scheduler, and one StepTokens per
 engine step holding every row's new tokens (HUB_MAILBOX).
-Sends: Cancel to admission, from `run_hub_cancels` only (a reply edge). Each token of a
+Sends: Cancel to the scheduler, from `run_hub_cancels` only (a reply edge). Each token of a
 StepTokens becomes one `Token` event whose text is that token's own text (held back only
 for incomplete UTF-8 or a possible stop-string match); a row's prompt logprobs, when it
 asked for them, go out as one `PromptLogprobs` event before its first Token. When a stop
@@ -201,10 +201,10 @@ async def run_hub(hub: Hub, inbox: Inbox,
         hub.close_stream(rid)
 
 
-async def run_hub_cancels(hub: Hub, admission: Outbox) -> None:
+async def run_hub_cancels(hub: Hub, scheduler: Outbox) -> None:
     """Cancel every request whose stream overflowed or met a stop string, as soon as it
-    does (the hub's reply edge into admission)."""
-    async with admission:
+    does (the hub's reply edge into the scheduler, whose rows they are)."""
+    async with scheduler:
         while True:
             for cancel in await hub.wait_cancels():
-                await admission.send(cancel)
+                await scheduler.send(cancel)

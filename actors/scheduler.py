@@ -1,8 +1,9 @@
 """Scheduler actor: drives the sans-io SchedulerCore and the runner, step by step.
 
 Owns: the SchedulerCore (queue, rows) and the Runner (via the runner thread).
-Receives: Submit, Cancel (from admission, SCHEDULER_MAILBOX; a Cancel with reason "stop"
-          and `num_tokens` comes from the hub, which met a stop string in the row's text).
+Receives: Submit, Cancel (SCHEDULER_MAILBOX: from admission, and on the hub's reply edge
+          a Cancel with reason "stop" and `num_tokens` when the hub met a stop string in
+          the row's text, or a stream fell behind).
 Sends: one StepTokens per step (every row's new tokens) and Done/Error to the hub;
        Lease/Release/KvUsage to the cache owner (the core's KV decisions: each row's
        charged positions, the running rows' charge against the budget);

@@ -274,6 +274,7 @@ async def test_stop_string_found_by_the_hub_ends_the_request_and_frees_the_row(d
     assert [t.token_id for t in tokens] == [e.token_id for e in plain[1:1 + len(tokens)]]
     assert stop in tok.decode([t.token_id for t in tokens])
     # tokens sampled after the stop and before its cancel reached the scheduler: the row
-    # ended within a step or two (reply edge hub -> admission -> scheduler)
-    assert hub.num_stopped == 1 and 1 <= hub.num_dropped <= 3
+    # ended within a step or two (reply edge hub -> scheduler; straight there, the cancel
+    # can land before the next step is planned, and then none is dropped)
+    assert hub.num_stopped == 1 and hub.num_dropped <= 3
     assert books.rows_active == 0 and books.releases_by_reason.get("stop") == 1

@@ -45,7 +45,7 @@ def test_the_drawn_graph_is_a_dag_plus_reply_edges():
     for node in list(graph):
         visit(node, [])
     replies = [(s, OWNER.get(m, m)) for s, m, _, reply in edges if reply]
-    assert replies == [("scheduler", "admission"), ("hub", "admission"),
+    assert replies == [("scheduler", "admission"), ("hub", "scheduler"),
                        ("speculation", "scheduler"), ("spill", "scheduler")]
 
 
@@ -80,7 +80,8 @@ async def test_open_engine_creates_the_drawn_mailboxes_and_only_drawn_messages_c
     for sender, mailbox, messages, _ in edges:  # every drawn edge carried something
         assert {kind for name, kind in crossed if name == mailbox} & messages, (sender, mailbox)
     assert ("hub", "StepTokens") in crossed and ("hub", "Token") not in crossed
-    assert seen.count(("admission", "Cancel")) == 2  # the hub's and the caller's
+    assert seen.count(("admission", "Cancel")) == 1  # the caller's
+    assert seen.count(("scheduler", "Cancel")) == 2  # the caller's, forwarded, and the hub's
 
 
 async def test_with_speculation_the_speculation_edges_carry_steps_and_decisions(draft_model):
