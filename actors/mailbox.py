@@ -9,7 +9,7 @@ Every size is a named constant with its reason, at the place the graph is wired
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, AsyncIterator, Callable
 
 import trio
 
@@ -40,6 +40,13 @@ class Outbox:
         self._channel.send_nowait(item)
         if self._recorder is not None:
             self._recorder(self.name, item[0])
+
+    async def forward(self, item: Item) -> None:
+        """Send a message received from another mailbox as it came (`Inbox.items`): its
+        bytes are not encoded again."""
+        if self._recorder is not None:
+            self._recorder(self.name, item[0])
+        await self._channel.send(item)
 
     @staticmethod
     def _encode(message: Any) -> Item:
@@ -75,6 +82,15 @@ class Inbox:
     def receive_nowait(self) -> Any:
         """Receive without waiting; raises trio.WouldBlock when empty."""
         return decode(*self._channel.receive_nowait())
+
+    async def items(self) -> AsyncIterator[tuple[Any, Item]]:
+        """Each message with the item it came as (to `Outbox.forward` it unchanged)."""
+        while True:
+            try:
+                item = await self._channel.receive()
+            except trio.EndOfChannel:
+                return
+            yield decode(*item), item
 
     @property
     def empty(self) -> bool:

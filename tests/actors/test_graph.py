@@ -52,10 +52,14 @@ def test_the_drawn_graph_is_a_dag_plus_reply_edges():
 async def test_open_engine_creates_the_drawn_mailboxes_and_only_drawn_messages_cross(
         draft_model):
     seen: list[tuple[str, str]] = []
+    raw: list[tuple[str, bytes]] = []
     params = dict(temperature=0.0, max_tokens=30)
-    async with open_engine(Config(), loaded=draft_model,
-                           recorder=lambda name, data: seen.append(
-                               (name, type(decode(data)).__name__))) as engine:
+
+    def record(name: str, data: bytes) -> None:
+        seen.append((name, type(decode(data)).__name__))
+        raw.append((name, data))
+
+    async with open_engine(Config(), loaded=draft_model, recorder=record) as engine:
         plain = [e async for e in engine.generate(GenerateRequest(
             prompt="def f(x):\n", params=SamplingParams(**params)))]
         text = "".join(e.text for e in plain if isinstance(e, Token))
@@ -80,6 +84,9 @@ async def test_open_engine_creates_the_drawn_mailboxes_and_only_drawn_messages_c
     for sender, mailbox, messages, _ in edges:  # every drawn edge carried something
         assert {kind for name, kind in crossed if name == mailbox} & messages, (sender, mailbox)
     assert ("hub", "StepTokens") in crossed and ("hub", "Token") not in crossed
+    # admission forwards a Submit as it came: encoded once, the same bytes on both edges
+    submits = {name: data for name, data in raw if type(decode(data)).__name__ == "Submit"}
+    assert submits["admission"] is submits["scheduler"]
     assert seen.count(("admission", "Cancel")) == 1  # the caller's
     assert seen.count(("scheduler", "Cancel")) == 2  # the caller's, forwarded, and the hub's
 
