@@ -13,7 +13,8 @@ Sends: one StepTokens per step (every row's new tokens) and Done/Error to the hu
        Dequeued to admission on the reply edge (send_nowait: that mailbox holds
        one message per queued request, so it cannot fill);
        one SpecStep per step to the speculation actor (with speculation), whose
-       SpecDecisions it reads without waiting (the speculation_replies reply edge).
+       SpecDecision for that step it takes before it plans the next (the
+       speculation_replies reply edge; the actor answers at once).
 Between steps it drains its mailbox without waiting, so a cancel frees its row
 at the start of the next step. When idle it waits for a message.
 Posts: the core's and the prefix cache's statistics to the board (actors.board) once per
@@ -24,7 +25,7 @@ thread between steps) while the request waits without a row and the other rows k
 decoding; it joins when its KV is ready.
 One decider: before each step the prefix cache and the speculation link put what they
 know into one StepAdvice (engine.step: pending spill/drop orders, write-through, the
-speculation actor's latest decision, never waited for); the core decides the whole plan
+speculation actor's decision for the last step); the core decides the whole plan
 from it (engine.orders) and nothing edits the plan after. Each result is absorbed by the
 prefix cache (a sync flush writes here), and each step is reported to the speculation
 actor in one SpecStep (opened and released rows, verified lengths, its measurement).
@@ -259,10 +260,8 @@ class _Scheduler:
         if self.prefix is not None:
             advice = self.prefix.advise(advice)
         if self.speculation is not None:
-            advice = self.speculation.advise(advice)
+            advice = await self.speculation.advise(advice)
         plan, started = self.core.schedule(advice)  # the whole step; nobody edits it after
-        if self.speculation is not None:
-            self.speculation.planned(plan)
         await self.emit(started)
         try:
             result = await self.thread.call(self.runner.execute, plan)

@@ -8,12 +8,14 @@ Receives: SpecStep from the scheduler (SPECULATION_MAILBOX), one per engine step
 Posts: its SpeculationStatistics to the board (actors.board) after each SpecStep.
 Sends: one SpecDecision per SpecStep to the scheduler on the reply edge
       (speculation_replies): tokens each open row proposes from the next step planned.
-      The scheduler never waits for it: the latest decision it has goes to the core as
-      advice for each plan (engine.orders decides each row's k from it), so a decision
-      arriving late applies to a later step. The reply mailbox holds
-      one decision per SpecStep that can be in flight (the scheduler reads every waiting
-      decision before it sends the next SpecStep), so `send_nowait` never fails and this
-      actor never blocks on the scheduler.
+      It answers at once (booking a step takes microseconds, on the scheduler's own trio
+      thread), so the decision for step N is ready when step N+1 is planned: the
+      scheduler takes it before it plans (`SpeculationLink.advise`) and the core decides
+      each row's k from it (engine.orders). A decision knows every row opened up to its
+      step, so no lag needs booking: only rows the plan itself opens are new to it. The
+      reply mailbox holds one decision per SpecStep that can be in flight (the scheduler
+      reads every waiting decision before it sends the next SpecStep), so `send_nowait`
+      never fails and this actor never blocks on the scheduler.
 The proposers' MLX state (draft caches, MTP-head caches and hidden states) stays on the
 runner thread keyed by request id; the runner opens and closes it with the rows. N-gram
 lookup keeps no state. `SpeculationLink` is the scheduler's end of the two edges.
@@ -79,43 +81,39 @@ async def run_speculation(policy: SpeculationPolicy, default: SpecChoice | None,
 
 @attrs.define
 class SpeculationLink:
-    """The scheduler's end: hands the latest decision to the core as advice before each
-    plan (the core decides every row's k: engine.orders), reports each step."""
+    """The scheduler's end: hands the decision answering the last step to the core as
+    advice before each plan (the core decides every row's k: engine.orders), reports
+    each step."""
 
     outbox: Outbox
     replies: Inbox
     proposals: tuple[tuple[str, int], ...] = ()
-    decided_step: int = -1             # the step the latest decision was made after
     new_rows: bool = True              # the latest decision's `new_rows`
     open_rows: set[str] = attrs.Factory(set)
-    opened_at: dict[str, int] = attrs.Factory(dict)  # row -> the SpecStep that opens it
     num_steps: int = 0
     num_decisions: int = 0
 
-    def advise(self, advice: StepAdvice) -> StepAdvice:
-        """`advice` with the latest decision: its proposal sizes, whether new rows may
-        propose, and the rows opened since it was made (`fresh`)."""
+    async def advise(self, advice: StepAdvice) -> StepAdvice:
+        """`advice` with the decision that answers the last step reported (waited for if
+        it is not in yet): its proposal sizes and whether new rows may propose."""
         self._read_decisions()
-        fresh = frozenset(rid for rid, step in self.opened_at.items() if step > self.decided_step)
-        return attrs.evolve(advice, speculation=True, proposals=self.proposals, fresh=fresh,
+        while self.num_decisions < self.num_steps:
+            self._take(await self.replies.receive())
+        return attrs.evolve(advice, speculation=True, proposals=self.proposals,
                             new_rows_propose=self.new_rows)
-
-    def planned(self, plan: StepPlan) -> None:
-        """The core made `plan`: its new rows open with the next SpecStep."""
-        for new in plan.new_rows:
-            self.opened_at[new.request_id] = self.num_steps
 
     def _read_decisions(self) -> None:
         while True:
             try:
-                decision = self.replies.receive_nowait()
+                self._take(self.replies.receive_nowait())
             except (trio.WouldBlock, trio.EndOfChannel):
                 return
-            if not isinstance(decision, SpecDecision):
-                raise TypeError(f"scheduler got unexpected {type(decision).__name__}")
-            self.proposals = tuple(decision.proposals)
-            self.decided_step, self.new_rows = decision.step, decision.new_rows
-            self.num_decisions += 1
+
+    def _take(self, decision: object) -> None:
+        if not isinstance(decision, SpecDecision):
+            raise TypeError(f"scheduler got unexpected {type(decision).__name__}")
+        self.proposals, self.new_rows = tuple(decision.proposals), decision.new_rows
+        self.num_decisions += 1
 
     async def report(self, plan: StepPlan, result: StepResult, batch: Sequence[str],
                      active: Collection[str]) -> None:
@@ -126,8 +124,6 @@ class SpeculationLink:
         self.open_rows.update(o.request_id for o in opened)
         released = tuple(sorted(self.open_rows.difference(active)))
         self.open_rows.difference_update(released)
-        for rid in released:
-            self.opened_at.pop(rid, None)
         verified = tuple(RowVerified(request_id=o.request_id, num_proposed=o.num_proposed,
                                      num_accepted=o.num_accepted)
                          for o in result.outputs if o.num_proposed)
@@ -140,7 +136,7 @@ class SpeculationLink:
     async def reset(self) -> None:
         """The runner was reset: every row's books go."""
         released, self.open_rows = tuple(sorted(self.open_rows)), set()
-        self.proposals, self.opened_at = (), {}
+        self.proposals = ()
         await self._send(SpecStep(step=self.num_steps, released=released))
 
     async def _send(self, msg: SpecStep) -> None:

@@ -34,15 +34,15 @@ def snapshot_orders(advice: StepAdvice, ids: Iterator[int], release: Sequence[st
 def propose_sizes(advice: StepAdvice, decode: Sequence[str], joined_now: frozenset[str],
                   own_k: Callable[[str], int]) -> tuple[tuple[str, int], ...]:
     """(row, k) for the decoding rows that propose this step: a row the speculation
-    actor's latest decision knows takes its k; one opened since (or joining in this plan)
-    proposes its own k when the decision allows new rows, so that a short request
-    speculates from its first decode step."""
+    actor's decision knows takes its k; one joining in this very plan proposes its own k
+    when the decision allows new rows, so that a short request speculates from its first
+    decode step."""
     if not advice.speculation:
         return ()
     known = dict(advice.proposals)
     out = []
     for rid in decode:
-        if rid in advice.fresh or rid in joined_now:
+        if rid in joined_now:
             k = own_k(rid) if advice.new_rows_propose else 0
         else:
             k = known.get(rid, 0)

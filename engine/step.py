@@ -74,7 +74,7 @@ class StepPlan:
     persist: bool = False
     spill: tuple[str, ...] = ()
     drop: tuple[str, ...] = ()
-    # Speculation, decided by the core from the speculation actor's latest decision (in
+    # Speculation, decided by the core from the speculation actor's decision for the last step (in
     # the StepAdvice): (request id, k) of the decoding rows that propose up to k tokens
     # this step; a row not named decodes plainly, and a step where none proposes is plain.
     propose: tuple[tuple[str, int], ...] = ()
@@ -93,9 +93,8 @@ class StepAdvice:
     `prefix_cache`: snapshot released rows and the prompts of joining rows that asked
     (`set_reuse(snapshot_prompt=...)`); `write_through`: persist this step's snapshots;
     `spill` / `drop`: the prefix cache's pending orders. `proposals`: the speculation
-    actor's latest decision (rows it knows, their k); `fresh`: rows opened since that
-    decision (they propose their own k when `new_rows_propose`, as do rows that join in
-    this very plan)."""
+    actor's decision for the last step (every row opened until then, its k); rows that
+    join in this very plan propose their own k when `new_rows_propose`."""
 
     prefix_cache: bool = False
     write_through: bool = False
@@ -103,7 +102,6 @@ class StepAdvice:
     drop: tuple[str, ...] = ()
     speculation: bool = False
     proposals: tuple[tuple[str, int], ...] = ()
-    fresh: frozenset[str] = frozenset()
     new_rows_propose: bool = True
 
 

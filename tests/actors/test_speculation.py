@@ -1,6 +1,6 @@
 """The speculation actor over real mailboxes (msgpack bytes): it books each SpecStep and
 answers with the next proposal sizes; the scheduler's end (SpeculationLink) hands the
-latest decision it has to the core as advice without waiting (engine.orders decides each
+decision for the last step reported to the core as advice (engine.orders decides each
 row's k from it), and releases a row's books when the row ends."""
 
 from __future__ import annotations
@@ -68,14 +68,13 @@ def _plan(decode, new=(), release=()):
         for i, r in enumerate(new)))
 
 
-def _apply(link, plan):
+async def _apply(link, plan):
     """What the scheduler actor does around the core: advice in, proposals decided by
-    engine.orders (every row's own k is DEFAULT's), the plan reported as made."""
-    advice = link.advise(NO_ADVICE)
+    engine.orders (every row's own k is DEFAULT's)."""
+    advice = await link.advise(NO_ADVICE)
     joined = frozenset(new.request_id for new in plan.new_rows)
     plan = attrs.evolve(plan, propose=propose_sizes(advice, plan.decode, joined,
                                                     lambda rid: DEFAULT.num_tokens))
-    link.planned(plan)
     return plan
 
 
@@ -83,11 +82,11 @@ async def test_link_applies_the_latest_decision_and_releases_ended_rows(nursery)
     # the time policy decides per bucket: B1 speculation 2x faster, B2 3x slower
     policy = SpeculationPolicy(SpecPolicy(throughput=ThroughputSettings(min_samples=1)))
     link = await _start(nursery, policy)
-    plan = _apply(link, _plan(["a"], new=["a"]))
+    plan = await _apply(link, _plan(["a"], new=["a"]))
     assert plan.propose == (("a", 3),)  # no decision yet: its own k, nothing waits
     await link.report(plan, StepResult(outputs=(), kv_bytes=0), ["a"], {"a"})
     await trio.testing.wait_all_tasks_blocked()
-    assert _apply(link, _plan(["a"])).propose == (("a", 3),)  # learning: speculative first
+    assert (await _apply(link, _plan(["a"]))).propose == (("a", 3),)  # learning: speculative first
 
     def result(n, seconds, spec):
         out = RowOutput(request_id="a", tokens=(1,) * n, num_proposed=3 if spec else 0,
@@ -98,7 +97,7 @@ async def test_link_applies_the_latest_decision_and_releases_ended_rows(nursery)
     await link.report(_plan(["a"]), result(4, 0.02, True), ["a"], {"a"})   # 200 tok/s
     await link.report(_plan(["a"]), result(1, 0.01, False), ["a"], {"a"})  # 100 tok/s
     await trio.testing.wait_all_tasks_blocked()
-    assert _apply(link, _plan(["a"])).propose == (("a", 3),)
+    assert (await _apply(link, _plan(["a"]))).propose == (("a", 3),)
     assert [(b.bucket, b.mode) for b in policy.statistics().buckets] == [(0, "speculative")]
     # many steps reported without the scheduler reading in between: the reply mailbox
     # never fills (the link reads every waiting decision before each send)
@@ -107,27 +106,27 @@ async def test_link_applies_the_latest_decision_and_releases_ended_rows(nursery)
     # the row ends: its books go with the next report
     await link.report(_plan([]), StepResult(outputs=(), kv_bytes=0), [], set())
     await trio.testing.wait_all_tasks_blocked()
-    assert _apply(link, _plan([])).propose == () and policy.statistics().num_rows == 0
-    assert link.num_decisions >= 3 and link.num_steps == 4 + 5 * reply_mailbox_size()
+    assert (await _apply(link, _plan([]))).propose == () and policy.statistics().num_rows == 0
+    assert link.num_decisions == link.num_steps == 4 + 5 * reply_mailbox_size()
 
 
 async def test_new_rows_propose_their_own_k_only_where_the_batch_allows(nursery):
     policy = SpeculationPolicy(SpecPolicy(max_batch=2, time_policy=False))
     link = await _start(nursery, policy)
-    plan = _apply(link, _plan(["a", "b"], new=["a", "b"]))
+    plan = await _apply(link, _plan(["a", "b"], new=["a", "b"]))
     assert plan.propose == (("a", 3), ("b", 3))
     await link.report(plan, StepResult(outputs=(), kv_bytes=0), ["a", "b"], {"a", "b"})
     await trio.testing.wait_all_tasks_blocked()
     # a third row joins: the last decision (batch 2) let new rows propose, so it does
-    plan = _apply(link, _plan(["a", "b", "c"], new=["c"]))
+    plan = await _apply(link, _plan(["a", "b", "c"], new=["c"]))
     assert plan.propose == (("a", 3), ("b", 3), ("c", 3))
     await link.report(plan, StepResult(outputs=(), kv_bytes=0), ["a", "b", "c"],
                       {"a", "b", "c"})
     await trio.testing.wait_all_tasks_blocked()
     # batch 3 is over the cap: nobody proposes, and a row opened now waits for a decision
-    plan = _apply(link, _plan(["a", "b", "c", "d"], new=["d"]))
+    plan = await _apply(link, _plan(["a", "b", "c", "d"], new=["d"]))
     assert plan.propose == () and link.new_rows is False
     await link.report(plan, StepResult(outputs=(), kv_bytes=0), ["b"], {"b", "d"})
     await trio.testing.wait_all_tasks_blocked()
-    assert _apply(link, _plan(["b", "d"])).propose == (("b", 3), ("d", 3))
+    assert (await _apply(link, _plan(["b", "d"]))).propose == (("b", 3), ("d", 3))
     assert policy.statistics().num_rows == 2 and link.open_rows == {"b", "d"}

@@ -48,8 +48,8 @@ def test_without_a_prefix_cache_no_snapshot_is_ordered():
     assert plan.release == ("a",) and plan.snapshot == ()
 
 
-def test_proposals_follow_the_decision_and_fresh_rows_their_own_k():
-    core = SchedulerCore(max_batch=3, prefill_chunk=8, eos_token_ids=[EOS],
+def test_proposals_follow_the_decision_and_joining_rows_their_own_k():
+    core = SchedulerCore(max_batch=5, prefill_chunk=8, eos_token_ids=[EOS],
                          speculative_methods=("lookup",),
                          speculative_default=SpecChoice(method="lookup", num_tokens=3))
     core.add("a", (5,), SamplingParams(max_tokens=20))
@@ -59,11 +59,15 @@ def test_proposals_follow_the_decision_and_fresh_rows_their_own_k():
     # no decision yet: the rows joining in this plan propose their own k (b: never)
     plan = _step(core, StepAdvice(speculation=True))
     assert plan.decode == ("a", "b", "c") and plan.propose == (("a", 3), ("c", 6))
-    # a decision that knows them: its sizes; a row it does not know yet is fresh
-    advice = StepAdvice(speculation=True, proposals=(("a", 2),), fresh=frozenset({"c"}))
-    assert _step(core, advice).propose == (("a", 2), ("c", 6))
-    # the decision forbids new rows: a fresh row waits for a decision of its own
-    advice = StepAdvice(speculation=True, proposals=(("a", 1),), fresh=frozenset({"c"}),
+    # the decision for that step knows them: its sizes (a row it does not name: none)
+    advice = StepAdvice(speculation=True, proposals=(("a", 2),))
+    assert _step(core, advice).propose == (("a", 2),)
+    # a row joining now proposes its own k, unless the decision forbids new rows
+    core.add("d", (5,), SamplingParams(max_tokens=20))
+    advice = StepAdvice(speculation=True, proposals=(("a", 1), ("c", 4)),
                         new_rows_propose=False)
-    assert _step(core, advice).propose == (("a", 1),)
+    assert _step(core, advice).propose == (("a", 1), ("c", 4))
+    core.add("e", (5,), SamplingParams(max_tokens=20))
+    advice = StepAdvice(speculation=True, proposals=(("a", 1), ("d", 2)))
+    assert _step(core, advice).propose == (("a", 1), ("d", 2), ("e", 3))
     assert _step(core, NO_ADVICE).propose == ()  # without speculation nobody proposes
