@@ -148,9 +148,9 @@ def _completion(url: str) -> str:
     return body["choices"][0]["text"]
 
 
-async def _ws_generate(url: str) -> list[dict[str, Any]]:
+async def _ws_generate(url: str, prompt: str = "x = ") -> list[dict[str, Any]]:
     async with open_websocket_url(url.replace("http://", "ws://") + "/v1/stream") as ws:
-        await ws.send_message(json.dumps({"type": "generate", "id": "w", "prompt": "x = ",
+        await ws.send_message(json.dumps({"type": "generate", "id": "w", "prompt": prompt,
                                           "max_tokens": 5, "temperature": 0}))
         events = []
         with trio.fail_after(BOUND):
@@ -448,3 +448,65 @@ def test_full_replicas_and_a_full_queue_refuse_429_at_once(proxy: str) -> None:
         _wait_for(lambda: _stats(handle)["rows_active"] == 0, "no rows left")
     finally:
         serve.delete("tqserve-overload")
+
+
+def _hold_stream(url: str, started: threading.Event, release: threading.Event) -> None:
+    """A long streamed completion, read until `release` is set, then dropped."""
+    body = {"prompt": "import os\n", "max_tokens": LONG_TOKENS, "temperature": 0,
+            "stream": True}
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=BOUND) as r:
+        for _ in r.iter_lines():
+            started.set()
+            if release.is_set():
+                return
+
+
+async def _ws_cancelled_at_once(url: str, prompt: str) -> list[dict[str, Any]]:
+    """A generate and its cancel, sent back to back; the frames of that request."""
+    async with open_websocket_url(url.replace("http://", "ws://") + "/v1/stream") as ws:
+        await ws.send_message(json.dumps({"type": "generate", "id": "c", "prompt": prompt,
+                                          "max_tokens": 4, "temperature": 0}))
+        await ws.send_message(json.dumps({"type": "cancel", "id": "c"}))
+        events = []
+        with trio.fail_after(BOUND):
+            while not events or events[-1]["type"] not in ("done", "error"):
+                events.append(json.loads(await ws.get_message()))
+        return events
+
+
+def test_a_request_cancelled_before_a_replica_had_it_gets_the_servers_done(
+        proxy: str) -> None:
+    """One replica taking one request at a time, busy with a long stream: a WebSocket
+    generate waits in the front, and its cancel ends it there. Its `done` carries what one
+    server's does (finish_reason, usage with the prompt's tokens as the engine counts
+    them, 0 completion and cached tokens), and the replica never saw the request."""
+    config = Config(dtype="float32", max_batch=1, max_queued_requests=1, warmup="off",
+                    max_tokens_cap=2048, shutdown_timeout=2.0)
+    serve.delete(APP_NAME)  # an application of its own on "/"
+    serve.run(build_app(config, RayServeConfig(num_replicas=1, num_cpus=0.5,
+                                               max_ongoing_requests=1)),
+              name="tqserve-cancel", route_prefix="/")
+    prompt = "def fibonacci(n):\n    "
+    try:
+        started, release = threading.Event(), threading.Event()
+        with ThreadPoolExecutor(1) as pool:
+            holder = pool.submit(_hold_stream, proxy, started, release)
+            _wait_for(started.is_set, "the long stream started")
+            cancelled = trio.run(_ws_cancelled_at_once, proxy, prompt)
+            release.set()
+            holder.result(timeout=BOUND)
+        (handle,) = _replicas().values()
+        _wait_for(lambda: _stats(handle)["rows_active"] == 0, "the long stream ended")
+        served = trio.run(_ws_generate, proxy, prompt)  # the server's own done
+        assert _stats(handle)["requests_total"] == 2  # the long stream, the last generate
+    finally:
+        serve.delete("tqserve-cancel")
+    assert [e["type"] for e in cancelled] == ["done"], cancelled
+    done, own = cancelled[0], served[-1]
+    assert own["type"] == "done", served
+    assert done.keys() == own.keys() and done["usage"].keys() == own["usage"].keys()
+    assert done["id"] == "c" and done["finish_reason"] == "cancelled"
+    assert done["usage"] == {"prompt_tokens": own["usage"]["prompt_tokens"],
+                             "completion_tokens": 0, "cached_tokens": 0,
+                             "cached_tokens_by_tier": {"ram": 0, "ssd": 0}}
+    assert own["usage"]["prompt_tokens"] > 1
