@@ -32,11 +32,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="replicas (engines) to run; with --max-replicas, the autoscaling "
                         "minimum")
     p.add_argument("--max-replicas", type=int, default=0,
-                   help="autoscale up to this many replicas on ongoing requests per replica "
+                   help="autoscale up to this many replicas on --autoscale-metric "
                         "(0: a fixed --replicas)")
+    p.add_argument("--autoscale-metric", choices=("ongoing", "queue"), default="ongoing",
+                   help="what autoscaling counts per replica: Ray's ongoing requests, or "
+                        "the engine's rows running + queued (its own statistics)")
     p.add_argument("--target-ongoing-requests", type=int, default=0,
-                   help="autoscaling target: requests running or queued per replica "
-                        "(0: --max-batch)")
+                   help="autoscaling target per replica: ongoing requests, or engine rows "
+                        "with --autoscale-metric queue (0: --max-batch)")
     p.add_argument("--max-ongoing-requests", type=int, default=0,
                    help="requests Ray Serve sends one replica at once; the rest wait in "
                         "Ray (0: --max-batch + --max-queued-requests)")
@@ -100,7 +103,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ValueError("--port 0: Ray Serve's proxy needs a fixed port")
         ray_config = RayServeConfig(
             num_replicas=args.replicas, max_replicas=args.max_replicas,
-            target_ongoing_requests=args.target_ongoing_requests, num_cpus=args.num_cpus,
+            target_ongoing_requests=args.target_ongoing_requests,
+            autoscale_metric=args.autoscale_metric, num_cpus=args.num_cpus,
             num_gpus=args.num_gpus, max_ongoing_requests=args.max_ongoing_requests,
             route_prefix=args.route_prefix, router=args.router,
             spill_threshold=args.spill_threshold, min_match_fraction=args.min_match_fraction,

@@ -350,6 +350,8 @@ def test_front_pins_responses_follow_ups_and_routers_honour_pins() -> None:
     (["--min-match-fraction", "2"], "--min-match-fraction must be <= 1, got 2"),
     (["--spill-threshold", "0"], "--spill-threshold must be >= 1, got 0"),
     (["--router", "random"], "--router: invalid choice: 'random'"),
+    (["--autoscale-metric", "rows"], "--autoscale-metric: invalid choice: 'rows'"),
+    (["--autoscale-metric", "queue"], "--autoscale-metric queue needs --max-replicas"),
 ])
 def test_ray_serve_cli_refuses_bad_flags(argv: list[str], message: str,
                                          capsys: pytest.CaptureFixture[str]) -> None:
@@ -510,3 +512,37 @@ def test_a_request_cancelled_before_a_replica_had_it_gets_the_servers_done(
                              "completion_tokens": 0, "cached_tokens": 0,
                              "cached_tokens_by_tier": {"ram": 0, "ssd": 0}}
     assert own["usage"]["prompt_tokens"] > 1
+
+
+def test_autoscaling_on_queue_depth_reads_the_engines_rows(proxy: str) -> None:
+    """`--autoscale-metric queue`: Ray Serve deploys the replicas with tqserve's policy
+    (api.rayserve.autoscale, pickled into its controller) and each replica reports its
+    engine's rows running + queued: 1 under a long stream, 0 after it."""
+    from tqserve.api.rayserve.autoscale import QUEUE_METRIC
+
+    config = Config(dtype="float32", max_batch=4, warmup="off", max_tokens_cap=2048,
+                    shutdown_timeout=2.0)
+    serve.delete(APP_NAME)  # an application of its own on "/"
+    serve.run(build_app(config, RayServeConfig(num_replicas=1, max_replicas=2, num_cpus=0.5,
+                                               autoscale_metric="queue")),
+              name="tqserve-autoscale", route_prefix="/")
+    try:
+        handle = serve.get_deployment_handle(DEPLOYMENT_NAME, app_name="tqserve-autoscale")
+
+        def depth() -> float:
+            return handle.record_autoscaling_stats.remote().result(timeout_s=BOUND)[
+                QUEUE_METRIC]
+
+        assert depth() == 0.0
+        started, release = threading.Event(), threading.Event()
+        with ThreadPoolExecutor(1) as pool:
+            holder = pool.submit(_hold_stream, proxy, started, release)
+            _wait_for(started.is_set, "the long stream started")
+            assert depth() == 1.0
+            release.set()
+            holder.result(timeout=BOUND)
+        _wait_for(lambda: depth() == 0.0, "the row released")
+        status = serve.status().applications["tqserve-autoscale"]
+        assert status.deployments[DEPLOYMENT_NAME].status == "HEALTHY"
+    finally:
+        serve.delete("tqserve-autoscale")
