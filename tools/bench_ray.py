@@ -4,7 +4,7 @@ One local Ray cluster, Ray Serve's proxy, and the tqserve application
 (api.rayserve.deployment) deployed in turn as
 * `single`: one replica (what one server reuses: the ideal the routers are held to),
 * `pow2`: N replicas behind Ray Serve's default request router (power of two choices),
-* `prefix`: N replicas behind tqserve's PrefixRouter (prefix affinity from KV events).
+* `prefix`: N replicas behind tqserve's PrefixRouter (least work, prefix caches counted).
 Each run replays the same requests (the Mooncake conversation trace's prefix families,
 as `tqserve replay` builds them) over the proxy's WebSocket, closed loop, and reads the
 reused-token fraction and TTFT from the replay's own summary (tools/replay/metrics.py).
@@ -143,9 +143,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--policies", default=",".join(POLICIES),
                    help="comma-separated, of " + ", ".join(POLICIES))
     p.add_argument("--spill-threshold", type=int, default=8,
-                   help="the prefix router's: a holder this many requests busier spills")
-    p.add_argument("--min-match-fraction", type=float, default=0.25,
-                   help="the prefix router's: the least match (of the prompt) for affinity")
+                   help="the prefix router's: a replica this many requests busier than the "
+                        "least loaded gets none")
     p.add_argument("--model", default=None, help="model (default: the bundled one)")
     p.add_argument("--cluster-cpus", type=int, default=None, help="CPUs of the local cluster")
     p.add_argument("--out", type=Path, default=Path("bench_ray.json"))
@@ -189,8 +188,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for policy in policies:
             runs[policy] = run_policy(config, policy, args.replicas,
                                       f"http://127.0.0.1:{port}", reqs, args.concurrency,
-                                      spill_threshold=args.spill_threshold,
-                                      min_match_fraction=args.min_match_fraction)
+                                      spill_threshold=args.spill_threshold)
             r = runs[policy]
             print(f"{policy:>6}: reuse {r['achieved_reuse_fraction']:.3f}, TTFT mean "
                   f"{r.get('mean_ttft_ms', 0):.1f} ms p99 {r.get('p99_ttft_ms', 0):.1f} ms, "
@@ -202,8 +200,7 @@ def main(argv: Sequence[str] | None = None) -> int:
            "ideal_reuse_infinite": ideal["ideal_reuse_infinite"], "runs": runs,
            "ratios": ratios(runs), "concurrency": args.concurrency,
            "replicas": args.replicas, "block_tokens": args.block_tokens,
-           "spill_threshold": args.spill_threshold,
-           "min_match_fraction": args.min_match_fraction}
+           "spill_threshold": args.spill_threshold}
     args.out.write_text(json.dumps(out, indent=2, default=str))
     print(json.dumps(out["ratios"], indent=2))
     return 0

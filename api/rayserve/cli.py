@@ -49,14 +49,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="GPUs Ray reserves for each replica")
     p.add_argument("--route-prefix", default="/", help="URL prefix of the application")
     p.add_argument("--router", choices=("prefix", "pow2"), default="prefix",
-                   help="replica choice: prefix affinity fed by KV events (tqserve's), or "
-                        "Ray Serve's power-of-two-choices default")
+                   help="replica choice: the least prompt work, prefix caches counted "
+                        "(tqserve's, fed by KV events), or Ray Serve's power-of-two default")
     p.add_argument("--spill-threshold", type=int, default=8,
-                   help="prefix router: a replica holding the prefix but this many requests "
-                        "busier than the least loaded one spills the request there")
-    p.add_argument("--min-match-fraction", type=float, default=0.25,
-                   help="prefix router: affinity only when the held prefix covers this "
-                        "fraction of the prompt's 16-token blocks")
+                   help="prefix router: a replica this many requests busier than the least "
+                        "loaded one gets none, whatever prefix it holds")
     p.add_argument("--front-replicas", type=int, default=1,
                    help="replicas of the front deployment (reads, keys and relays requests)")
     p.add_argument("--address", default=None,
@@ -107,7 +104,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             autoscale_metric=args.autoscale_metric, num_cpus=args.num_cpus,
             num_gpus=args.num_gpus, max_ongoing_requests=args.max_ongoing_requests,
             route_prefix=args.route_prefix, router=args.router,
-            spill_threshold=args.spill_threshold, min_match_fraction=args.min_match_fraction,
+            spill_threshold=args.spill_threshold,
             front_replicas=args.front_replicas)
     except ValueError as exc:
         print(f"tqserve: error: {exc}", file=sys.stderr)

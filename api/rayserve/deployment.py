@@ -56,13 +56,6 @@ def _at_least(low: float, flag: str) -> Any:
     return check
 
 
-def _at_most(high: float, flag: str) -> Any:
-    def check(_inst: Any, _attr: Any, value: float) -> None:
-        if value > high:
-            raise ValueError(f"{flag} must be <= {high:g}, got {value:g}")
-    return check
-
-
 @attrs.frozen(kw_only=True)
 class RayServeConfig:
     """How many replicas, their resources and Ray Serve's limits (the CLI's flags 1:1)."""
@@ -81,12 +74,9 @@ class RayServeConfig:
     route_prefix: str = "/"
     router: str = attrs.field(default="prefix", validator=attrs.validators.in_(ROUTERS))
     front_replicas: int = attrs.field(default=1, validator=_at_least(1, "--front-replicas"))
-    # the prefix router's knobs (api.router.core): a holder this many requests busier than
-    # the least loaded replica spills; affinity only when what a holder has beyond what
-    # the least loaded replica has too covers min_match_fraction of the prompt's blocks
+    # the prefix router's (api.router.cost): a replica this many requests busier than the
+    # least loaded one is not a candidate, whatever it holds
     spill_threshold: int = attrs.field(default=8, validator=_at_least(1, "--spill-threshold"))
-    min_match_fraction: float = attrs.field(default=0.25, validator=[
-        _at_least(0.0, "--min-match-fraction"), _at_most(1.0, "--min-match-fraction")])
 
     def __attrs_post_init__(self) -> None:
         if self.max_replicas and self.max_replicas < self.num_replicas:
@@ -232,8 +222,7 @@ def _replica_options(config: Any, ray_config: RayServeConfig) -> dict[str, Any]:
         router.update(request_router_class=ROUTER_CLASS,
                       request_router_kwargs={
                           "block_tokens": KV_BLOCK_TOKENS,
-                          "spill_threshold": ray_config.spill_threshold,
-                          "min_match_fraction": ray_config.min_match_fraction})
+                          "spill_threshold": ray_config.spill_threshold})
     else:  # Ray's default, honouring the front's pins (api.rayserve.routing)
         router.update(request_router_class=POW2_ROUTER_CLASS)
     options: dict[str, Any] = {

@@ -35,6 +35,7 @@ from tqserve.actors.messages import Done
 from tqserve.api.auth import WS_PROTOCOL, key_ok, origin_allowed, protocol_key
 from tqserve.api.httpcommon import ApiError
 from tqserve.api.rayserve.keys import FrontConfig, route_prompt
+from tqserve.api.rayserve.progress import note_first_token
 from tqserve.api.rayserve.relay import (CancelCall, WsCall, frame_kind, overload_message,
                                         plain_scope, replica_of_response)
 from tqserve.api.responses_ws import error_frame
@@ -88,14 +89,16 @@ async def _send_frame(send: Any, frame: str | bytes) -> None:
                else {"type": "websocket.send", "text": frame})
 
 
-def _own_request_id() -> None:
-    """Give the calls of this task (one WebSocket request) a Ray request id of their own.
-    Handle calls inherit the id of the request that makes them (the socket's), and Ray's
-    router books pending calls by it: requests multiplexed on one socket would overwrite
-    each other there, and all but one never be routed."""
+def _own_request_id() -> str:
+    """Give the calls of this task (one WebSocket request) a Ray request id of their own,
+    and return it. Handle calls inherit the id of the request that makes them (the
+    socket's), and Ray's router books pending calls by it: requests multiplexed on one
+    socket would overwrite each other there, and all but one never be routed."""
     from ray.serve.context import _set_request_context
 
-    _set_request_context(_internal_request_id=uuid.uuid4().hex)
+    request_id = uuid.uuid4().hex
+    _set_request_context(_internal_request_id=request_id)
+    return request_id
 
 
 class _Headers(dict):  # type: ignore[type-arg]
@@ -147,13 +150,15 @@ class _StreamSocket:
         sent_token = False
         stream: Any = None
         try:
-            _own_request_id()
+            request_id = _own_request_id()
             stream = self._replicas.options(stream=True).ws.remote(call)
             async for item in stream:
                 if isinstance(item, dict):  # the replica's name, first
                     where["replica"] = item["replica"]
                     continue
-                sent_token = sent_token or frame_kind(item)[0] == "token"
+                if not sent_token and frame_kind(item)[0] == "token":
+                    sent_token = True  # its prompt is computed: the router's to know
+                    note_first_token(request_id)
                 await self.out(item)
         except asyncio.CancelledError:
             if stream is not None:  # the client went, or cancelled before a replica had it

@@ -7,8 +7,8 @@ Anthropic's `system`, with `tools` through the chat template) and Responses `inp
 tokenized as the engine does and cut into engine.kvevents' 16-token blocks, the hashes the
 replicas' KV events carry. Without a tokenizer (a GGUF model) text prompts get `tqserve
 route`'s text keys: affinity by what was routed before, not by KV events. The token count
-of a tokenized prompt goes with its keys: the front's own `done` for a request cancelled
-before a replica had it reports it.
+of a tokenized prompt goes with its keys: the router costs a request by it, and the
+front's own `done` for a request cancelled before a replica had it reports it.
 """
 
 from __future__ import annotations
