@@ -378,7 +378,7 @@ def test_prefix_router_keeps_single_server_reuse_on_a_trace(proxy: str, tmp_path
     replicas serve. Ray's power-of-two default is not run here: where its random choices
     send each follow-up is luck, so no bound on it could be asserted without flaking;
     `tqserve bench ray` compares the two, with TTFT."""
-    from tqserve.tools.bench_ray import TRACE, run_policy, trace_requests
+    from tqserve.tools.bench_ray import TRACE, run_policy, summary_of, trace_requests
 
     if not TRACE.is_file():
         pytest.skip(f"shared trace not found at {TRACE}")
@@ -393,8 +393,8 @@ def test_prefix_router_keeps_single_server_reuse_on_a_trace(proxy: str, tmp_path
 
     reuse = {}
     for policy in ("single", "prefix"):
-        summary = run_policy(config, policy, 2, proxy, reqs, 3,
-                             before_delete=look if policy == "prefix" else None)
+        summary = summary_of(run_policy(config, policy, 2, proxy, reqs, 3,
+                                        before_delete=look if policy == "prefix" else None))
         assert summary["completed"] == len(reqs), summary["errors"]
         reuse[policy] = summary["achieved_reuse_fraction"]
     print(f"{len(reqs)} requests, reused fraction:", reuse)
