@@ -54,10 +54,11 @@ MAX_UNSENT = 64  # requests chosen and not yet sent; legitimately a few, for mil
 MIN_SAMPLE_TOKENS = 64
 MIN_SAMPLE_S = 0.005
 RATE_WEIGHT = 0.25  # of each new sample in a backend's rate (an exponential average)
-# a request waits for a prefix being computed at most this long (a donor that never gets
-# its first token must not hold it), and at most one request per candidate waits at once:
-# Ray routes with 2 tasks per replica, and a waiting request holds one
-MAX_WAIT_S = 5.0
+# a request waits for a prefix being computed while that is its cheapest option, at most
+# this long: a safety net (a wait ends at the prefix's first token, or when its request
+# ends and leaves the books); and at most one request per candidate waits at once: Ray
+# routes with 2 tasks per replica, and a waiting request holds one
+MAX_WAIT_S = 60.0
 
 
 class Stage(enum.Enum):
