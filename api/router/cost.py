@@ -19,8 +19,9 @@ The estimate for each candidate backend, in prompt tokens:
   engine does not share a prefix still being computed with a second request, so the
   request would wait for it (until its first token) and then reuse it;
 * `num_uncached`: this prompt's tokens it would compute (less the better of the two).
-The request goes to the candidate whose pending + uncached (the wait and its own compute)
-is least: the backend holding the prefix gets it while it is not further behind than its
+The request goes to the candidate whose pending + COMPUTE_WEIGHT x uncached is least: the
+wait, its own compute, and the delay that compute adds to the requests behind it. So the
+backend holding the prefix gets it while it is not further behind than twice what its
 cache saves, the least loaded one otherwise. Ties go to the one holding the most, then the
 fewest requests in flight, then in turn. A backend `spill_threshold` requests busier than
 the least loaded (Ray's queue length) is not a candidate: cached requests are cheap in
@@ -49,6 +50,9 @@ import attrs
 from tqserve.api.router.core import Key, NoHealthyBackend, Route, RouteTable
 
 MAX_UNSENT = 64  # requests chosen and not yet sent; legitimately a few, for milliseconds
+# a token the request computes counts this many times: once for its own wait, once for the
+# requests that then queue behind it there (a prefix it reuses, or waits for, adds none)
+COMPUTE_WEIGHT = 2
 # a rate sample: a request's uncached tokens over the time to its first token, when it
 # computed at least this many tokens for at least this long (else timing noise decides)
 MIN_SAMPLE_TOKENS = 64
@@ -80,7 +84,7 @@ class Estimate:
 
     @property
     def cost(self) -> int:
-        return self.num_pending + self.num_uncached
+        return self.num_pending + COMPUTE_WEIGHT * self.num_uncached
 
     @property
     def waits(self) -> bool:

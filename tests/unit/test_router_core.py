@@ -240,19 +240,21 @@ def _ids(n, start=0):
 
 def test_least_work_gives_the_holder_a_prompt_while_it_is_not_far_behind():
     """The holder of 896 of a prompt's 1,000 tokens gets it while its own backlog is less
-    than what its cache saves; 1,000 tokens behind, the idle backend gets it (spill)."""
+    than twice what its cache saves (a computed token counts twice: its own wait, and
+    the delay to the requests behind it); 2,404 tokens behind, the idle backend gets it
+    (spill)."""
     work = _work(A, B)
     keys = token_keys(_ids(1000), 16)           # 62 whole blocks: 992 tokens
     work.table.observe(A, keys[:56], ())        # A holds 56 blocks: 896 tokens
     work.routed("x", A, token_keys(_ids(300, 5000), 16), 300, now=0.0)  # A owes 300
     (a, b) = work.estimates(keys, 1000, now=0.0)
-    assert (a.num_pending, a.num_cached, a.num_uncached, a.cost) == (300, 896, 104, 404)
-    assert (b.num_pending, b.num_cached, b.num_uncached, b.cost) == (0, 0, 1000, 1000)
+    assert (a.num_pending, a.num_cached, a.num_uncached, a.cost) == (300, 896, 104, 508)
+    assert (b.num_pending, b.num_cached, b.num_uncached, b.cost) == (0, 0, 1000, 2000)
     assert work.choose("y", keys, 1000, now=0.0) == Route(backend=A, reason="affinity",
                                                           matched_blocks=56)
     work.routed("y", A, keys, 1000, now=0.0)
-    work.routed("z", A, token_keys(_ids(900, 9000), 16), 900, now=0.0)
-    assert work.num_pending(A, 0.0) == 300 + 104 + 900  # 1,304 + 104 > 1,000 on B
+    work.routed("z", A, token_keys(_ids(2000, 9000), 16), 2000, now=0.0)
+    assert work.num_pending(A, 0.0) == 300 + 104 + 2000  # 2,404 + 2 x 104 > 2 x 1,000
     route = work.choose("w", keys, 1000, now=0.0)
     assert route == Route(backend=B, reason="spill", matched_blocks=0)
     assert work.num_pending(B, 0.0) == 1000  # booked where chosen, before Ray sends it
@@ -277,15 +279,16 @@ def test_a_request_waits_for_a_prefix_being_computed_then_reuses_it():
     """A 3,000-token prompt being computed on A, a second request with the same prefix:
     computing it again on B (100 tokens behind) costs more than waiting for A's first
     token, so the decision is `wait` (nothing booked); after that first token the prefix
-    is A's, cached, and the request goes there."""
+    is A's, cached, and the request goes there. A donor whose first token is not reported
+    is never waited for: computing it on B (6,180) beats A (9,080)."""
     work = _work(A, B)
     donor = token_keys(_ids(3000), 16)  # 187 whole blocks: 2,992 tokens
     work.routed("d", A, donor, 3000, signals=True, now=0.0)
     work.routed("e", B, token_keys(_ids(100, 9000), 16), 100, now=0.0)
     follow = token_keys(_ids(3000) + _ids(40, 7000), 16)  # 3,040 tokens, 190 blocks
     a, b = work.estimates(follow, 3040, now=0.1)
-    assert (a.num_pending, a.num_cached, a.num_wait_cached, a.cost) == (3000, 0, 2992, 3048)
-    assert a.waits and not b.waits and b.cost == 100 + 3040
+    assert (a.num_pending, a.num_cached, a.num_wait_cached, a.cost) == (3000, 0, 2992, 3096)
+    assert a.waits and not b.waits and b.cost == 100 + 2 * 3040
     assert work.choose("f", follow, 3040, now=0.1) == Route(backend=A, reason="wait")
     assert work.num_pending(A, 0.1) == 3000 and work.num_waits == 1
     work.prefilled("d", 1.0)  # its first token: 3,000 tokens in 1 s
