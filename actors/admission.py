@@ -25,7 +25,8 @@ SHUTTING_DOWN = "the server is shutting down; no new requests"
 
 def queue_full(num_queued: int, max_queued_requests: int) -> str:
     """The overload refusal's message when the queue holds `num_queued` requests."""
-    return f"queue full: {num_queued} requests queued (max {max_queued_requests})"
+    return (f"queue full: {num_queued} requests queued (max {max_queued_requests}, "
+            f"--max-queued-requests)")
 
 
 @attrs.frozen(kw_only=True)
@@ -64,7 +65,7 @@ class AdmissionControl:
             reason = queue_full(len(self.queued), self.max_queued_requests)
         elif tokens + num_tokens > self.max_queued_tokens:
             reason = (f"queue full: {tokens} prompt tokens queued, {num_tokens} more would exceed "
-                      f"max {self.max_queued_tokens}")
+                      f"max {self.max_queued_tokens} (--max-queued-tokens)")
         if reason is not None:
             self.requests_rejected += 1
             return reason

@@ -4,12 +4,16 @@ One local Ray cluster, Ray Serve's proxy, and the tqserve application
 (api.rayserve.deployment) deployed in turn as
 * `single`: one replica (what one server reuses: the ideal the routers are held to),
 * `pow2`: N replicas behind Ray Serve's default request router (power of two choices),
-* `prefix`: N replicas behind tqserve's PrefixRouter (prefix affinity from KV events).
+* `prefix`: N replicas behind tqserve's PrefixRouter (least work, prefix caches counted).
 Each run replays the same requests (the Mooncake conversation trace's prefix families,
 as `tqserve replay` builds them) over the proxy's WebSocket, closed loop, and reads the
 reused-token fraction and TTFT from the replay's own summary (tools/replay/metrics.py).
-The JSON holds every run's figures and the ratios: prefix reuse / single reuse, and
-prefix TTFT / pow2 TTFT (mean and p99). Timing figures are for the docs, never asserted.
+`--rounds N` replays every policy N times in turn, each time on fresh replicas (empty
+caches), so that a machine whose load drifts weighs on every policy alike; the figures
+are then pooled over the rounds' requests (reuse: all cached over all prompt tokens; TTFT:
+all first tokens), and each round's are kept too. The JSON holds the pooled figures, each
+round's, and the ratios: prefix reuse / single reuse, and prefix TTFT / pow2 TTFT (mean,
+median, p99), pooled and per round. Timing figures are for the docs, never asserted.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from typing import Any, Callable, Sequence
 import trio
 
 from tqserve.tools.agent_server import free_port
-from tqserve.tools.replay.metrics import ideal_reuse, summarize
+from tqserve.tools.replay.metrics import RequestResult, ideal_reuse, summarize
 from tqserve.tools.replay.run import replay
 from tqserve.tools.replay.targets import UrlTarget
 from tqserve.tools.replay.traces import TraceRequest, load_mooncake, subsample_families
@@ -52,12 +56,23 @@ def trace_requests(path: Path, families: float, block_tokens: int, max_output: i
                          max_output=max_output)
 
 
+# figures over the time one replay took: meaningless for requests of several rounds
+_PER_RUN = ("duration_s", "request_throughput", "output_throughput", "total_token_throughput")
+
+
 async def replay_url(ws_url: str, reqs: Sequence[TraceRequest],
-                     concurrency: int) -> dict[str, Any]:
+                     concurrency: int) -> list[RequestResult]:
     async with UrlTarget(ws_url) as target:
-        results = await replay(target, reqs, concurrency=concurrency)
+        return await replay(target, reqs, concurrency=concurrency)
+
+
+def summary_of(results: Sequence[RequestResult], *, pooled: bool = False) -> dict[str, Any]:
+    """The replay's summary (pooled: of several rounds' requests, without the figures
+    per unit of one run's time)."""
     summary = summarize(results)
     summary["errors"] = sorted({str(r.error) for r in results if r.error})[:5]
+    for key in _PER_RUN if pooled else ():
+        del summary[key]
     return summary
 
 
@@ -86,9 +101,9 @@ def wait_ready(base: str, replicas: int, app_name: str) -> None:
 def run_policy(config: Any, policy: str, replicas: int, base: str,
                reqs: Sequence[TraceRequest], concurrency: int,
                before_delete: Callable[[], None] | None = None,
-               **router: Any) -> dict[str, Any]:
+               **router: Any) -> list[RequestResult]:
     """Deploy the application for one policy, replay, (call `before_delete`,) delete it;
-    the replay's summary. `router`: RayServeConfig's prefix-router knobs."""
+    the replay's results. `router`: RayServeConfig's prefix-router knobs."""
     from ray import serve
 
     from tqserve.api.rayserve.deployment import APP_NAME, RayServeConfig, build_app
@@ -104,14 +119,13 @@ def run_policy(config: Any, policy: str, replicas: int, base: str,
               blocking=False)
     try:
         wait_ready(base, n, app_name)
-        summary = trio.run(replay_url, base.replace("http://", "ws://") + "/v1/stream",
+        results = trio.run(replay_url, base.replace("http://", "ws://") + "/v1/stream",
                            reqs, concurrency)
         if before_delete is not None:
             before_delete()
     finally:
         serve.delete(app_name)
-    summary["policy"], summary["replicas"] = policy, n
-    return summary
+    return results
 
 
 def ratios(runs: dict[str, dict[str, Any]]) -> dict[str, float]:
@@ -142,10 +156,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--concurrency", type=int, default=4, help="requests in flight")
     p.add_argument("--policies", default=",".join(POLICIES),
                    help="comma-separated, of " + ", ".join(POLICIES))
+    p.add_argument("--rounds", type=int, default=1,
+                   help="replay every policy this many times in turn, fresh replicas each "
+                        "time; figures pooled over the rounds")
     p.add_argument("--spill-threshold", type=int, default=8,
-                   help="the prefix router's: a holder this many requests busier spills")
-    p.add_argument("--min-match-fraction", type=float, default=0.25,
-                   help="the prefix router's: the least match (of the prompt) for affinity")
+                   help="the prefix router's: a replica this many requests busier than the "
+                        "least loaded gets none")
     p.add_argument("--model", default=None, help="model (default: the bundled one)")
     p.add_argument("--cluster-cpus", type=int, default=None, help="CPUs of the local cluster")
     p.add_argument("--out", type=Path, default=Path("bench_ray.json"))
@@ -159,6 +175,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if bad or not policies:
         print(f"tqserve bench ray: error: --policies: unknown {bad or 'none'} "
               f"(of {', '.join(POLICIES)})", file=sys.stderr)
+        return 2
+    if args.rounds < 1:
+        print(f"tqserve bench ray: error: --rounds must be >= 1, got {args.rounds}",
+              file=sys.stderr)
         return 2
     if not args.trace.is_file():
         print(f"tqserve bench ray: error: --trace: no file at {args.trace}", file=sys.stderr)
@@ -183,32 +203,50 @@ def main(argv: Sequence[str] | None = None) -> int:
                               Path(tmp))
     ideal = ideal_reuse([r.prompt_tokens for r in reqs], [r.arrival_s for r in reqs],
                         [None] * len(reqs))
-    port = free_port()
     ray.init(num_cpus=args.cluster_cpus, include_dashboard=False, log_to_driver=False)
-    runs: dict[str, dict[str, Any]] = {}
     try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        for policy in policies:
-            runs[policy] = run_policy(config, policy, args.replicas,
-                                      f"http://127.0.0.1:{port}", reqs, args.concurrency,
-                                      spill_threshold=args.spill_threshold,
-                                      min_match_fraction=args.min_match_fraction)
-            r = runs[policy]
-            print(f"{policy:>6}: reuse {r['achieved_reuse_fraction']:.3f}, TTFT mean "
-                  f"{r.get('mean_ttft_ms', 0):.1f} ms p99 {r.get('p99_ttft_ms', 0):.1f} ms, "
-                  f"{r['completed']}/{len(reqs)} completed", flush=True)
+        results, rounds = _run_rounds(config, policies, reqs, args)
     finally:
         serve.shutdown()
         ray.shutdown()
+    runs = {policy: {**summary_of(rs, pooled=args.rounds > 1), "policy": policy,
+                     "replicas": 1 if policy == "single" else args.replicas}
+            for policy, rs in results.items()}
     out = {"requests": len(reqs), "prompt_tokens": sum(len(r.prompt_tokens) for r in reqs),
            "ideal_reuse_infinite": ideal["ideal_reuse_infinite"], "runs": runs,
-           "ratios": ratios(runs), "concurrency": args.concurrency,
+           "ratios": ratios(runs), "rounds": rounds,
+           "rounds_ratios": [ratios(r) for r in rounds], "concurrency": args.concurrency,
            "replicas": args.replicas, "block_tokens": args.block_tokens,
-           "spill_threshold": args.spill_threshold,
-           "min_match_fraction": args.min_match_fraction}
+           "spill_threshold": args.spill_threshold}
     args.out.write_text(json.dumps(out, indent=2, default=str))
     print(json.dumps(out["ratios"], indent=2))
     return 0
+
+
+def _run_rounds(config: Any, policies: Sequence[str], reqs: Sequence[TraceRequest],
+                args: argparse.Namespace
+                ) -> tuple[dict[str, list[RequestResult]], list[dict[str, Any]]]:
+    """Every policy replayed `args.rounds` times in turn: each policy's results, and each
+    round's summaries."""
+    from ray import serve
+
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    results: dict[str, list[RequestResult]] = {policy: [] for policy in policies}
+    rounds = []
+    for n in range(args.rounds):
+        this: dict[str, Any] = {}
+        for policy in policies:
+            got = run_policy(config, policy, args.replicas, f"http://127.0.0.1:{port}",
+                             reqs, args.concurrency, spill_threshold=args.spill_threshold)
+            results[policy] += got
+            r = this[policy] = summary_of(got)
+            print(f"round {n + 1}/{args.rounds} {policy:>6}: reuse "
+                  f"{r['achieved_reuse_fraction']:.3f}, TTFT mean "
+                  f"{r.get('mean_ttft_ms', 0):.1f} ms p99 {r.get('p99_ttft_ms', 0):.1f} ms, "
+                  f"{r['completed']}/{len(reqs)} completed", flush=True)
+        rounds.append(this)
+    return results, rounds
 
 
 if __name__ == "__main__":

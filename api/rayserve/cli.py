@@ -33,11 +33,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="replicas (engines) to run; with --max-replicas, the autoscaling "
                         "minimum")
     p.add_argument("--max-replicas", type=int, default=0,
-                   help="autoscale up to this many replicas on ongoing requests per replica "
+                   help="autoscale up to this many replicas on --autoscale-metric "
                         "(0: a fixed --replicas)")
+    p.add_argument("--autoscale-metric", choices=("ongoing", "queue"), default="ongoing",
+                   help="what autoscaling counts per replica: Ray's ongoing requests, or "
+                        "the engine's rows running + queued (its own statistics)")
     p.add_argument("--target-ongoing-requests", type=int, default=0,
-                   help="autoscaling target: requests running or queued per replica "
-                        "(0: --max-batch)")
+                   help="autoscaling target per replica: ongoing requests, or engine rows "
+                        "with --autoscale-metric queue (0: --max-batch)")
     p.add_argument("--max-ongoing-requests", type=int, default=0,
                    help="requests Ray Serve sends one replica at once; the rest wait in "
                         "Ray (0: --max-batch + --max-queued-requests)")
@@ -47,14 +50,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="GPUs Ray reserves for each replica")
     p.add_argument("--route-prefix", default="/", help="URL prefix of the application")
     p.add_argument("--router", choices=("prefix", "pow2"), default="prefix",
-                   help="replica choice: prefix affinity fed by KV events (tqserve's), or "
-                        "Ray Serve's power-of-two-choices default")
+                   help="replica choice: the least prompt work, prefix caches counted "
+                        "(tqserve's, fed by KV events), or Ray Serve's power-of-two default")
     p.add_argument("--spill-threshold", type=int, default=8,
-                   help="prefix router: a replica holding the prefix but this many requests "
-                        "busier than the least loaded one spills the request there")
-    p.add_argument("--min-match-fraction", type=float, default=0.25,
-                   help="prefix router: affinity only when the held prefix covers this "
-                        "fraction of the prompt's 16-token blocks")
+                   help="prefix router: a replica this many requests busier than the least "
+                        "loaded one gets none, whatever prefix it holds")
     p.add_argument("--front-replicas", type=int, default=1,
                    help="replicas of the front deployment (reads, keys and relays requests)")
     p.add_argument("--address", default=None,
@@ -101,10 +101,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ValueError("--port 0: Ray Serve's proxy needs a fixed port")
         ray_config = RayServeConfig(
             num_replicas=args.replicas, max_replicas=args.max_replicas,
-            target_ongoing_requests=args.target_ongoing_requests, num_cpus=args.num_cpus,
+            target_ongoing_requests=args.target_ongoing_requests,
+            autoscale_metric=args.autoscale_metric, num_cpus=args.num_cpus,
             num_gpus=args.num_gpus, max_ongoing_requests=args.max_ongoing_requests,
             route_prefix=args.route_prefix, router=args.router,
-            spill_threshold=args.spill_threshold, min_match_fraction=args.min_match_fraction,
+            spill_threshold=args.spill_threshold,
             front_replicas=args.front_replicas)
     except ValueError as exc:
         print(f"tqserve: error: {exc}", file=sys.stderr)

@@ -13,9 +13,10 @@ Ray's graceful shutdown calls `__del__`: the engine's clean shutdown
 Ray reads each replica's health from `check_health` (the guest run still going, the engine
 admitting) and its load and KV events from `record_routing_stats` (rows and queue, and
 the last KV_WINDOW batches of the prefix cache's KV events, every STATS_PERIOD seconds:
-what the prefix router reads). Autoscaling is Ray's, on ongoing requests per replica: a
+what the prefix router reads). Autoscaling is Ray's, on ongoing requests per replica (a
 request running or queued in the engine counts, so `target_ongoing_requests` is a queue
-depth.
+depth), or with `autoscale_metric="queue"` on the engines' own rows running and queued
+(`record_autoscaling_stats`, api.rayserve.autoscale's policy).
 """
 
 from __future__ import annotations
@@ -27,8 +28,9 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import trio
 from ray import serve
-from ray.serve.config import AutoscalingConfig
+from ray.serve.config import AutoscalingConfig, AutoscalingPolicy
 
+from tqserve.api.rayserve.autoscale import POLICY, QUEUE_METRIC
 from tqserve.api.rayserve.guest import GuestEnded, GuestRun
 from tqserve.api.rayserve.relay import (CancelCall, HttpCall, WsCall, WsRequests,
                                         response_id_prefix, serve_http)
@@ -46,19 +48,14 @@ HEALTH_TIMEOUT = 10.0  # seconds a health check may take before the replica coun
 STATS_PERIOD = 1.0     # seconds between routing-stats reports (what routers know of KV)
 KV_WINDOW = 256        # KV event batches each report carries (a router applies the new ones)
 ROUTERS = ("prefix", "pow2")  # tqserve's prefix policy, or Ray's power-of-two default
+# what autoscaling counts per replica: Ray's ongoing requests, or the engine's rows
+AUTOSCALE_METRICS = ("ongoing", "queue")
 
 
 def _at_least(low: float, flag: str) -> Any:
     def check(_inst: Any, _attr: Any, value: float) -> None:
         if value < low:
             raise ValueError(f"{flag} must be >= {low:g}, got {value:g}")
-    return check
-
-
-def _at_most(high: float, flag: str) -> Any:
-    def check(_inst: Any, _attr: Any, value: float) -> None:
-        if value > high:
-            raise ValueError(f"{flag} must be <= {high:g}, got {value:g}")
     return check
 
 
@@ -71,6 +68,8 @@ class RayServeConfig:
     max_replicas: int = attrs.field(default=0, validator=_at_least(0, "--max-replicas"))
     target_ongoing_requests: int = attrs.field(
         default=0, validator=_at_least(0, "--target-ongoing-requests"))
+    autoscale_metric: str = attrs.field(default="ongoing",
+                                        validator=attrs.validators.in_(AUTOSCALE_METRICS))
     num_cpus: float = attrs.field(default=1.0, validator=_at_least(0, "--num-cpus"))
     num_gpus: float = attrs.field(default=0.0, validator=_at_least(0, "--num-gpus"))
     max_ongoing_requests: int = attrs.field(default=0,
@@ -78,17 +77,17 @@ class RayServeConfig:
     route_prefix: str = "/"
     router: str = attrs.field(default="prefix", validator=attrs.validators.in_(ROUTERS))
     front_replicas: int = attrs.field(default=1, validator=_at_least(1, "--front-replicas"))
-    # the prefix router's knobs (api.router.core): a holder this many requests busier than
-    # the least loaded replica spills; affinity only when what a holder has beyond what
-    # the least loaded replica has too covers min_match_fraction of the prompt's blocks
+    # the prefix router's (api.router.cost): a replica this many requests busier than the
+    # least loaded one is not a candidate, whatever it holds
     spill_threshold: int = attrs.field(default=8, validator=_at_least(1, "--spill-threshold"))
-    min_match_fraction: float = attrs.field(default=0.25, validator=[
-        _at_least(0.0, "--min-match-fraction"), _at_most(1.0, "--min-match-fraction")])
 
     def __attrs_post_init__(self) -> None:
         if self.max_replicas and self.max_replicas < self.num_replicas:
             raise ValueError(f"--max-replicas ({self.max_replicas}) is below --replicas "
                              f"({self.num_replicas})")
+        if self.autoscale_metric != "ongoing" and self.max_replicas <= self.num_replicas:
+            raise ValueError(f"--autoscale-metric {self.autoscale_metric} needs --max-replicas "
+                             "above --replicas (it picks what autoscaling counts)")
         if not self.route_prefix.startswith("/"):
             raise ValueError(f"--route-prefix must start with '/', got {self.route_prefix!r}")
 
@@ -151,6 +150,12 @@ class TqserveReplica:
         failed = await self._guest.call(lambda: self._engine.group_failed.error)
         if failed is not None:
             raise GuestEnded(f"the tensor-parallel group failed: {failed}")
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """The engine's rows running and queued: what `--autoscale-metric queue` scales on
+        (api.rayserve.autoscale). Ray calls it only for an autoscaling deployment."""
+        stats = await self._guest.call(self._engine.statistics)
+        return {QUEUE_METRIC: float(stats.rows_active + stats.rows_queued)}
 
     async def record_routing_stats(self) -> dict[str, Any]:
         """The replica's load, read by Ray Serve's request routers (and the tests)."""
@@ -222,8 +227,7 @@ def _replica_options(config: ServerConfig, ray_config: RayServeConfig) -> dict[s
         router.update(request_router_class=ROUTER_CLASS,
                       request_router_kwargs={
                           "block_tokens": KV_BLOCK_TOKENS,
-                          "spill_threshold": ray_config.spill_threshold,
-                          "min_match_fraction": ray_config.min_match_fraction})
+                          "spill_threshold": ray_config.spill_threshold})
     else:  # Ray's default, honouring the front's pins (api.rayserve.routing)
         router.update(request_router_class=POW2_ROUTER_CLASS)
     options: dict[str, Any] = {
@@ -240,10 +244,13 @@ def _replica_options(config: ServerConfig, ray_config: RayServeConfig) -> dict[s
         "request_router_config": RequestRouterConfig(**router),
     }
     if ray_config.max_replicas > ray_config.num_replicas:
+        policy = ({"policy": AutoscalingPolicy(policy_function=POLICY)}
+                  if ray_config.autoscale_metric == "queue" else {})
         options["autoscaling_config"] = AutoscalingConfig(
             min_replicas=ray_config.num_replicas, max_replicas=ray_config.max_replicas,
             initial_replicas=ray_config.num_replicas,
-            target_ongoing_requests=ray_config.target_ongoing_requests or engine.max_batch)
+            target_ongoing_requests=ray_config.target_ongoing_requests or engine.max_batch,
+            **policy)
     else:
         options["num_replicas"] = ray_config.num_replicas
     return options

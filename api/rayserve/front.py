@@ -31,7 +31,7 @@ from ray.serve.exceptions import BackPressureError
 from tqserve.api.httpconn import RETRY_AFTER_SECONDS
 from tqserve.api.overload import refusal_body
 from tqserve.api.rayserve.front_ws import serve_socket
-from tqserve.api.rayserve.keys import FrontConfig, response_pin, route_keys
+from tqserve.api.rayserve.keys import FrontConfig, PromptRoute, response_pin, route_prompt
 from tqserve.api.rayserve.relay import HttpCall, overload_message, plain_scope
 
 log = logging.getLogger("tqserve.rayserve")
@@ -110,15 +110,16 @@ class TqserveFront:
                               f"{self._config.max_body_bytes} bytes (--max-message-bytes)")
                 return
         body = b"".join(chunks)
-        keys: tuple[Any, ...] = ()
+        route = PromptRoute()
         fields: Any = None
         if scope["method"] == "POST":
             try:
                 fields = json.loads(body)
-                keys = route_keys(scope["path"], fields, self._tokenizer, self._config)
+                route = route_prompt(scope["path"], fields, self._tokenizer, self._config)
             except ValueError:
                 pass  # not JSON: the replica answers the 400
-        call = HttpCall(scope=plain_scope(scope), body=body, prefix_keys=keys,
+        call = HttpCall(scope=plain_scope(scope), body=body, prefix_keys=route.keys,
+                        num_prompt_tokens=route.num_tokens,
                         pin=response_pin(scope["method"], scope["path"], fields))
         stream = self._replicas.options(stream=True).http.remote(call)
         watch = asyncio.ensure_future(self._gone(receive, stream))

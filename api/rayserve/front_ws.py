@@ -7,7 +7,10 @@ prefix keys (api.rayserve.keys).
 /v1/stream: the front speaks the protocol's framing (JSON or msgpack, `generate` and
 `cancel`, ids, --max-streams-per-connection: api.router.ws's checks), and sends each
 generate request on its own (so one socket's requests spread by their prefixes); a
-`cancel` follows its request to its replica. A replica lost under a request: an `error`
+`cancel` follows its request to its replica, whose engine answers `done`. A request
+cancelled before a replica had it ends here, with the `done` one server sends: its usage
+has the prompt tokens the front counted (0 where it cannot tokenize: a GGUF model's text)
+and no completion or cached token. A replica lost under a request: an `error`
 frame, code `backend_failed` (no token yet) or `backend_lost`.
 
 /v1/responses: one response at a time, as the server's own socket (api.responses_ws): each
@@ -28,9 +31,11 @@ from typing import Any
 
 from ray.serve.exceptions import BackPressureError
 
+from tqserve.actors.messages import Done
 from tqserve.api.auth import WS_PROTOCOL, key_ok, origin_allowed, protocol_key
 from tqserve.api.httpcommon import ApiError
-from tqserve.api.rayserve.keys import FrontConfig, route_keys
+from tqserve.api.rayserve.keys import FrontConfig, route_prompt
+from tqserve.api.rayserve.progress import note_first_token
 from tqserve.api.rayserve.relay import (CancelCall, WsCall, frame_kind, overload_message,
                                         plain_scope, replica_of_response)
 from tqserve.api.responses_ws import error_frame
@@ -84,14 +89,16 @@ async def _send_frame(send: Any, frame: str | bytes) -> None:
                else {"type": "websocket.send", "text": frame})
 
 
-def _own_request_id() -> None:
-    """Give the calls of this task (one WebSocket request) a Ray request id of their own.
-    Handle calls inherit the id of the request that makes them (the socket's), and Ray's
-    router books pending calls by it: requests multiplexed on one socket would overwrite
-    each other there, and all but one never be routed."""
+def _own_request_id() -> str:
+    """Give the calls of this task (one WebSocket request) a Ray request id of their own,
+    and return it. Handle calls inherit the id of the request that makes them (the
+    socket's), and Ray's router books pending calls by it: requests multiplexed on one
+    socket would overwrite each other there, and all but one never be routed."""
     from ray.serve.context import _set_request_context
 
-    _set_request_context(_internal_request_id=uuid.uuid4().hex)
+    request_id = uuid.uuid4().hex
+    _set_request_context(_internal_request_id=request_id)
+    return request_id
 
 
 class _Headers(dict):  # type: ignore[type-arg]
@@ -133,9 +140,9 @@ class _StreamSocket:
             await self.out(encode({"type": "error", "id": exc.rid, "code": exc.code,
                                    "message": exc.message}, binary))
             return
+        route = route_prompt("/v1/stream", obj, self._tokenizer, self._config)
         call = WsCall(scope=self._scope, frame=data, token=f"ws-{next(_TOKENS)}",
-                      prefix_keys=route_keys("/v1/stream", obj, self._tokenizer,
-                                             self._config))
+                      prefix_keys=route.keys, num_prompt_tokens=route.num_tokens)
         where: dict[str, Any] = {"call": call}
         self._active[rid] = (asyncio.ensure_future(self._run(rid, call, binary, where)), where)
 
@@ -143,13 +150,15 @@ class _StreamSocket:
         sent_token = False
         stream: Any = None
         try:
-            _own_request_id()
+            request_id = _own_request_id()
             stream = self._replicas.options(stream=True).ws.remote(call)
             async for item in stream:
                 if isinstance(item, dict):  # the replica's name, first
                     where["replica"] = item["replica"]
                     continue
-                sent_token = sent_token or frame_kind(item)[0] == "token"
+                if not sent_token and frame_kind(item)[0] == "token":
+                    sent_token = True  # its prompt is computed: the router's to know
+                    note_first_token(request_id)
                 await self.out(item)
         except asyncio.CancelledError:
             if stream is not None:  # the client went, or cancelled before a replica had it
@@ -170,11 +179,12 @@ class _StreamSocket:
     async def _cancel(self, rid: str, frame: str | bytes) -> None:
         _, where = self._active[rid]
         replica = where.get("replica")
-        if replica is None:  # not started on a replica yet: end it here
-            task, _ = self._active.pop(rid)
+        if replica is None:  # not started on a replica yet: end it here, as one server
+            task, _ = self._active.pop(rid)  # would (nothing relayed: the name comes first)
             task.cancel()
-            await self.out(encode({"type": "done", "id": rid, "finish_reason": "cancelled"},
-                                  isinstance(frame, bytes)))
+            done = Done(request_id=rid, finish_reason="cancelled", completion_tokens=0,
+                        prompt_tokens=where["call"].num_prompt_tokens or 0)
+            await self.out(encode(done.to_wire(), isinstance(frame, bytes)))
             return
         _own_request_id()
         await self._replicas.cancel.remote(CancelCall(replica=replica,
@@ -207,11 +217,11 @@ class _ResponsesSocket:
                 fields = json.loads(data)
             except ValueError:
                 pass  # the replica answers the error frame
-        keys = route_keys("/v1/responses", fields, self._tokenizer, self._config)
+        route = route_prompt("/v1/responses", fields, self._tokenizer, self._config)
         pin = (replica_of_response(fields.get("previous_response_id"))
                if isinstance(fields, dict) else None)
         call = WsCall(scope=self._scope, frame=data, token=f"ws-{next(_TOKENS)}",
-                      prefix_keys=keys, pin=pin)
+                      prefix_keys=route.keys, num_prompt_tokens=route.num_tokens, pin=pin)
         _own_request_id()
         stream = self._replicas.options(stream=True).ws.remote(call)
         try:

@@ -6,7 +6,9 @@ tokenizer loaded in the front (mlx-lm directories), text prompts, chat `messages
 Anthropic's `system`, with `tools` through the chat template) and Responses `input` are
 tokenized as the engine does and cut into engine.kvevents' 16-token blocks, the hashes the
 replicas' KV events carry. Without a tokenizer (a GGUF model) text prompts get `tqserve
-route`'s text keys: affinity by what was routed before, not by KV events.
+route`'s text keys: affinity by what was routed before, not by KV events. The token count
+of a tokenized prompt goes with its keys: the router costs a request by it, and the
+front's own `done` for a request cancelled before a replica had it reports it.
 """
 
 from __future__ import annotations
@@ -76,17 +78,28 @@ def prompt_ids(path: str, fields: dict[str, Any], tokenizer: Any,
     return request.token_ids(tokenizer, template)  # the engine's own: template or fallback
 
 
-def route_keys(path: str, fields: Any, tokenizer: Any, config: FrontConfig) -> tuple[Any, ...]:
-    """The prefix keys of a request body (none for what is not a generation request)."""
+@attrs.frozen(kw_only=True)
+class PromptRoute:
+    """What the front knows of a request's prompt: its prefix keys, and its token count as
+    the engine will count it (None where the front cannot tokenize it)."""
+
+    keys: tuple[Any, ...] = ()
+    num_tokens: int | None = None
+
+
+def route_prompt(path: str, fields: Any, tokenizer: Any, config: FrontConfig) -> PromptRoute:
+    """The prefix keys and token count of a request body (none for what is not a
+    generation request)."""
     if not isinstance(fields, dict):
-        return ()
+        return PromptRoute()
     try:
         ids = prompt_ids(path, fields, tokenizer, config.chat_template)
     except Exception:  # turns, tools or a template the engine refuses: the replica says why
         ids = None
     if ids is not None:
-        return token_keys(ids, config.block_tokens)
-    return prefix_keys(fields, block_tokens=config.block_tokens, block_chars=BLOCK_CHARS)
+        return PromptRoute(keys=token_keys(ids, config.block_tokens), num_tokens=len(ids))
+    return PromptRoute(keys=prefix_keys(fields, block_tokens=config.block_tokens,
+                                        block_chars=BLOCK_CHARS))
 
 
 def response_pin(method: str, path: str, fields: Any) -> str | None:

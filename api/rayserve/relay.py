@@ -40,6 +40,7 @@ class HttpCall:
     scope: Message           # the client's HTTP scope (plain values: picklable)
     body: bytes
     prefix_keys: tuple[Any, ...] = ()
+    num_prompt_tokens: int | None = None  # None: the front could not tokenize it
     pin: str | None = None   # the replica that must answer (it stores the response named)
 
 
@@ -69,6 +70,7 @@ class WsCall:
     frame: str | bytes       # one generate frame (the client's id kept)
     token: str               # the front's name for this request (a cancel names it)
     prefix_keys: tuple[Any, ...] = ()
+    num_prompt_tokens: int | None = None  # None: the front could not tokenize it
     pin: str | None = None   # the replica that must answer (it stores the response named)
 
 

@@ -297,7 +297,7 @@ class RouteTable:
             owner = self._owner_of(keys[depth - 1], candidates)
             if owner is None:
                 continue
-            base = self._depth_held(fallback, keys, depth)  # what the least loaded has too
+            base = self.depth_held(fallback, keys, depth)  # what the least loaded has too
             if depth - base < self.config.min_match_fraction * len(keys):
                 return Route(backend=fallback, reason="least_loaded", matched_blocks=base)
             if self._backends[owner].in_flight - least >= self.config.spill_threshold:
@@ -305,23 +305,32 @@ class RouteTable:
             return Route(backend=owner, reason="affinity", matched_blocks=depth)
         return Route(backend=fallback, reason="least_loaded")
 
-    def _depth_held(self, backend: str, keys: Sequence[Key], below: int) -> int:
-        """The deepest of keys[:below] that `backend` has (0: none)."""
+    def depth_held(self, backend: str, keys: Sequence[Key], below: int | None = None) -> int:
+        """The deepest of keys[:below] (all by default) that `backend` has (0: none)."""
+        below = len(keys) if below is None else below
         return next((d for d in range(below, 0, -1) if self._has(backend, keys[d - 1])), 0)
 
-    def started(self, route: Route, keys: Sequence[Key], *, retry: bool = False) -> None:
-        """The request went to `route.backend`: count it, and make it own `keys`."""
+    def started(self, route: Route, keys: Sequence[Key], *, retry: bool = False,
+                owns: bool = True) -> None:
+        """The request went to `route.backend`: count it, and (`owns`) make it own `keys`
+        now; a caller that knows when the prompt is computed calls `own()` then."""
         b = self._backends[route.backend]
         b.in_flight += 1
         b.routed[route.reason] = b.routed.get(route.reason, 0) + 1
         self._retries += retry
-        if self.config.policy != "prefix":
+        if owns:
+            self.own(route.backend, keys)
+
+    def own(self, backend: str, keys: Sequence[Key]) -> None:
+        """`backend` is where `keys` were routed last (policy prefix): the LRU's owner."""
+        if self.config.policy != "prefix" or backend not in self._backends:
             return
+        b = self._backends[backend]
         for key in keys:
             old = self._owner.pop(key, None)
             if old is not None:
                 self._backends[old].owned -= 1
-            self._owner[key] = route.backend
+            self._owner[key] = backend
             b.owned += 1
         while len(self._owner) > self.config.max_keys:
             _, old = self._owner.popitem(last=False)

@@ -80,7 +80,8 @@ async def test_the_facade_reads_only_the_board(draft_model):
             await engine._board.wait_until(lambda s: s.admission.num_queued == 1)
             refused = [e async for e in engine.generate(request())]
             assert [type(e) for e in refused] == [Error] and refused[0].code == "overloaded"
-            assert refused[0].message == "queue full: 1 requests queued (max 1)"
+            assert refused[0].message == ("queue full: 1 requests queued (max 1, "
+                                          "--max-queued-requests)")
             await engine.cancel(first[0].request_id if first else "")
         assert isinstance(second[0], Queued) and isinstance(second[-1], Done)
         assert second[-1].queue_seconds is not None and any(isinstance(e, Token)

@@ -76,10 +76,12 @@ def test_a_removed_tool_exits_2_naming_its_module(command, module):
 
 def test_bench_ray_names_bad_input_with_exit_2():
     """`tqserve bench ray` (a new name: no deprecated bench-ray alias) refuses an unknown
-    policy and a missing trace with one line each."""
+    policy, a missing trace and no rounds with one line each."""
     assert "bench-ray" not in cli("--help").stdout
     bad = cli("bench", "ray", "--policies", "single,random")
     assert bad.returncode == 2 and "--policies: unknown ['random']" in bad.stderr
     missing = cli("bench", "ray", "--trace", "no/such/trace.jsonl")
     assert missing.returncode == 2 and "--trace: no file at" in missing.stderr
     assert "Traceback" not in bad.stderr + missing.stderr
+    zero = cli("bench", "ray", "--rounds", "0")
+    assert zero.returncode == 2 and "--rounds must be >= 1, got 0" in zero.stderr

@@ -1,10 +1,12 @@
-"""The router's sans-io core: prefix keys, affinity, spill, health transitions, LRU bound."""
+"""The router's sans-io core: prefix keys, affinity, spill, health transitions, LRU bound;
+and the Ray router's least-work policy (api.router.cost)."""
 
 import pytest
 
 from tqserve.api.router.core import (TRANSITIONS, BackendState, HealthEvent, KvFeed,
                                      NoHealthyBackend, Route, RouteTable, RoutingConfig,
                                      prefix_keys, text_keys, token_keys)
+from tqserve.api.router.cost import MAX_UNSENT, MAX_WAIT_S, LeastWork
 
 A, B, C = "http://a:1", "http://b:1", "http://c:1"
 
@@ -221,3 +223,148 @@ def test_a_head_every_backend_holds_decides_nothing():
     assert table.choose(new) == Route(backend=B, reason="least_loaded", matched_blocks=2)
     follow = token_keys(head + list(range(100, 164)) + list(range(900, 916)), 16)  # 7
     assert table.choose(follow) == Route(backend=A, reason="affinity", matched_blocks=6)
+
+
+# least work (api.router.cost): the Ray router's policy, costed in prompt tokens
+
+def _work(*names, **kw):
+    """A LeastWork over healthy backends `names` (blocks of 16 tokens)."""
+    table = RouteTable(list(names), RoutingConfig(**kw))
+    table.set_backends(list(names))
+    return LeastWork(table)
+
+
+def _ids(n, start=0):
+    return list(range(start, start + n))
+
+
+def test_least_work_gives_the_holder_a_prompt_while_it_is_not_far_behind():
+    """The holder of 896 of a prompt's 1,000 tokens gets it while its own backlog is less
+    than twice what its cache saves (a computed token counts twice: its own wait, and
+    the delay to the requests behind it); 2,404 tokens behind, the idle backend gets it
+    (spill)."""
+    work = _work(A, B)
+    keys = token_keys(_ids(1000), 16)           # 62 whole blocks: 992 tokens
+    work.table.observe(A, keys[:56], ())        # A holds 56 blocks: 896 tokens
+    work.routed("x", A, token_keys(_ids(300, 5000), 16), 300, now=0.0)  # A owes 300
+    (a, b) = work.estimates(keys, 1000, now=0.0)
+    assert (a.num_pending, a.num_cached, a.num_uncached, a.cost) == (300, 896, 104, 508)
+    assert (b.num_pending, b.num_cached, b.num_uncached, b.cost) == (0, 0, 1000, 2000)
+    assert work.choose("y", keys, 1000, now=0.0) == Route(backend=A, reason="affinity",
+                                                          matched_blocks=56)
+    work.routed("y", A, keys, 1000, now=0.0)
+    work.routed("z", A, token_keys(_ids(2000, 9000), 16), 2000, now=0.0)
+    assert work.num_pending(A, 0.0) == 300 + 104 + 2000  # 2,404 + 2 x 104 > 2 x 1,000
+    route = work.choose("w", keys, 1000, now=0.0)
+    assert route == Route(backend=B, reason="spill", matched_blocks=0)
+    assert work.num_pending(B, 0.0) == 1000  # booked where chosen, before Ray sends it
+
+
+def test_least_work_spreads_new_prompts_and_skips_a_backend_far_busier_by_count():
+    work = _work(A, B, C, spill_threshold=2)
+    for backend, n in ((A, 0), (B, 1), (C, 3)):
+        work.table.set_load(backend, n)
+    keys = token_keys(_ids(64), 16)
+    work.table.observe(C, keys, ())   # C holds it all but has 3 more requests than A
+    assert [e.backend for e in work.estimates(keys, 64, now=0.0)] == [A, B]
+    first = work.choose("r1", keys, 64, now=0.0)
+    assert first == Route(backend=A, reason="least_loaded", matched_blocks=0)
+    second = work.choose("r2", token_keys(_ids(64, 100), 16), 64, now=0.0)
+    assert second.backend == B  # A owes 64 now: B is cheaper
+    assert work.choose(None, (), None, now=0.0).reason == "least_loaded"  # not booked
+    assert work.num_pending(A, 0.0) == 64 and work.num_pending(B, 0.0) == 64
+
+
+def test_a_request_waits_for_a_prefix_being_computed_then_reuses_it():
+    """A 3,000-token prompt being computed on A, a second request with the same prefix:
+    computing it again on B (100 tokens behind) costs more than waiting for A's first
+    token, so the decision is `wait` (nothing booked); after that first token the prefix
+    is A's, cached, and the request goes there. A donor whose first token is not reported
+    is never waited for: computing it on B (6,180) beats A (9,080)."""
+    work = _work(A, B)
+    donor = token_keys(_ids(3000), 16)  # 187 whole blocks: 2,992 tokens
+    work.routed("d", A, donor, 3000, signals=True, now=0.0)
+    work.routed("e", B, token_keys(_ids(100, 9000), 16), 100, now=0.0)
+    follow = token_keys(_ids(3000) + _ids(40, 7000), 16)  # 3,040 tokens, 190 blocks
+    a, b = work.estimates(follow, 3040, now=0.1)
+    assert (a.num_pending, a.num_cached, a.num_wait_cached, a.cost) == (3000, 0, 2992, 3096)
+    assert a.waits and not b.waits and b.cost == 100 + 2 * 3040
+    assert work.choose("f", follow, 3040, now=0.1) == Route(backend=A, reason="wait")
+    assert work.num_pending(A, 0.1) == 3000 and work.num_waits == 1
+    work.prefilled("d", 1.0)  # its first token: 3,000 tokens in 1 s
+    assert work.rate(A) == 3000.0 and work.num_pending(A, 1.0) == 0
+    assert work.choose("f", follow, 3040, now=1.0) == Route(backend=A, reason="affinity",
+                                                            matched_blocks=187)
+    # a donor whose first token is not reported (signals False) is never waited for
+    other = _work(A, B)
+    other.routed("d", A, donor, 3000, now=0.0)
+    other.routed("e", B, token_keys(_ids(100, 9000), 16), 100, now=0.0)
+    assert other.choose("f", follow, 3040, now=0.1).backend == B
+
+
+def test_the_oldest_prompt_counts_done_at_the_measured_rate():
+    work = _work(A, B)
+    work.routed("a", A, token_keys(_ids(1000), 16), 1000, signals=True, now=0.0)
+    work.prefilled("a", 0.5)  # 1,000 tokens in 0.5 s: 2,000 tokens/s
+    assert work.rate(A) == 2000.0
+    work.routed("b", A, token_keys(_ids(2000, 5000), 16), 2000, signals=True, now=0.4)
+    work.routed("c", A, token_keys(_ids(500, 9000), 16), 500, signals=True, now=0.6)
+    # b started at a's first token (0.5 s, not when it was sent); c waits behind it
+    assert work.num_pending(A, 0.5) == 2000 + 500
+    assert work.num_pending(A, 1.0) == 2000 + 500 - 1000
+    assert work.num_pending(A, 9.0) == 500  # b is done at most, never c before it
+    work.prefilled("b", 1.5)  # 2,000 tokens in 1 s: the same rate
+    assert work.rate(A) == 2000.0
+    work.prefilled("c", 1.6)  # 500 tokens in 0.1 s: 5,000/s, weighed in at a quarter
+    assert work.rate(A) == pytest.approx(2000.0 + 0.25 * (5000.0 - 2000.0))
+
+
+def test_least_work_books_follow_ray_to_the_end():
+    """Booked where chosen, moved where Ray sent it, done at the first token, gone at the
+    end; a prompt computed (first token, or the end) is its backend's from then on."""
+    work = _work(A, B)
+    keys = token_keys(_ids(320), 16)
+    assert work.choose("r", keys, 320, now=0.0).backend in (A, B)
+    work.routed("r", B, keys, 320, now=0.0)   # Ray sent it to B
+    assert (work.num_pending(A, 0.0), work.num_pending(B, 0.0)) == (0, 320)
+    work.completed("r", A)                    # a refused try on A: B's booking stays
+    assert work.num_pending(B, 0.0) == 320
+    work.completed("r", B)                    # ended without a first token reported
+    assert work.num_pending(B, 0.0) == 0 and work.table.depth_held(B, keys) == 20
+    work.prefilled("r", 1.0)                  # late or unknown notes change nothing
+    assert work.rate(B) is None
+    for i in range(MAX_UNSENT + 5):           # chosen, never sent: bounded
+        work.choose(f"u{i}", keys, 320, now=0.0)
+    assert work.num_pending(A, 0.0) + work.num_pending(B, 0.0) <= MAX_UNSENT * 320
+    work.forget(A)
+    work.forget(B)
+    assert (work.num_pending(A, 0.0), work.num_pending(B, 0.0)) == (0, 0)
+    with pytest.raises(NoHealthyBackend):
+        work.estimates(keys, 320, exclude=[A, B], now=0.0)
+
+
+def test_an_untokenized_prompt_counts_a_block_per_key():
+    work = _work(A, B)
+    keys = text_keys("x" * 640, 64)  # 10 text keys
+    (a, _) = work.estimates(keys, None, now=0.0)
+    assert a.num_uncached == 160
+
+
+def test_waits_are_bounded_in_time_and_in_number():
+    """A request waits for a prefix being computed at most MAX_WAIT_S, and no more
+    requests wait at once than there are backends (each holds one of Ray's routing
+    tasks); past either, the prefix being computed counts for nothing."""
+    work = _work(A, B)
+    donor = token_keys(_ids(3000), 16)
+    work.routed("d", A, donor, 3000, signals=True, now=0.0)
+    work.routed("e", B, token_keys(_ids(100, 9000), 16), 100, now=0.0)
+    follows = [token_keys(_ids(3000) + _ids(40, 7000 + 100 * i), 16) for i in range(3)]
+    assert [work.choose(f"f{i}", keys, 3040, now=0.1)
+            for i, keys in enumerate(follows)] == [
+        Route(backend=A, reason="wait"), Route(backend=A, reason="wait"),
+        Route(backend=B, reason="least_loaded")]  # 2 wait already: B, the least work
+    assert work.num_waits == 2
+    assert work.choose("f0", follows[0], 3040, now=0.1 + MAX_WAIT_S).reason == "wait"
+    late = work.choose("f0", follows[0], 3040, now=0.2 + MAX_WAIT_S)  # waited too long:
+    assert late == Route(backend=A, reason="least_loaded")  # A owes 3,000, B now 3,140
+    assert work.num_waits == 2
