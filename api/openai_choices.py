@@ -260,6 +260,13 @@ def streamed(choices: list[Choice], base: dict[str, Any], want_logprobs: bool,
             yield sse("[DONE]")
         except ApiError as cut:  # a cut output: no finish_reason, the client raises
             yield sse(error_body(cut.status, cut.message, cut.param, cut.code))
+        except BaseExceptionGroup as group:
+            # aclose() at a yield inside `_merged` (the response was dropped: the client
+            # went away): trio's safe channel hands the GeneratorExit back in a group with
+            # its pump's cancellation. The stream just ends, as aclose() expects; anything
+            # else in the group is a real failure.
+            if group.split((GeneratorExit, trio.Cancelled))[1] is not None:
+                raise
             yield sse("[DONE]")
         finally:
             with trio.CancelScope(shield=True):

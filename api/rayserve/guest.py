@@ -17,10 +17,13 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import logging
 from typing import Any, Awaitable, Callable
 
 import outcome
 import trio
+
+log = logging.getLogger("tqserve.rayserve")
 
 Message = dict[str, Any]
 AsgiApp = Callable[[Message, Callable[[], Awaitable[Message]],
@@ -77,6 +80,8 @@ class GuestRun:
 
         def done(result: outcome.Outcome) -> None:
             error = result.error if isinstance(result, outcome.Error) else None
+            if error is not None:  # our bug: loud, with its traceback, not only in `ended`
+                log.error("the engine's trio run failed", exc_info=error)
             ended = GuestEnded(f"the engine stopped: {error!r}" if error else
                                "the engine stopped")
             loop.call_soon_threadsafe(_resolve, ready, ended)
@@ -158,6 +163,9 @@ class GuestRun:
             error = asyncio.CancelledError() if scope_.cancelled_caught else None
         except Exception as exc:  # this call fails; the nursery (the engine) goes on
             error = exc
+        except BaseExceptionGroup as group:  # e.g. a GeneratorExit wrapped by a nursery:
+            log.error("a call failed", exc_info=group)  # still this call's failure alone
+            error = RuntimeError(f"the call failed: {group!r}")
         finally:  # a caller that went away reads nothing: no error left unretrieved
             loop.call_soon_threadsafe(_resolve, finished, None if box.get("abandoned")
                                       else error)

@@ -2,7 +2,7 @@
 
 A small trio ASGI app stands in for quart-trio; the asyncio side plays Ray Serve's replica
 (its own receive/send coroutines). Checked: a call round-trips messages both ways; an
-exception in the app fails that call only (the next one works); the asyncio caller being
+exception in the app, or a BaseExceptionGroup, fails that call only (the next one works); the asyncio caller being
 cancelled cancels the trio task; `call` reads trio state; stop ends the run and later
 calls fail with GuestEnded. And `tqserve ray-serve` without Ray names the extra."""
 
@@ -30,6 +30,8 @@ def _app(state: dict[str, int]) -> Any:
         message = await receive()
         if message["body"] == b"boom":
             raise RuntimeError("boom")
+        if message["body"] == b"group":  # what a nursery makes of a generator's aclose
+            raise BaseExceptionGroup("cleanup", [GeneratorExit()])
         if message["body"] == b"hang":
             try:
                 await trio.sleep_forever()
@@ -62,16 +64,21 @@ async def _scenario() -> None:
     with pytest.raises(RuntimeError, match="boom"):
         await _call(guest, app, b"boom")
     assert await _call(guest, app, b"xy") == [{"type": "http.response.body", "body": b"yx"}]
+    # a BaseExceptionGroup (not an Exception) fails its call, not the engine: it once
+    # ended a Ray replica's whole engine when a client dropped an SSE stream
+    with pytest.raises(RuntimeError, match="the call failed"):
+        await _call(guest, app, b"group")
+    assert guest.running
 
     hung = asyncio.ensure_future(_call(guest, app, b"hang"))
-    while state["calls"] < 4:  # the app has taken the call
+    while state["calls"] < 5:  # the app has taken the call
         await asyncio.sleep(0.01)
     hung.cancel()
     with pytest.raises(asyncio.CancelledError):
         await hung
     while not state["cancelled"]:  # the trio task saw the cancellation
         await asyncio.sleep(0.01)
-    assert await guest.call(lambda: dict(state)) == {"cancelled": 1, "calls": 4}
+    assert await guest.call(lambda: dict(state)) == {"cancelled": 1, "calls": 5}
 
     assert guest.running
     await guest.stop()
