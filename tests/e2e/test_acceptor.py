@@ -21,7 +21,10 @@ import trio
 from tqserve.tools.attack_phases import Server, stats
 
 FULL = ["--max-batch", "1", "--max-queued-requests", "1"]
-LONG = b'{"prompt": "import os\\n", "max_tokens": 4000, "stream": true}'
+# a stream that holds its row: 4000 tokens, EOS (id 0) biased away, since a sampled stream
+# could otherwise end early and free the row the test waits to see held (CI saw _fill time
+# out once)
+LONG = b'{"prompt": "import os\\n", "max_tokens": 4000, "stream": true, "logit_bias": {"0": -100}}'
 SHORT = b'{"prompt": "import os\\n", "max_tokens": 2}'
 WAIT_S = 30.0
 
