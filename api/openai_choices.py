@@ -209,6 +209,15 @@ async def whole(choices: list[Choice], base: dict[str, Any], want_logprobs: bool
                                                             choices[0].score_only)})
 
 
+def _client_went_away(group: BaseExceptionGroup) -> bool:
+    """aclose() at a yield inside `_merged` (the response was dropped: the client went
+    away): trio's safe channel hands the GeneratorExit back in a group with its pump's
+    cancellation. The stream then just ends, as aclose() expects (a yield after it would
+    be a RuntimeError); anything else in the group is a real failure."""
+    rest = group.split((GeneratorExit, trio.Cancelled))[1]
+    return rest is None and group.subgroup(GeneratorExit) is not None
+
+
 def streamed(choices: list[Choice], base: dict[str, Any], want_logprobs: bool,
              include_usage: bool, firsts: list[int], error_body: Callable[..., Any]) -> Response:
     chat = choices[0].chat
@@ -222,11 +231,10 @@ def streamed(choices: list[Choice], base: dict[str, Any], want_logprobs: bool,
             out["usage"] = None
         return sse(out)
 
-    def ended(choice: Choice) -> list[bytes]:
-        if not chat:
-            return [chunk(choice.index, "", None, choice.finish_reason())]
-        tail = [chunk(choice.index, d, lp) for d, lp in choice.deltas(choice.out.finish(), None)]
-        return tail + [chunk(choice.index, {}, None, choice.finish_reason())]
+    def ended(choice: Choice) -> list[bytes]:  # a chat's held-back text, then its finish
+        tail = [chunk(choice.index, d, lp) for d, lp in
+                choice.deltas(choice.out.finish(), None)] if chat else []
+        return tail + [chunk(choice.index, {} if chat else "", None, choice.finish_reason())]
 
     async def events() -> AsyncIterator[bytes]:
         try:
@@ -254,20 +262,14 @@ def streamed(choices: list[Choice], base: dict[str, Any], want_logprobs: bool,
                     else:
                         yield chunk(choice.index, tok.text, lp)
             if include_usage:
-                yield sse({**chunk_base, "choices": [],
-                           "usage": usage([c.run for c in choices], firsts,
-                                          choices[0].score_only)})
+                yield sse({**chunk_base, "choices": [], "usage": usage(
+                    [c.run for c in choices], firsts, choices[0].score_only)})
             yield sse("[DONE]")
         except ApiError as cut:  # a cut output: no finish_reason, the client raises
             yield sse(error_body(cut.status, cut.message, cut.param, cut.code))
         except BaseExceptionGroup as group:
-            # aclose() at a yield inside `_merged` (the response was dropped: the client
-            # went away): trio's safe channel hands the GeneratorExit back in a group with
-            # its pump's cancellation. The stream just ends, as aclose() expects; anything
-            # else in the group is a real failure.
-            if group.split((GeneratorExit, trio.Cancelled))[1] is not None:
+            if not _client_went_away(group):
                 raise
-            yield sse("[DONE]")
         finally:
             with trio.CancelScope(shield=True):
                 for c in choices:
