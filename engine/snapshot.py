@@ -48,7 +48,7 @@ from mlx_lm.models.cache import ArraysCache, KVCache
 from tqserve.engine.kv.affine import AffineKVCache
 from tqserve.engine.kv.affine import PLANES as AFFINE_PLANES
 from tqserve.engine.kv.delayed import DelayedTurboQuantKVCache
-from tqserve.engine.kv.rows import KvTensorRows
+from tqserve.engine.kv.slot_rows import SlotRows
 from tqserve.engine.kv.turboquant import PLANES as TQ_PLANES
 from tqserve.engine.kv.turboquant import TurboQuantKVCache
 
@@ -136,7 +136,7 @@ def planes_of(cache: Any) -> dict[str, mx.array]:
                 "values": cache.values[..., :cache.offset, :]}
     if isinstance(cache, DelayedTurboQuantKVCache):
         return planes_of(cache.inner)
-    return cache.rows.valid_planes()
+    return cache.written()
 
 
 def extract_snapshot(batch_layers: Sequence[Any], index: int) -> Snapshot | None:
@@ -187,15 +187,15 @@ def _layer_from(template: Any, kind: str, planes: Mapping[str, mx.array],
             cache.offset = int(cache.keys.shape[2])
         return cache
     if kind == "tq":
-        return TurboQuantKVCache.of(template.config, KvTensorRows.from_planes(planes))
+        return TurboQuantKVCache.of(template.config, SlotRows.holding(planes))
     if kind in ("dplain", "dtq"):
-        inner = (TurboQuantKVCache.of(template.config, KvTensorRows.from_planes(planes))
+        inner = (TurboQuantKVCache.of(template.config, SlotRows.holding(planes))
                  if kind == "dtq" else _layer_from(None, "kv", planes, 0))
         return DelayedTurboQuantKVCache.of(template.quantized_kv_start, template.config, inner,
                                            boundary if kind == "dtq" else 0)
     if kind == "affine":
         affine = AffineKVCache(template.bits, template.group_size)
-        affine.rows = KvTensorRows.from_planes(planes)
+        affine.slots = SlotRows.holding(planes)
         return affine
     if kind == "state":  # the model replaces state arrays, never writes into them
         state = ArraysCache(len(template.cache))

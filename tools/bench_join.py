@@ -1,5 +1,5 @@
 """Cost of a row joining and a row retiring in the decode batch's KV, per cache kind:
-tqserve's per-row slots (engine/kv/slots.py, quant_slots.py: write or move only that row),
+tqserve's per-row slots (engine/kv/slots.py, turboquant.py, affine.py: write or move only that row),
 and for plain KV also mlx-lm's right-aligned BatchKVCache (merge + extend, filter: copy
 every row) as the reference. tqserve keeps no right-aligned batch of its own kinds any
 more (one KV family), so TurboQuant and affine are measured on the slots side only.

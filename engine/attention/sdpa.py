@@ -66,7 +66,7 @@ class RotatedKV:
     """What a TurboQuant cache fetches: rotated-basis planes (B, H, T_alloc, W), the codecs,
     and which positions are written: [0, ends[b]) for row b (every row is left-aligned:
     a single row ends at `length`, a slot batch's rows at their own lengths,
-    engine/kv/quant_slots.py).
+    engine/kv/turboquant.py).
 
     The planes are the cache's whole allocation, so the fused decode sees a shape that
     changes only when the cache grows (every 256 positions) and its compiled graph is

@@ -1,10 +1,12 @@
-"""KV cache classes on mlx-lm's cache protocol: one family. A single row of each kind
-(plain mlx-lm KVCache, TurboQuant, delayed TurboQuant, affine) and, for every batch (the
-prefill groups and the decode batch), the per-row slots of each kind (slots.py:
-`slot_batch_of`); the per-model cache factory. How attention reads these planes (the
-rotated attention port, the fused decode, the CUDA kernels) is engine.attention's."""
+"""KV cache classes on mlx-lm's cache protocol: one family on one position store
+(slot_rows.py). For every batch (the prefill groups and the decode batch) the per-row
+slots of each kind (slots.py: `slot_batch_of`); a single row of each kind (plain is
+mlx-lm's KVCache; TurboQuant and affine are their slot classes seen as one sequence,
+slot_cache.OneRow; delayed TurboQuant a plain row that converts); the per-model cache
+factory. How attention reads these planes (the rotated attention port, the fused decode,
+the CUDA kernels) is engine.attention's."""
 
-from tqserve.engine.kv.affine import AffineKVCache
+from tqserve.engine.kv.affine import AffineKVCache, AffineSlotsKVCache
 from tqserve.engine.kv.delayed import DelayedTurboQuantKVCache
 from tqserve.engine.kv.delayed_slots import DelayedTurboQuantSlotsKVCache
 from tqserve.engine.kv.factory import (
@@ -15,17 +17,15 @@ from tqserve.engine.kv.factory import (
     make_turboquant_cache_factory,
     parse_turboquant,
 )
-from tqserve.engine.kv.quant_slots import AffineSlotsKVCache, TurboQuantSlotsKVCache
-from tqserve.engine.kv.rows import KvTensorRows
 from tqserve.engine.kv.slots import RowSlotsKVCache, slot_batch, slot_batch_of
-from tqserve.engine.kv.turboquant import TurboQuantConfig, TurboQuantKVCache
+from tqserve.engine.kv.turboquant import (TurboQuantConfig, TurboQuantKVCache,
+                                          TurboQuantSlotsKVCache)
 
 __all__ = [
     "AffineKVCache",
     "AffineSlotsKVCache",
     "DelayedTurboQuantKVCache",
     "DelayedTurboQuantSlotsKVCache",
-    "KvTensorRows",
     "RowSlotsKVCache",
     "TurboQuantConfig",
     "TurboQuantKVCache",

@@ -33,10 +33,10 @@ from mlx_lm.models.cache import KVCache
 from tqserve.engine.attention.sdpa import MixedRowsKV
 from tqserve.engine.kv.delayed import (DelayedTurboQuantKVCache, _convert, _plain_cache,
                                        _plain_planes)
-from tqserve.engine.kv.quant_slots import SlotsCache, TurboQuantSlotsKVCache
-from tqserve.engine.kv.rows import row_indices
-from tqserve.engine.kv.slot_rows import SlotRows, offsets_array, retire_order, slots_mask
-from tqserve.engine.kv.turboquant import TurboQuantConfig
+from tqserve.engine.kv.slot_cache import SlotsCache
+from tqserve.engine.kv.slot_rows import (SlotRows, offsets_array, retire_order, row_indices,
+                                         slots_mask)
+from tqserve.engine.kv.turboquant import TurboQuantConfig, TurboQuantSlotsKVCache
 
 Fetched = tuple[Any, Any]
 
@@ -93,7 +93,7 @@ class DelayedTurboQuantSlotsKVCache(SlotsCache):
             if length < self.quantized_kv_start:
                 continue
             row = _convert(_plain_cache(self.slots.row(self.slot[i])), self.config)
-            planes = row.rows.valid_planes()
+            planes = row.written()
             mx.eval(planes)  # read the plain slot before another row moves into it
             gone = self.slot[i]
             keep = retire_order(self.slots.num_rows, [gone])
@@ -151,7 +151,7 @@ class DelayedTurboQuantSlotsKVCache(SlotsCache):
             elif settings != (self.config, self.quantized_kv_start):
                 raise ValueError("cannot combine delayed caches with different settings")
             if row.quantized is not None:
-                self.quantized.add(self.config, [row.quantized.rows.valid_planes()])
+                self.quantized.add(self.config, [row.quantized.written()])
                 slot = self.quantized.num_rows - 1
             else:
                 assert row.plain is not None

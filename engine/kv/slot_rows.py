@@ -63,6 +63,11 @@ def _write_index(lengths: tuple[int, ...], length: int,
             mx.array(np.broadcast_to(pos, shape)))
 
 
+def row_indices(indices: Sequence[int] | mx.array) -> list[int]:
+    """Batch row indices as ints, from a sequence or an mx.array (as mlx-lm passes them)."""
+    return [int(i) for i in np.asarray(indices).reshape(-1)]
+
+
 def retire_order(num_rows: int, gone: Sequence[int]) -> list[int]:
     """The `keep` list that retires rows `gone` by moving the last remaining rows into
     their holes (each hole costs at most one row's move)."""
@@ -108,6 +113,23 @@ class SlotRows:
         self._num_rows_moved = 0
         self._num_growths = 0
         self._num_shrinks = 0
+
+    @classmethod
+    def holding(cls, planes: Mapping[str, mx.array], num_rows: int = 1) -> SlotRows:
+        """Rows holding `planes` (B, H, T, W), every row written up to T; the planes are
+        the allocation as they are (no copy: what a snapshot or an extracted row hands
+        over). {} gives `num_rows` rows that hold no position yet."""
+        rows = cls()
+        if not planes:
+            rows.add_rows([None] * num_rows)
+            return rows
+        shapes = {a.shape[:3] if a.ndim == 4 else a.shape for a in planes.values()}
+        if len(shapes) != 1 or any(a.ndim != 4 for a in planes.values()):
+            raise ValueError(f"planes must be (B, H, T, W) with one B, H, T: {sorted(shapes)}")
+        (count, _, length), = shapes
+        rows._planes = dict(planes)
+        rows.set_lengths([length] * count)
+        return rows
 
     def statistics(self) -> SlotStatistics:
         """Sizes and how many row copies the batch has cost."""

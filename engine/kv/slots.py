@@ -24,7 +24,9 @@ Positions beyond a row's length hold stale values that the mask never lets throu
 returns a plain KVCache (what prefix snapshots hold).
 
 Affine, TurboQuant and delayed TurboQuant rows have slot batches of their own
-(engine/kv/quant_slots.py, engine/kv/delayed_slots.py, on engine/kv/slot_rows.py);
+(engine/kv/affine.py, turboquant.py, delayed_slots.py, on engine/kv/slot_cache.py); a
+single row of those kinds is its slot class seen as one sequence (`OneRow`), so it joins a
+batch as it is;
 `slot_kind(cache)` is the one place that picks the slot class for a row or slot batch,
 `slot_batch_of(caches)` puts rows into one slot batch (a prefill group's, engine.prefill,
 or the decode batch's), and `is_slot_batch` says whether a batch cache keeps rows in
@@ -39,12 +41,12 @@ from typing import Any, Sequence
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
-from tqserve.engine.kv.affine import AffineKVCache
+from tqserve.engine.kv.affine import AffineKVCache, AffineSlotsKVCache
 from tqserve.engine.kv.delayed import DelayedTurboQuantKVCache
 from tqserve.engine.kv.delayed_slots import DelayedTurboQuantSlotsKVCache
-from tqserve.engine.kv.quant_slots import AffineSlotsKVCache, SlotsCache, TurboQuantSlotsKVCache
 from tqserve.engine.kv.slot_rows import SlotRows, retire_order
-from tqserve.engine.kv.turboquant import TurboQuantKVCache
+from tqserve.engine.kv.slot_cache import OneRow, SlotsCache
+from tqserve.engine.kv.turboquant import TurboQuantKVCache, TurboQuantSlotsKVCache
 
 __all__ = ["RowSlotsKVCache", "is_slot_batch", "retire_order", "slot_batch", "slot_batch_of",
            "slot_kind"]
@@ -162,8 +164,8 @@ def slot_batch(cache: Any) -> Any | None:
 
 def is_slot_batch(cache: Any) -> bool:
     """Whether a batch cache keeps its rows in slots (joins take single rows as they are,
-    retirements want `retire_order`)."""
-    return isinstance(cache, (RowSlotsKVCache, SlotsCache))
+    retirements want `retire_order`); a one-row cache (`OneRow`) is no batch."""
+    return isinstance(cache, (RowSlotsKVCache, SlotsCache)) and not isinstance(cache, OneRow)
 
 
 def as_decode_batch(cache: Any) -> Any:

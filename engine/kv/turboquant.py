@@ -1,27 +1,30 @@
-"""TurboQuant KV on mlx-lm's cache protocol: one row.
+"""TurboQuant KV on mlx-lm's cache protocol: a batch of rows in slots, and one row.
 
 It stores, per KV head and position, the codes of R x / ||x|| and the fp16 norm for keys
 AND values (the rotated basis; engine/codec/turboquant.py), as four planes of a
-`KvTensorRows`: key_codes (uint32, d*k_bits/32 words), key_norms (fp16, 1), value_codes,
-value_norms. `update_and_fetch` encodes the new block, appends it and returns a
-`RotatedKV` (the written planes and the codecs) as both elements of the (keys, values)
-pair; attention (engine/attention/sdpa.py) consumes it. No decoded copy is kept: decoding
-happens transiently inside one attention call.
+`SlotRows` (engine/kv/slot_rows.py): key_codes (uint32, d*k_bits/32 words), key_norms
+(fp16, 1), value_codes, value_norms. `update_and_fetch` encodes the new block, writes each
+row at its own length and returns a `RotatedKV` (the planes, the codecs, each row's end)
+as both elements of the (keys, values) pair; attention (engine/attention/sdpa.py)
+consumes it. No decoded copy is kept: decoding happens transiently inside one attention
+call, and the fused decode (compiled ops, or the CUDA kernel) needs no mask.
 
-* `TurboQuantKVCache` is one row (int `offset`, no padding), like mlx-lm's KVCache; a
-  block with B > 1 rows is accepted while the cache is empty (they then share the offset).
-  `TurboQuantKVCache.from_kv_cache` is the one conversion from a plain mlx-lm KVCache.
-* Batches (prefill groups, the decode batch) keep the same four planes per row in slots:
-  `TurboQuantSlotsKVCache` (quant_slots.py), whose `extract(i)` gives row i back as a
-  TurboQuantKVCache with the same bytes.
+* `TurboQuantSlotsKVCache` is the batch (prefill groups, the decode batch): rows join
+  (`extend`: only their bytes are written) and leave (`filter` with `retire_order`: at
+  most one row moves) and roll back (`trim_rows`), encoded bytes only, never decoded.
+* `TurboQuantKVCache` is the same class seen as one sequence (`OneRow`,
+  engine/kv/slot_cache.py): int `offset`, no padding, like mlx-lm's KVCache;
+  `from_kv_cache` is the one conversion from a plain mlx-lm KVCache. A batch's
+  `extract(i)` is row i as a TurboQuantKVCache with the same bytes.
 
 A cache's settings are a `TurboQuantConfig`. Its `fused_decode` is resolved ONCE, when a
 cache is constructed without an explicit choice (TQSERVE_TURBOQUANT_FUSED_DECODE); slot
 batches, extracted, converted and restored (`state`) caches carry the config, so the
 selection never changes. Caches with different configs refuse to share a batch
-(ValueError). `state` is (key_codes, key_norms, value_codes, value_norms) of the written
-positions (None while empty), the offset, then the config fields (mlx-lm 0.32.2 has no
-meta_state).
+(ValueError). A row's `state` is (key_codes, key_norms, value_codes, value_norms) of the
+written positions (None while empty), the offset, then the config fields; a batch's is the
+planes up to its longest row, the lengths array, then the config fields (mlx-lm 0.32.2
+has no meta_state).
 """
 
 from __future__ import annotations
@@ -34,10 +37,11 @@ import attrs
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
-from tqserve.engine.codec.turboquant import DEFAULT_ROTATION, TurboQuantCodec
 from tqserve.engine.attention import cuda_decode
 from tqserve.engine.attention.sdpa import RotatedKV, fused_decode_from_env
-from tqserve.engine.kv.rows import KvTensorRows, PlanesCache, SingleRowView
+from tqserve.engine.codec.turboquant import DEFAULT_ROTATION, TurboQuantCodec
+from tqserve.engine.kv.slot_cache import OneRow, SlotsCache
+from tqserve.engine.kv.slot_rows import Planes, SlotRows
 
 PLANES = ("key_codes", "key_norms", "value_codes", "value_norms")
 
@@ -94,24 +98,104 @@ class TurboQuantConfig:
                    seed=int(seed), rotation=str(rotation), fused_decode=bool(fused))
 
 
-class TurboQuantKVCache(SingleRowView, PlanesCache):
-    """One row of TurboQuant KV (see the module doc)."""
+class TurboQuantSlotsKVCache(SlotsCache):
+    """A batch of TurboQuant rows in slots (module doc)."""
 
-    PLANES = PLANES
+    def __init__(self, config: TurboQuantConfig | None = None) -> None:
+        """Empty; the config is taken from the first row that joins, unless given."""
+        self.config = config
+        self.slots = SlotRows()
+
+    @property
+    def fused_decode(self) -> bool:
+        """Whether decode steps take the fused attention path (fixed by the config)."""
+        return self.config is not None and self.config.fused_decode
+
+    def _config(self) -> TurboQuantConfig:
+        if self.config is None:
+            raise ValueError("a TurboQuant slot batch without rows has no config")
+        return self.config
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[RotatedKV, RotatedKV]:
+        """Encode (rows, H, L, head_dim) keys and values, write each row at its length;
+        fetch a RotatedKV of the rows' allocated planes with their own ends."""
+        config = self._config()
+        d = config.head_dim
+        if keys.ndim != 4 or keys.shape[-1] != d or values.shape != keys.shape or (
+                keys.shape[0] != self.num_rows):
+            raise ValueError(f"expected keys and values ({self.num_rows}, H, L, {d}), got "
+                             f"{keys.shape} and {values.shape}")
+        self.write(keys, values)
+        fetched = self.fetch()
+        return fetched, fetched
+
+    def write(self, keys: mx.array, values: mx.array) -> None:
+        """Encode and write a block of every row (no fetch)."""
+        key_codec, value_codec = self._config().key_codec, self._config().value_codec
+        if cuda_decode.can_encode(key_codec, value_codec):
+            k, v = cuda_decode.encode(keys, values, key_codec, value_codec)
+        else:
+            k, v = key_codec.encode(keys), value_codec.encode(values)
+        self.slots.append({"key_codes": k.codes, "key_norms": k.norms,
+                           "value_codes": v.codes, "value_norms": v.norms})
+
+    def fetch(self) -> RotatedKV:
+        """The rows' allocated planes (rows, H, T_alloc, W), rows [0, lengths[i])."""
+        config = self._config()
+        planes = self.slots.planes()
+        lengths = tuple(self.slots.lengths)
+        return RotatedKV(**{n: planes[n] for n in PLANES}, key_codec=config.key_codec,
+                         value_codec=config.value_codec, fused_decode=config.fused_decode,
+                         length=max(lengths, default=0), ends=lengths)
+
+    def extend(self, other: Any) -> None:
+        """Append the rows of `other` (a TurboQuantKVCache or another TurboQuant slot
+        batch): only their bytes are written."""
+        if not isinstance(other, TurboQuantSlotsKVCache):
+            raise TypeError(f"a {type(other).__name__} cannot join a TurboQuant slot batch")
+        self.add(other.config, [other.slots.row(i) for i in range(other.num_rows)])
+
+    def add(self, config: TurboQuantConfig | None, rows: Sequence[Planes]) -> None:
+        """Append rows given as plane dicts ({} for an empty row) encoded with `config`."""
+        if self.config is None:
+            self.config = config
+        elif config is not None and config != self.config:
+            raise ValueError(f"cannot combine TurboQuant caches {self.config} and {config}")
+        self.slots.add_rows([r or None for r in rows])
+
+    def extract(self, idx: int) -> TurboQuantKVCache:
+        """Row idx as a single-row TurboQuantKVCache (a copy of its bytes, same config)."""
+        return TurboQuantKVCache.of(self._config(), SlotRows.holding(self.slots.extract(idx)))
+
+    @property
+    def state(self) -> tuple[Any, ...]:
+        """The four planes up to the longest row (or Nones), lengths, the config fields."""
+        return (*self._planes_state(PLANES), *self._config().scalars())
+
+    @state.setter
+    def state(self, v: Sequence[Any]) -> None:
+        self._set_planes_state(PLANES, v)
+        self.config = TurboQuantConfig.from_scalars(v[5:])
+
+
+class TurboQuantKVCache(OneRow, TurboQuantSlotsKVCache):  # type: ignore[misc]  # int offset
+    """One row of TurboQuant KV: the slot class seen as one sequence (module doc)."""
+
+    config: TurboQuantConfig  # always set: a row is made with its settings
 
     def __init__(self, k_bits: int, v_bits: int, head_dim: int, seed: int = 0,
                  rotation: str = DEFAULT_ROTATION, fused_decode: bool | None = None) -> None:
         """`fused_decode` None reads TQSERVE_TURBOQUANT_FUSED_DECODE now, once."""
-        self.config = TurboQuantConfig.create(k_bits, v_bits, head_dim, seed, rotation,
-                                              fused_decode)
-        self.rows = KvTensorRows()
+        super().__init__(TurboQuantConfig.create(k_bits, v_bits, head_dim, seed, rotation,
+                                                 fused_decode))
+        self.slots = SlotRows.holding({})
 
     @classmethod
-    def of(cls, config: TurboQuantConfig, rows: KvTensorRows | None = None) -> TurboQuantKVCache:
-        """A cache with `config` holding `rows` (a fresh empty row by default)."""
+    def of(cls, config: TurboQuantConfig, slots: SlotRows | None = None) -> TurboQuantKVCache:
+        """A cache with `config` holding `slots` (one fresh empty row by default)."""
         cache = cls.__new__(cls)
         cache.config = config
-        cache.rows = rows if rows is not None else KvTensorRows()
+        cache.slots = slots if slots is not None else SlotRows.holding({})
         return cache
 
     @classmethod
@@ -132,48 +216,16 @@ class TurboQuantKVCache(SingleRowView, PlanesCache):
         cache.append_written(kv_cache)
         return cache
 
-    @property
-    def fused_decode(self) -> bool:
-        """Whether decode steps take the fused attention path (fixed for this cache)."""
-        return self.config.fused_decode
-
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[RotatedKV, RotatedKV]:
         """Encode and append (B, H, L, head_dim) keys and values; fetch all written ones."""
-        d = self.config.head_dim
-        if keys.ndim != 4 or keys.shape[-1] != d or values.shape != keys.shape:
-            raise ValueError(f"expected keys and values (B, H, L, {d}), got "
-                             f"{keys.shape} and {values.shape}")
-        if self.rows.empty and keys.shape[0] != self.rows.num_rows:
-            self._reshape_empty(keys.shape[0])
-        key_codec, value_codec = self.config.key_codec, self.config.value_codec
-        if cuda_decode.can_encode(key_codec, value_codec):
-            k, v = cuda_decode.encode(keys, values, key_codec, value_codec)
-        else:
-            k, v = key_codec.encode(keys), value_codec.encode(values)
-        self.rows.append({"key_codes": k.codes, "key_norms": k.norms,
-                          "value_codes": v.codes, "value_norms": v.norms})
-        fetched = self.fetch()
-        return fetched, fetched
-
-    def fetch(self) -> RotatedKV:
-        """The allocated planes (B, H, T_alloc, W), the written range, and the codecs."""
-        planes = self.rows.planes
-        return RotatedKV(key_codes=planes["key_codes"], key_norms=planes["key_norms"],
-                         value_codes=planes["value_codes"], value_norms=planes["value_norms"],
-                         key_codec=self.config.key_codec,
-                         value_codec=self.config.value_codec,
-                         fused_decode=self.config.fused_decode, length=self.rows.idx,
-                         ends=(self.rows.idx,) * self.rows.num_rows)
+        self._open(keys.shape[0] if keys.ndim == 4 else 1)
+        return super().update_and_fetch(keys, values)
 
     @property
     def state(self) -> tuple[Any, ...]:
-        return (*self._planes_state(), self.offset, *self.config.scalars())
+        return (*self._row_planes(PLANES), self.offset, *self._config().scalars())
 
     @state.setter
     def state(self, v: Sequence[Any]) -> None:
         self.config = TurboQuantConfig.from_scalars(v[5:])
-        planes = self._planes_from(v[:4])
-        if planes and next(iter(planes.values())).shape[2] != int(v[4]):
-            raise ValueError(f"state planes of {next(iter(planes.values())).shape[2]} "
-                             f"positions for offset {v[4]}")
-        self.rows = KvTensorRows.from_planes(planes)
+        self.slots = self._holding(PLANES, v[:4], v[4])

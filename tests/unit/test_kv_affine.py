@@ -20,7 +20,7 @@ from tqserve.engine.config import Config
 from tqserve.engine.kv.affine import PLANES, AffineKVCache
 from tqserve.engine.kv.factory import (cache_factory_for, check_affine_head_dims,
                                         make_affine_cache_factory)
-from tqserve.engine.kv.quant_slots import AffineSlotsKVCache
+from tqserve.engine.kv.affine import AffineSlotsKVCache
 from tqserve.engine.kv.slots import slot_batch_of
 from tqserve.engine.kv.turboquant import TurboQuantKVCache
 from tqserve.engine.model import LoadedModel
@@ -39,7 +39,7 @@ ATTN_TOL = 1e-5  # slot batch (masked) vs one row: float32 summation order only
 
 def planes(cache: AffineKVCache) -> Planes:
     """A single row's written planes."""
-    return {n: np.array(a) for n, a in cache.rows.valid_planes().items()}
+    return {n: np.array(a) for n, a in cache.written().items()}
 
 
 def quantized_planes(cache: QuantizedKVCache) -> Planes:

@@ -22,7 +22,7 @@ from tqserve.engine.attention import sdpa as attention
 from tqserve.engine.attention.sdpa import FUSED_DECODE_ENV, install_attention, turboquant_sdpa
 from tqserve.engine.kv.delayed import DelayedTurboQuantKVCache
 from tqserve.engine.kv.factory import check_head_dims, make_turboquant_cache_factory
-from tqserve.engine.kv.quant_slots import TurboQuantSlotsKVCache
+from tqserve.engine.kv.turboquant import TurboQuantSlotsKVCache
 from tqserve.engine.kv.slots import slot_batch_of
 from tqserve.engine.kv.turboquant import TurboQuantKVCache
 from tqserve.engine.model import LoadedModel
@@ -52,7 +52,7 @@ def _filled(length: int, seed: int, fused: bool, bits: tuple[int, int] = (4, 3))
 
 def _reference(queries: mx.array, cache: TurboQuantKVCache, mask: Any) -> mx.array:
     """Standard SDPA over the decoded keys and values in the ORIGINAL basis."""
-    planes = cache.rows.valid_planes()
+    planes = cache.written()
     keys = cache.config.key_codec.decode(EncodedVectors(planes["key_codes"], planes["key_norms"]))
     values = cache.config.value_codec.decode(
         EncodedVectors(planes["value_codes"], planes["value_norms"]))

@@ -11,7 +11,7 @@ from tqserve.engine.codec.turboquant import TurboQuantCodec
 from tqserve.engine.attention import cuda_decode
 from tqserve.engine.kv.factory import warm_up_kernels
 from tqserve.engine.attention import sdpa as attention
-from tqserve.engine.kv.quant_slots import TurboQuantSlotsKVCache
+from tqserve.engine.kv.turboquant import TurboQuantSlotsKVCache
 from tqserve.engine.kv.slots import slot_batch_of
 from tqserve.engine.kv.turboquant import TurboQuantKVCache
 

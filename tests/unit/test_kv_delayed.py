@@ -21,7 +21,7 @@ from tests.unit.test_kv_quant_slots import Mirror, Planes, run_batch_scenario
 def delayed_planes(cache: DelayedTurboQuantKVCache) -> Planes:
     """A single row's written planes: plain keys/values, or the four TurboQuant planes."""
     if cache.quantized is not None:
-        return {n: np.array(a) for n, a in cache.quantized.rows.valid_planes().items()}
+        return {n: np.array(a) for n, a in cache.quantized.written().items()}
     if cache.plain is None or cache.plain.keys is None:
         return {}
     end = cache.plain.offset

@@ -32,10 +32,10 @@ def _planes(cache):
     """A single row's encoded planes by name (the bytes a snapshot holds)."""
     if isinstance(cache, DelayedTurboQuantKVCache):
         if cache.converted:
-            return {"converted": mx.array(1), **cache.quantized.rows.valid_planes()}
+            return {"converted": mx.array(1), **cache.quantized.written()}
         return {"keys": cache.plain.keys[..., :cache.offset, :],
                 "values": cache.plain.values[..., :cache.offset, :]}
-    return cache.rows.valid_planes()
+    return cache.written()
 
 
 def _attend(q, cache, k, v):
@@ -293,7 +293,7 @@ def test_tq_slots_fetch_left_aligned_rows_with_their_own_ends():
     assert fetched.ends == (4, 10, 1)
     assert fetched.length == 10 and fetched.key_codes.shape[:3] == (3, H, 256)
     for i, row in enumerate(twin.alone):  # row i's bytes start at position 0
-        for name, want in row.rows.valid_planes().items():
+        for name, want in row.written().items():
             got = getattr(fetched, name)[i:i + 1, :, :fetched.ends[i]]
             assert mx.array_equal(got, want), (i, name)
 

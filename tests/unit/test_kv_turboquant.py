@@ -12,8 +12,8 @@ import pytest
 from mlx_lm.models.cache import KVCache
 
 from tqserve.engine.kv.factory import parse_turboquant
-from tqserve.engine.kv.quant_slots import TurboQuantSlotsKVCache
-from tqserve.engine.kv.rows import STEP
+from tqserve.engine.kv.turboquant import TurboQuantSlotsKVCache
+from tqserve.engine.kv.slot_rows import STEP
 from tqserve.engine.kv.slots import slot_batch_of
 from tqserve.engine.kv.turboquant import PLANES, TurboQuantKVCache
 from tests.unit.test_kv_quant_slots import D as DIM
@@ -23,7 +23,7 @@ from tests.unit.test_kv_quant_slots import Mirror, Planes, run_batch_scenario
 
 def tq_planes(cache: TurboQuantKVCache) -> Planes:
     """A single row's written planes."""
-    return {n: np.array(a) for n, a in cache.rows.valid_planes().items()}
+    return {n: np.array(a) for n, a in cache.written().items()}
 
 
 @pytest.mark.parametrize("bits", [(4, 4), (3, 5), (8, 1)])
@@ -38,7 +38,7 @@ def test_stored_planes_are_codes_of_the_rotated_unit_vectors() -> None:
     k, v = Mirror(TurboQuantKVCache, tq_planes).kv(1, 6)
     fetched, same = cache.update_and_fetch(k, v)
     assert fetched is same
-    assert sorted(cache.rows.planes) == sorted(PLANES)
+    assert sorted(cache.slots.planes()) == sorted(PLANES)
     assert (fetched.key_codes.dtype, fetched.key_norms.dtype) == (mx.uint32, mx.float16)
     assert fetched.length == 6 and fetched.ends == (6,)
     written = dict(zip(PLANES, fetched.written()))
@@ -63,7 +63,7 @@ def test_resident_bytes_per_token_k4v4_at_most_027_of_bf16() -> None:
     x = mx.random.normal((1, heads, STEP, dim))
     tq.update_and_fetch(x, x)
     plain.update_and_fetch(x.astype(mx.bfloat16), x.astype(mx.bfloat16))
-    valid = sum(a.nbytes for a in tq.rows.valid_planes().values())
+    valid = sum(a.nbytes for a in tq.written().values())
     assert valid == tq.nbytes == STEP * heads * 2 * (dim * 4 // 8 + 2)  # codes + fp16 norm
     ratio = tq.nbytes / plain.nbytes
     assert ratio == pytest.approx(132 / 512) and ratio <= 0.27
