@@ -189,7 +189,7 @@ class Engine:
         `request_id` labels the events (default: a fresh id); the engine runs the request
         under an internal id of its own (see actors.generation). Leaving the loop early,
         or cancelling the caller's scope, cancels the request at once."""
-        return Generation(self, request, request_id or uuid.uuid4().hex)
+        return Generation(self, request, uuid.uuid4().hex if request_id is None else request_id)
 
     def _num_queued(self) -> int:
         """Requests admission holds queued, as its last posted record says."""

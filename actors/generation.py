@@ -25,6 +25,7 @@ import trio
 
 from tqserve.actors.messages import Done, Error, Event, Submit
 from tqserve.engine.request import GenerateRequest
+from tqserve.ids import id_problem
 
 if TYPE_CHECKING:
     from tqserve.actors.facade import Engine
@@ -89,8 +90,9 @@ class EventStream:
         engine = self._engine
         rid = self._caller_id
         try:
-            if not rid.isprintable() or len(rid.encode("utf-8", "strict")) > 512:
-                raise ValueError("request id must be printable text of at most 512 bytes")
+            problem = id_problem(rid)
+            if problem is not None:
+                raise ValueError(f"request {problem}")
             early = engine.overloaded(rid)
             if early is not None:  # answered before any tokenizing or compiling
                 self._ended = True
@@ -101,7 +103,7 @@ class EventStream:
         except (ValueError, UnicodeError) as exc:
             self._ended = True
             engine.note_rejection("invalid_request")
-            return Error(request_id=rid if rid.isprintable() else None,
+            return Error(request_id=rid if id_problem(rid) is None else None,
                          code="invalid_request", message=str(exc))
         refusal = engine.refusal(rid)
         if refusal is not None:

@@ -25,9 +25,9 @@ import attrs
 import msgpack
 
 from tqserve.engine.request import GenerateRequest
+from tqserve.ids import id_problem
 from tqserve.engine.sampling import SamplingParams
 
-MAX_ID_LENGTH = 128
 _SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p",
                     "repetition_penalty", "seed", "logprobs", "top_logprobs", "stop",
                     "stop_token_ids", "presence_penalty", "frequency_penalty", "logit_bias",
@@ -91,10 +91,10 @@ def encode_frame(event: dict[str, Any], binary: bool) -> str | bytes:
 
 def _request_id(obj: dict[str, Any]) -> str:
     rid = obj.get("id")
-    if not isinstance(rid, str) or not rid:
-        raise ProtocolError("invalid_request", "id must be a non-empty string")
-    if len(rid) > MAX_ID_LENGTH:
-        raise ProtocolError("invalid_request", f"id must be at most {MAX_ID_LENGTH} characters")
+    problem = id_problem(rid)
+    if problem is not None:
+        raise ProtocolError("invalid_request", problem)
+    assert isinstance(rid, str)
     return rid
 
 

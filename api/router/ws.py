@@ -31,10 +31,10 @@ import trio
 from tqserve.api.router.backends import BackendLost, BackendTimeout, SlowClient
 from tqserve.api.router.core import NoHealthyBackend, Route
 from tqserve.api.router.service import Router, ShuttingDown
+from tqserve.ids import id_problem
 
 log = logging.getLogger("tqserve.router")
 OUTGOING_FRAMES = 64  # frames waiting for the client socket's writer (as the server's)
-MAX_ID_LENGTH = 128   # as the server's protocol
 
 
 class FrameError(Exception):
@@ -67,10 +67,9 @@ def decode(data: str | bytes, max_bytes: int) -> dict[str, Any]:
     if kind not in ("generate", "cancel"):
         raise FrameError("unknown_type", f"type must be 'generate' or 'cancel', got {kind!r}",
                          rid if isinstance(rid, str) else None)
-    if not isinstance(rid, str) or not rid:
-        raise FrameError("invalid_request", "id must be a non-empty string")
-    if len(rid) > MAX_ID_LENGTH:
-        raise FrameError("invalid_request", f"id must be at most {MAX_ID_LENGTH} characters")
+    problem = id_problem(rid)
+    if problem is not None:
+        raise FrameError("invalid_request", problem)
     return obj
 
 

@@ -10,6 +10,7 @@ from tqserve.actors.messages import Done, Error, Queued, Token, decode
 from tqserve.engine.config import Config
 from tqserve.engine.request import GenerateRequest
 from tqserve.engine.sampling import SamplingParams
+from tqserve.ids import MAX_ID_LENGTH, id_problem
 
 
 def request(max_tokens=8, prompt="def f(x):\n", **kw):
@@ -176,6 +177,11 @@ async def test_untokenizable_prompt_and_bad_ids_are_errors_not_exceptions(draft_
         bad_id = await drain(engine, request(), request_id="a\ud800")
         assert bad_id[0].code == "invalid_request" and "request id" in bad_id[0].message
         assert bad_id[0].request_id is None
+        for rid in ("x" * (MAX_ID_LENGTH + 1), "tab\there", ""):  # the protocol's one rule
+            got = await drain(engine, request(), request_id=rid)
+            assert got[0].code == "invalid_request" and got[0].message == f"request {id_problem(rid)}"
+        longest = await drain(engine, request(max_tokens=2), request_id="x" * MAX_ID_LENGTH)
+        assert isinstance(longest[-1], Done) and longest[-1].request_id == "x" * MAX_ID_LENGTH
         assert [type(e) for e in await drain(engine, request(max_tokens=2))][-1] is Done
 
 

@@ -9,9 +9,10 @@ import msgpack
 import pytest
 
 from tqserve.actors.messages import Done, Error, Queued, Token
-from tqserve.api.protocol import (MAX_ID_LENGTH, CancelCommand, GenerateCommand, ProtocolError,
-                          decode_frame, encode_frame, parse_command)
+from tqserve.api.protocol import (CancelCommand, GenerateCommand, ProtocolError, decode_frame,
+                                  encode_frame, parse_command)
 from tqserve.engine.sampling import SamplingParams
+from tqserve.ids import MAX_ID_LENGTH
 
 LIMIT = 1 << 20
 DEFAULT_MAX_TOKENS = 7
