@@ -42,7 +42,7 @@ mailboxes `open_engine` creates and the messages that cross them:
     spill -> spill_replies: SpillWritten SpillLoaded (reply edge)
 
 The speculation actor and its two mailboxes exist only with speculation (--speculative or
---draft-model), the spill actor and its two only with a cache dir (--cache-dir). Without
+a draft model), the spill actor and its two only with a cache dir (--cache-dir). Without
 the reply edges the graph is a DAG. The reply edges never block a sender:
 admission_replies is sized for one Dequeued per queued request (send_nowait), the hub's
 Cancels (a stream overflowed, or its text met a stop string) are sent by a task of their

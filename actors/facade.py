@@ -66,7 +66,7 @@ class EngineStatistics:
     model: str
     dtype: str
     prefix_cache: PrefixCacheStatistics | None
-    speculative: SpeculationStatistics | None = None  # with --speculative / --draft-model
+    speculative: SpeculationStatistics | None = None  # with --speculative or a draft model
     kv_budget_bytes: int = 0    # engine.kv_budget: what admitted rows may hold together
     kv_charged_bytes: int = 0   # what the running rows are charged for their whole lives
     # the bounds a client plans against: max_model_len (prompt + max_tokens), max_batch,

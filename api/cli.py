@@ -88,11 +88,13 @@ def _config(args: argparse.Namespace) -> Config:
     """The engine's Config of parsed flags (serve's, generate's); ValueError naming a flag."""
     import attrs
 
-    from tqserve.api.kvflag import OLD_FLAGS, kv_fields
+    from tqserve.api import kvflag, specflag
     from tqserve.engine.config import Config
 
-    fields = {f.name for f in attrs.fields(Config)} - set(OLD_FLAGS)
-    return Config(**{k: v for k, v in vars(args).items() if k in fields}, **kv_fields(args))
+    fields = {f.name for f in attrs.fields(Config)} - set(kvflag.OLD_FLAGS) - set(
+        specflag.OLD_FLAGS) - {"speculative"}
+    return Config(**{k: v for k, v in vars(args).items() if k in fields},
+                  **kvflag.kv_fields(args), **specflag.spec_fields(args))
 
 
 def _server_config(args: argparse.Namespace) -> ServerConfig:

@@ -133,23 +133,25 @@ def _prefix(g: Any, defaults: Any) -> None:
 
 
 def _speculative(g: Any, defaults: Any) -> None:
+    from tqserve.api.specflag import spec_config_type
+
     g.add_argument("--speculative", choices=("draft", "mtp", "lookup"), default=None,
                    help="speculative decoding inside the batch: draft model, the target's "
                         "MTP head, or prompt lookup (default: off; requests may opt out)")
-    g.add_argument("--draft-model", default=None,
-                   help="draft model (same tokenizer) for --speculative draft; with it set, "
-                        "requests may also ask for method draft")
-    g.add_argument("--num-speculative-tokens", type=int,
-                   default=defaults.num_speculative_tokens,
-                   help="tokens proposed per row and step (1..16)")
-    g.add_argument("--speculative-max-batch", type=int, default=defaults.speculative_max_batch,
-                   help="no row proposes while more rows than this decode (0 = no limit)")
+    g.add_argument("--speculative-config", type=spec_config_type, default=None, metavar="JSON",
+                   help='its knobs as JSON: {"method": ..., "model": DRAFT (a draft model '
+                        'lets requests ask for method draft), "num_speculative_tokens": '
+                        f'{defaults.num_speculative_tokens}, "max_batch": '
+                        f'{defaults.speculative_max_batch} (no row proposes while more rows '
+                        'decode; 0: no limit), "time_policy": true (propose only where '
+                        'measured faster), "ngram": '
+                        f'{defaults.speculative_ngram} (longest prompt-lookup match)}}')
+    hidden = argparse.SUPPRESS  # the flags --speculative-config replaced (api/specflag.py)
+    g.add_argument("--draft-model", default=None, help=hidden)
+    for flag in ("--num-speculative-tokens", "--speculative-max-batch", "--speculative-ngram"):
+        g.add_argument(flag, type=int, default=None, help=hidden)
     g.add_argument("--no-speculative-time-policy", dest="speculative_time_policy",
-                   action="store_false",
-                   help="propose whenever a row speculates, even in batch sizes where "
-                        "measured speculative decoding is slower than plain decoding")
-    g.add_argument("--speculative-ngram", type=int, default=defaults.speculative_ngram,
-                   help="longest n-gram prompt lookup matches (1..16)")
+                   action="store_const", const=False, default=None, help=hidden)
 
 
 def _network(g: Any, defaults: Any) -> None:

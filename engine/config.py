@@ -17,8 +17,15 @@ from tqserve.engine.kv.factory import parse_turboquant
 from tqserve.engine.model import DEFAULT_MODEL, DTYPES, QUANTIZED_WEIGHTS
 
 
+# fields set through --speculative-config (api/specflag.py): named by their JSON key
+_SPEC_KEYS = {"draft_model": "model", "num_speculative_tokens": "num_speculative_tokens",
+              "speculative_max_batch": "max_batch", "speculative_ngram": "ngram"}
+
+
 def flag_name(attr: attrs.Attribute) -> str:
     """The CLI flag of a field: every Config and ServerConfig error names its setting so."""
+    if attr.name in _SPEC_KEYS:
+        return f"--speculative-config {_SPEC_KEYS[attr.name]}"
     return "--" + attr.name.replace("_", "-")
 
 
@@ -169,7 +176,8 @@ class Config:
             raise ValueError("--quantized-kv-start applies to TurboQuant only; --kv-quant "
                              "quantizes from the first token")
         if self.speculative == "draft" and self.draft_model is None:
-            raise ValueError("--speculative draft needs --draft-model")
+            raise ValueError("--speculative draft needs a draft model: --speculative-config "
+                             "'{\"model\": PATH}'")
         if self.max_step_tokens < self.max_batch:
             raise ValueError(f"--max-step-tokens ({self.max_step_tokens}) must be >= "
                              f"--max-batch ({self.max_batch}): each decoding row takes one "

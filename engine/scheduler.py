@@ -63,7 +63,7 @@ def check_speculative(methods: frozenset[str], speculative: object) -> None:
     if method is not None and method not in methods:
         served = ", ".join(sorted(methods)) or "none"
         raise ValueError(f"speculative.method {method!r} is not served here (served: "
-                         f"{served}; see --speculative and --draft-model)")
+                         f"{served}; see --speculative and --speculative-config)")
 
 
 class SchedulerCore:

@@ -12,22 +12,23 @@ from tqserve.engine.speculative.speculator import Speculator
 
 def build_speculator(config: Any, loaded: Any, draft: Any = None) -> Speculator | None:
     """The proposers this server offers: lookup always, draft with `draft` (a LoadedModel of
-    `--draft-model`, same vocabulary), mtp where the target has an MTP head; draft and mtp
-    with their state identity (engine.speculative.state). None when neither --speculative
-    nor --draft-model is set. ValueError naming the flag otherwise."""
+    the draft model, --speculative-config's "model", same vocabulary), mtp where the target
+    has an MTP head; draft and mtp with their state identity (engine.speculative.state).
+    None when neither a method nor a draft model is set. ValueError naming the flag
+    otherwise."""
     if config.speculative is None and config.draft_model is None:
         return None
     refused = _caches_without_rollback(loaded.model)
     if refused:
         flag = (f"--speculative {config.speculative}" if config.speculative is not None
-                else "--draft-model")
+                else "--speculative-config model")
         raise ValueError(f"{flag}: this model's {', '.join(refused)} layers cannot roll back "
                          "rejected positions row by row; serve it without speculation")
     proposers: dict[str, Proposer] = {
         "lookup": LookupProposer(LookupSettings(max_ngram=config.speculative_ngram))}
     if draft is not None:
         if draft.vocab_size != loaded.vocab_size:
-            raise ValueError(f"--draft-model has a vocabulary of {draft.vocab_size} tokens, the "
+            raise ValueError(f"the draft model (--speculative-config model) has a vocabulary of {draft.vocab_size} tokens, the "
                              f"model {loaded.vocab_size}: they must share the tokenizer")
         proposers["draft"] = DraftProposer(draft.model, identity=f"draft:{draft.fingerprint}")
     if config.speculative == "mtp":

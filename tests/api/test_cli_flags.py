@@ -25,7 +25,7 @@ def serve_config(argv: list[str]) -> ServerConfig:
     return _server_config(build_parser().parse_args(["serve", *argv]))
 
 
-NOT_FIELDS = {"help", "blas", "kv", "record"}  # serve's flags that set no config field
+NOT_FIELDS = {"help", "blas", "kv", "speculative_config", "record"}  # flags of no config field
 # engine fields only `serve` has a flag for (a one-request generate keeps their defaults)
 SERVE_ONLY_ENGINE = {"chat_template", "distributed", "distributed_timeout"}
 
@@ -41,7 +41,8 @@ def test_every_field_of_both_configs_has_its_flag_and_every_flag_its_field():
     assert not engine & server  # each setting lives in one class
     assert _dests("serve") == engine | server | NOT_FIELDS
     assert _dests("generate") == (engine - SERVE_ONLY_ENGINE) | {
-        "help", "blas", "kv", "prompt", "max_tokens", "temperature", "seed"}
+        "help", "blas", "kv", "speculative_config", "prompt", "max_tokens", "temperature",
+        "seed"}
 
 
 def test_flag_defaults_are_the_field_defaults_and_each_flag_lands_in_its_class(monkeypatch):

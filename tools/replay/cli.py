@@ -180,18 +180,24 @@ def _engine_config(args: argparse.Namespace, overrides: dict[str, str]) -> Any:
 def _serve_args(config: Any) -> list[str]:
     import attrs
 
+    from tqserve.api import kvflag, specflag
     from tqserve.engine.config import Config
 
     out = []
     defaults = Config()
-    for f in attrs.fields(Config):
-        value = getattr(config, f.name)
-        if value == getattr(defaults, f.name):
-            continue
-        if f.name == "prefix_cache":
+    changed = {f.name: getattr(config, f.name) for f in attrs.fields(Config)
+               if getattr(config, f.name) != getattr(defaults, f.name)}
+    kv = {n: getattr(config, n) for n in kvflag.OLD_FLAGS}
+    spec = {n: changed.pop(n) for n in specflag.OLD_FLAGS if n in changed}
+    for name, value in changed.items():
+        if name == "prefix_cache":
             out.append("--no-prefix-cache")
-        else:
-            out += ["--" + f.name.replace("_", "-"), str(value)]
+        elif name not in kvflag.OLD_FLAGS:
+            out += ["--" + name.replace("_", "-"), str(value)]
+    if kvflag.spelling(kv) != "plain":
+        out += ["--kv", kvflag.spelling(kv)]
+    if spec:
+        out += ["--speculative-config", specflag.spelling(spec)]
     return out
 
 
