@@ -3,6 +3,8 @@ back-off), and the request field's validation."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from tqserve.engine.speculative.policy import (SpecChoice, SpecPolicy, SpeculationPolicy,
@@ -20,6 +22,34 @@ def test_lookup_proposes_what_followed_the_latest_match() -> None:
     assert lookup_tokens([3, 3], 4, s) == (3,)
     with pytest.raises(ValueError, match="n-gram"):
         LookupSettings(max_ngram=2, min_ngram=3)
+
+
+def _lookup_reference(context, k, s):
+    """The definition, scanned in plain Python: the longest n-gram tail first, then its
+    most recent earlier start."""
+    for n in range(min(s.max_ngram, len(context) - 1), s.min_ngram - 1, -1):
+        tail = list(context[len(context) - n:])
+        for start in range(len(context) - n - 1, -1, -1):
+            if list(context[start:start + n]) == tail:
+                return tuple(context[start + n:start + n + k])
+    return ()
+
+
+def test_lookup_equals_the_plain_scan_on_random_contexts() -> None:
+    rng = random.Random(7)
+    found = 0
+    for _ in range(3000):
+        vocab = rng.choice([2, 3, 5, 100, 32000])
+        context = [rng.randrange(vocab) for _ in range(rng.randrange(1, 80))]
+        high = rng.randrange(1, 6)
+        s = LookupSettings(max_ngram=high, min_ngram=rng.randrange(1, high + 1))
+        k = rng.randrange(0, 6)
+        want = _lookup_reference(context, k, s)
+        assert lookup_tokens(context, k, s) == want, (context, k, s)
+        found += bool(want)
+    assert 1000 < found < 3000  # both outcomes were exercised
+    long = [rng.randrange(50) for _ in range(5000)]  # a long context, numpy's int64 path
+    assert lookup_tokens(long, 4, LookupSettings()) == _lookup_reference(long, 4, LookupSettings())
 
 
 def test_policy_limits_by_batch_and_backs_off() -> None:
