@@ -11,6 +11,7 @@ from tqserve.engine.speculative.policy import (SpecChoice, SpecPolicy, Speculati
                                                parse_speculative)
 from tqserve.engine.speculative.proposers import LookupSettings, lookup_tokens
 from tqserve.engine.speculative.throughput import ThroughputSettings
+from tqserve.tools.bench_lookup import scan_lookup  # the definition, scanned in Python
 
 
 def test_lookup_proposes_what_followed_the_latest_match() -> None:
@@ -24,17 +25,6 @@ def test_lookup_proposes_what_followed_the_latest_match() -> None:
         LookupSettings(max_ngram=2, min_ngram=3)
 
 
-def _lookup_reference(context, k, s):
-    """The definition, scanned in plain Python: the longest n-gram tail first, then its
-    most recent earlier start."""
-    for n in range(min(s.max_ngram, len(context) - 1), s.min_ngram - 1, -1):
-        tail = list(context[len(context) - n:])
-        for start in range(len(context) - n - 1, -1, -1):
-            if list(context[start:start + n]) == tail:
-                return tuple(context[start + n:start + n + k])
-    return ()
-
-
 def test_lookup_equals_the_plain_scan_on_random_contexts() -> None:
     rng = random.Random(7)
     found = 0
@@ -44,12 +34,12 @@ def test_lookup_equals_the_plain_scan_on_random_contexts() -> None:
         high = rng.randrange(1, 6)
         s = LookupSettings(max_ngram=high, min_ngram=rng.randrange(1, high + 1))
         k = rng.randrange(0, 6)
-        want = _lookup_reference(context, k, s)
+        want = scan_lookup(context, k, s)
         assert lookup_tokens(context, k, s) == want, (context, k, s)
         found += bool(want)
     assert 1000 < found < 3000  # both outcomes were exercised
     long = [rng.randrange(50) for _ in range(5000)]  # a long context, numpy's int64 path
-    assert lookup_tokens(long, 4, LookupSettings()) == _lookup_reference(long, 4, LookupSettings())
+    assert lookup_tokens(long, 4, LookupSettings()) == scan_lookup(long, 4, LookupSettings())
 
 
 def test_policy_limits_by_batch_and_backs_off() -> None:
