@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, NoReturn, Sequence
 from tqserve import blas
 from tqserve.api.commands import (BENCHES, COMMANDS, OLD_BENCHES, REMOVED, TOOL_HELP as _TOOL_HELP,
                                   TOOLS, bench_help)
-from tqserve.api.flags import add_config_flags
+from tqserve.api.flags import add_config_flags, warn_deprecated
 from tqserve.api.signals import SIGNALS, SignalLatch
 
 if TYPE_CHECKING:
@@ -204,8 +204,7 @@ def _tool(argv: list[str]) -> tuple[str, list[str]] | None:
             return BENCHES[rest[0]], rest[1:]
         return BENCHES["mlx-lm"], rest
     if command in OLD_BENCHES:
-        print(f"tqserve: {command} is deprecated: use tqserve bench {OLD_BENCHES[command]}",
-              file=sys.stderr, flush=True)
+        warn_deprecated([command], f"tqserve bench {OLD_BENCHES[command]}")
         return BENCHES[OLD_BENCHES[command]], rest
     if command in TOOLS:
         return TOOLS[command], rest

@@ -8,7 +8,11 @@ from __future__ import annotations
 
 import argparse
 import os
-from typing import Any
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 INT_FLAGS = {  # Config or ServerConfig field -> help; every one maps 1:1 onto its field
     "max_batch": "rows decoding together in one batched forward",
@@ -62,6 +66,30 @@ def add_config_flags(p: argparse.ArgumentParser, *, server: bool) -> None:
         _network(network, defaults)
         _http_api(p.add_argument_group("HTTP APIs (docs/agents.md)"))
         _tensor_parallel(p.add_argument_group("tensor parallel (docs/scale-out.md)"), engine)
+
+
+def argparse_type(parse: Callable[[str], T]) -> Callable[[str], T]:
+    """`parse` as an argparse `type=`: its ValueError becomes argparse's one line
+    `argument --FLAG: <message>` (exit 2)."""
+    def convert(value: str) -> T:
+        try:
+            return parse(value)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    return convert
+
+
+def warn_deprecated(flags: Sequence[str], use: str,
+                    warn: Callable[[str], None] | None = None) -> None:
+    """The one line a deprecated alias prints: `tqserve: FLAGS is/are deprecated: use USE`
+    (to stderr unless `warn` is given)."""
+    line = (f"tqserve: {', '.join(flags)} {'is' if len(flags) == 1 else 'are'} deprecated: "
+            f"use {use}")
+    if warn is not None:
+        warn(line)
+    else:
+        print(line, file=sys.stderr, flush=True)
 
 
 def _ints(g: Any, defaults: Any, server: bool, names: tuple[str, ...]) -> None:

@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import argparse
 import re
-import sys
 from typing import Any, Callable
+
+from tqserve.api.flags import argparse_type, warn_deprecated
 
 OLD_FLAGS = ("turboquant", "quantized_kv_start", "kv_quant", "kv_group_size")  # Config fields
 DEFAULT_GROUP = 64  # Config().kv_group_size
@@ -73,12 +74,7 @@ def parse_kv(value: str) -> dict[str, Any]:
     return fields | {"kv_quant": int(spec), "kv_group_size": group}
 
 
-def kv_type(value: str) -> dict[str, Any]:
-    """argparse `type=` for --kv: its error becomes `argument --kv: ...`, exit 2."""
-    try:
-        return parse_kv(value)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+kv_type = argparse_type(parse_kv)  # argparse `type=` for --kv: `argument --kv: ...`, exit 2
 
 
 def spelling(fields: dict[str, Any]) -> str:
@@ -106,11 +102,6 @@ def kv_fields(args: argparse.Namespace, warn: Callable[[str], None] | None = Non
     fields = {"turboquant": None, "quantized_kv_start": 0, "kv_quant": None,
               "kv_group_size": DEFAULT_GROUP} | old
     if old:
-        given = ", ".join("--" + n.replace("_", "-") for n in old)
-        (warn or _stderr)(f"tqserve: {given} {'is' if len(old) == 1 else 'are'} deprecated: "
-                          f"use --kv {spelling(fields)}")
+        warn_deprecated(["--" + n.replace("_", "-") for n in old], f"--kv {spelling(fields)}",
+                        warn)
     return fields
-
-
-def _stderr(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)

@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from typing import Any, Callable
+
+from tqserve.api.flags import argparse_type, warn_deprecated
 
 # JSON key -> (Config field, the type its value must have)
 KEYS: dict[str, tuple[str, type]] = {
@@ -57,12 +58,7 @@ def parse_spec_config(text: str) -> dict[str, Any]:
 _JSON_TYPE = {str: "string", int: "integer", bool: "true or false"}
 
 
-def spec_config_type(value: str) -> dict[str, Any]:
-    """argparse `type=` for --speculative-config: its error names the flag, exit 2."""
-    try:
-        return parse_spec_config(value)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+spec_config_type = argparse_type(parse_spec_config)  # `argument --speculative-config: ...`
 
 
 def spelling(fields: dict[str, Any]) -> str:
@@ -86,9 +82,7 @@ def spec_fields(args: argparse.Namespace, warn: Callable[[str], None] | None = N
         raise ValueError(f"--speculative {args.speculative} and --speculative-config "
                          f"method {method!r} disagree")
     if old:
-        given = ", ".join(_flag(n) for n in old)
-        (warn or _stderr)(f"tqserve: {given} {'is' if len(old) == 1 else 'are'} deprecated: "
-                          f"use --speculative-config '{spelling(old)}'")
+        warn_deprecated([_flag(n) for n in old], f"--speculative-config '{spelling(old)}'", warn)
     fields = config | old
     if args.speculative is not None:
         fields["speculative"] = args.speculative
@@ -99,6 +93,3 @@ def _flag(field: str) -> str:
     return ("--no-speculative-time-policy" if field == "speculative_time_policy"
             else "--" + field.replace("_", "-"))
 
-
-def _stderr(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
