@@ -24,15 +24,10 @@ import json
 from typing import Any, Callable
 
 from tqserve.api.flags import argparse_type, warn_deprecated
+from tqserve.engine.config import SPECULATIVE_CONFIG as KEYS  # key -> (Config field, type)
 
-# JSON key -> (Config field, the type its value must have)
-KEYS: dict[str, tuple[str, type]] = {
-    "method": ("speculative", str), "model": ("draft_model", str),
-    "num_speculative_tokens": ("num_speculative_tokens", int),
-    "max_batch": ("speculative_max_batch", int), "time_policy": ("speculative_time_policy", bool),
-    "ngram": ("speculative_ngram", int)}
-OLD_FLAGS = ("draft_model", "num_speculative_tokens", "speculative_max_batch",
-             "speculative_time_policy", "speculative_ngram")  # Config fields
+# the Config fields of the flags --speculative-config replaced (all but --speculative's)
+OLD_FLAGS = tuple(field for key, (field, _) in KEYS.items() if key != "method")
 _KEY_OF = {field: key for key, (field, _) in KEYS.items()}
 
 

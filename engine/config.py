@@ -17,15 +17,21 @@ from tqserve.engine.kv.factory import parse_turboquant
 from tqserve.engine.model import DEFAULT_MODEL, DTYPES, QUANTIZED_WEIGHTS
 
 
-# fields set through --speculative-config (api/specflag.py): named by their JSON key
-_SPEC_KEYS = {"draft_model": "model", "num_speculative_tokens": "num_speculative_tokens",
-              "speculative_max_batch": "max_batch", "speculative_ngram": "ngram"}
+# --speculative-config's JSON keys (api/specflag.py) -> (the Config field each sets, the
+# type its JSON value must have); "method" is --speculative's field too
+SPECULATIVE_CONFIG: dict[str, tuple[str, type]] = {
+    "method": ("speculative", str), "model": ("draft_model", str),
+    "num_speculative_tokens": ("num_speculative_tokens", int),
+    "max_batch": ("speculative_max_batch", int), "time_policy": ("speculative_time_policy", bool),
+    "ngram": ("speculative_ngram", int)}
+_CONFIG_KEY_OF = {field: key for key, (field, _) in SPECULATIVE_CONFIG.items() if key != "method"}
 
 
 def flag_name(attr: attrs.Attribute) -> str:
-    """The CLI flag of a field: every Config and ServerConfig error names its setting so."""
-    if attr.name in _SPEC_KEYS:
-        return f"--speculative-config {_SPEC_KEYS[attr.name]}"
+    """The CLI flag of a field: every Config and ServerConfig error names its setting so
+    (a field set through --speculative-config by its JSON key)."""
+    if attr.name in _CONFIG_KEY_OF:
+        return f"--speculative-config {_CONFIG_KEY_OF[attr.name]}"
     return "--" + attr.name.replace("_", "-")
 
 
