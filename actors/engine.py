@@ -261,7 +261,7 @@ async def _build(config: Config, loaded: LoadedModel | None, thread: RunnerThrea
         await thread.call(shard_model, loaded.model, channel.group)
     make_cache = await thread.call(cache_factory_for, loaded.model, config.turboquant,
                                    config.quantized_kv_start, config.kv_quant,
-                                   config.kv_group_size)
+                                   config.kv_group_size, config.turboquant_decode)
     draft = None
     if config.draft_model is not None:
         draft = await thread.call(load_model, config.draft_model, config.dtype,

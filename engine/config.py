@@ -12,6 +12,7 @@ import os
 
 import attrs
 
+from tqserve.engine.attention.sdpa import DECODE_PATHS as TURBOQUANT_DECODE
 from tqserve.engine.kv.affine import KV_BITS, KV_GROUP_SIZES
 from tqserve.engine.kv.factory import parse_turboquant
 from tqserve.engine.model import DEFAULT_MODEL, DTYPES, QUANTIZED_WEIGHTS
@@ -81,6 +82,12 @@ def _kv_quant(inst: object, attr: attrs.Attribute, value: int | None) -> None:
                          f"got {value!r}")
 
 
+def _turboquant_decode(inst: object, attr: attrs.Attribute, value: str) -> None:
+    if value not in TURBOQUANT_DECODE:
+        raise ValueError(f"turboquant decode must be one of {', '.join(TURBOQUANT_DECODE)}, "
+                         f"got {value!r}")
+
+
 def _kv_group_size(inst: object, attr: attrs.Attribute, value: int) -> None:
     if type(value) is not int or value not in KV_GROUP_SIZES:
         raise ValueError(f"--kv-group-size must be one of "
@@ -146,6 +153,9 @@ class Config:
     quantized_kv_start: int = attrs.field(default=0, validator=_non_negative)
     kv_quant: int | None = attrs.field(default=None, validator=_kv_quant)
     kv_group_size: int = attrs.field(default=64, validator=_kv_group_size)
+    # TurboQuant's decode attention (engine.attention.sdpa): auto (CUDA kernels on MLX-CUDA,
+    # compiled ops elsewhere), compiled, or unfused (dequantize, then the fused SDPA).
+    turboquant_decode: str = attrs.field(default="auto", validator=_turboquant_decode)
     # Run every decode batch bucket once at start (engine.warmup): auto = on a GPU only,
     # where first shapes compile kernels; on the CPU there is nothing to compile.
     warmup: str = attrs.field(default="auto", validator=_auto_on_off)

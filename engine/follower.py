@@ -119,7 +119,8 @@ def run_follower(config: Any, group: Any,
     loaded = load_model(config.model, config.dtype, config.quantized_weights)
     shard_model(loaded.model, group)
     make_cache = cache_factory_for(loaded.model, config.turboquant, config.quantized_kv_start,
-                                   config.kv_quant, config.kv_group_size)
+                                   config.kv_quant, config.kv_group_size,
+                                   config.turboquant_decode)
     runner = Runner(loaded.model, make_cache,
                     GrammarMasks(loaded.tokenizer, loaded.vocab_size, loaded.eos_token_ids))
     shards = (FollowerShards(functools.partial(open_disk, loaded.fingerprint))

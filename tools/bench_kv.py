@@ -10,7 +10,7 @@ same loop for every scheme). Schemes (--schemes picks some; plain always runs): 
 the mlx-lm cache (the baseline, in the model's dtype); TurboQuant --turboquant (default
 k4v4) "fused" (on CUDA the kernels of engine/attention/cuda_decode.py), "plain-ops", and on CUDA
 "fused-compiled-ops" (the compiled graph instead of the kernels); "affine8", --kv-quant 8.
-TQSERVE_TURBOQUANT_FUSED_DECODE is read when a cache is built. Schemes run interleaved,
+The three TurboQuant schemes are `--kv turboquant:...,decode=` auto, unfused, compiled. Schemes run interleaved,
 --repeats times, median ms/step reported, with each scheme's ratio to the plain cache and
 its resident KV bytes. Needs only MLX and engine/ (no trio), so it runs on the lent GPU.
 On the H200 the 16k x 32-row figure (not measured yet) is
@@ -34,7 +34,6 @@ SHAPES = {  # Qwen3 shapes for random-weight runs: (layers, hidden, heads, kv he
     "qwen3-0.6b": (28, 1024, 16, 8, 3072, 151936),
     "qwen3-8b": (36, 4096, 32, 8, 12288, 151936),
 }
-FUSED_ENV = "TQSERVE_TURBOQUANT_FUSED_DECODE"
 
 
 def _random_model(shape: str, dtype: str) -> Any:
@@ -55,15 +54,15 @@ def _random_model(shape: str, dtype: str) -> Any:
 
 
 def _schemes(turboquant: str, wanted: Sequence[str] | None) -> dict[str, tuple[Any, ...]]:
-    """scheme -> (turboquant, fused decode env, CUDA kernel env, affine bits)."""
+    """scheme -> (turboquant, TurboQuant decode path, affine bits)."""
     from tqserve.engine.attention import cuda_decode
 
     schemes: dict[str, tuple[Any, ...]] = {
-        "plain": (None, "1", "1", None), f"{turboquant}-fused": (turboquant, "1", "1", None),
-        f"{turboquant}-plain-ops": (turboquant, "0", "1", None),
-        "affine8": (None, "1", "1", 8)}
+        "plain": (None, "auto", None), f"{turboquant}-fused": (turboquant, "auto", None),
+        f"{turboquant}-plain-ops": (turboquant, "unfused", None),
+        "affine8": (None, "auto", 8)}
     if cuda_decode.available(128, 1):
-        schemes[f"{turboquant}-fused-compiled-ops"] = (turboquant, "1", "0", None)
+        schemes[f"{turboquant}-fused-compiled-ops"] = (turboquant, "compiled", None)
     if wanted:
         unknown = [w for w in wanted if w not in schemes and f"{turboquant}-{w}" not in schemes]
         if unknown:
@@ -73,16 +72,13 @@ def _schemes(turboquant: str, wanted: Sequence[str] | None) -> dict[str, tuple[A
     return schemes
 
 
-def _make_cache(model: Any, turboquant: str | None, fused: str, kernel: str,
+def _make_cache(model: Any, turboquant: str | None, decode: str,
                 affine: int | None = None) -> list[Any]:
     from mlx_lm.models.cache import make_prompt_cache
 
-    from tqserve.engine.attention.cuda_decode import KERNEL_ENV
     from tqserve.engine.kv.factory import cache_factory_for
 
-    os.environ[FUSED_ENV] = fused
-    os.environ[KERNEL_ENV] = kernel
-    factory = cache_factory_for(model, turboquant, kv_quant=affine)
+    factory = cache_factory_for(model, turboquant, kv_quant=affine, decode=decode)
     return factory(model) if factory is not None else make_prompt_cache(model)
 
 
@@ -133,8 +129,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         runs: dict[str, list[float]] = {s: [] for s in schemes}
         nbytes: dict[str, int] = {}
         for _ in range(args.repeats):
-            for scheme, (tq, fused, kernel, affine) in schemes.items():
-                make = functools.partial(_make_cache, model, tq, fused, kernel, affine)
+            for scheme, (tq, decode, affine) in schemes.items():
+                make = functools.partial(_make_cache, model, tq, decode, affine)
                 ms, nb = _measure(model, make,
                                   context, args.steps, args.prefill_chunk, vocab, args.rows)
                 runs[scheme].append(ms)

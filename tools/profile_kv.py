@@ -81,7 +81,7 @@ def profile(context: int, rows: int, layers: int, repeats: int) -> dict[str, flo
         x, ks[i], ks[i], scale=scale), q, layers, repeats)
     caches, fetched = [], []
     for k in ks:
-        cache = TurboQuantKVCache(4, 4, d, fused_decode=True)
+        cache = TurboQuantKVCache(4, 4, d, decode="auto")
         cache.update_and_fetch(k, k)
         caches.append(cache)
         fetched.append(cache.update_and_fetch(new, new)[0])

@@ -11,19 +11,17 @@ engine's block manager.
 """
 
 from tqserve.engine.attention.sdpa import (
-    FUSED_DECODE_ENV,
+    DECODE_PATHS,
     MixedRowsKV,
     RotatedKV,
-    fused_decode_from_env,
     install_attention,
     turboquant_sdpa,
 )
 
 __all__ = [
-    "FUSED_DECODE_ENV",
+    "DECODE_PATHS",
     "MixedRowsKV",
     "RotatedKV",
-    "fused_decode_from_env",
     "install_attention",
     "turboquant_sdpa",
 ]

@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 from typing import Any
 
 import mlx.core as mx
@@ -50,19 +49,17 @@ from tqserve.engine.attention.cuda_sources import ATTEND_SOURCE, ENCODE_SOURCE, 
 
 logger = logging.getLogger(__name__)
 
-KERNEL_ENV = "TQSERVE_TURBOQUANT_CUDA_KERNEL"  # "0": use the compiled mx ops on CUDA too
 _THREADS = 128  # threads per attention block = positions per tile
 _TARGET_BLOCKS = 528  # 4 blocks per SM on an H100/H200 (132 SMs): the best of 132..2112 on the H200
 # (docs/kv-cache.md, "Speed": 32k, one row: 138 us per call against 155 at 1024)
 _SHARED_LIMIT = 46 * 1024  # bytes of static shared memory the attention block may use
 
 def available(head_dim: int, group: int) -> bool:
-    """True on MLX's CUDA backend (where mx.fast.cuda_kernel runs) for shapes that fit,
-    unless TQSERVE_TURBOQUANT_CUDA_KERNEL=0."""
+    """True on MLX's CUDA backend (where mx.fast.cuda_kernel runs) for shapes that fit.
+    A cache uses the kernels only with decode "auto" (engine.attention.sdpa)."""
     cuda = getattr(mx, "cuda", None)
     fits = group * (2 * head_dim + _THREADS) * 4 + 2 * 256 * 4 <= _SHARED_LIMIT
-    wanted = os.environ.get(KERNEL_ENV, "1").strip() != "0"
-    return bool(wanted and fits and cuda is not None and cuda.is_available()
+    return bool(fits and cuda is not None and cuda.is_available()
                 and mx.default_device() == mx.gpu)
 
 

@@ -51,6 +51,21 @@ __device__ __forceinline__ void tq_hadamard(float* buf, int c) {
     buf[c] *= rsqrtf((float)D);
     __syncthreads();
 }
+// Unnormalized Walsh-Hadamard butterfly of each of the R rows of qs in place, all NT
+// threads of the block sharing the work; the caller scales by 1/sqrt(D) and syncs after.
+template <int D, int R, int NT>
+__device__ __forceinline__ void tq_hadamard_rows(float (*qs)[D], int tid) {
+    for (int h = 1; h < D; h <<= 1) {
+        __syncthreads();
+        for (int i = tid; i < R * D / 2; i += NT) {
+            const int r = i / (D / 2), j = i % (D / 2);
+            const int lo = (j / h) * 2 * h + (j % h);
+            const float a = qs[r][lo], b = qs[r][lo + h];
+            qs[r][lo] = a + b;
+            qs[r][lo + h] = a - b;
+        }
+    }
+}
 // Code of coordinate c (B bits, densely packed little-endian) from a vector's words.
 template <int B>
 __device__ __forceinline__ uint32_t tq_code(const uint32_t* w, int c) {
@@ -131,18 +146,7 @@ ATTEND_SOURCE = """
         const float x = static_cast<float>(q[((size_t)bh * R + r) * D + c]);
         qs[r][c] = ROT ? x * key_signs[c] : x;
     }
-    if (ROT) {
-        for (int h = 1; h < D; h <<= 1) {
-            __syncthreads();
-            for (int i = tid; i < R * D / 2; i += NT) {
-                const int r = i / (D / 2), j = i % (D / 2);
-                const int lo = (j / h) * 2 * h + (j % h);
-                const float a = qs[r][lo], b = qs[r][lo + h];
-                qs[r][lo] = a + b;
-                qs[r][lo + h] = a - b;
-            }
-        }
-    }
+    if (ROT) tq_hadamard_rows<D, R, NT>(qs, tid);
     __syncthreads();
     const float qmul = ROT ? qscale * rsqrtf((float)D) : qscale;
     for (int i = tid; i < R * D; i += NT) qt[(i % D) * R + i / D] = qs[i / D][i % D] * qmul;
@@ -249,18 +253,7 @@ ATTEND_SOURCE = """
         }
         qs[r][c] = a / l;
     }
-    if (ROT) {
-        for (int h = 1; h < D; h <<= 1) {
-            __syncthreads();
-            for (int i = tid; i < R * D / 2; i += NT) {
-                const int r = i / (D / 2), j = i % (D / 2);
-                const int lo = (j / h) * 2 * h + (j % h);
-                const float a = qs[r][lo], b = qs[r][lo + h];
-                qs[r][lo] = a + b;
-                qs[r][lo + h] = a - b;
-            }
-        }
-    }
+    if (ROT) tq_hadamard_rows<D, R, NT>(qs, tid);
     __syncthreads();
     for (int i = tid; i < R * D; i += NT) {
         const int r = i / D, c = i % D;

@@ -9,7 +9,7 @@ fp16 norms). For one head with query q, keys k_j and values v_j:
 so keys are never inverse-rotated and R^T is applied ONCE, to the attention output.
 
 What a TurboQuant cache's `update_and_fetch` returns is a `RotatedKV` (the encoded planes
-plus the codecs that carry R and the fused-decode selection), as both of the (keys, values)
+plus the codecs that carry R and the decode path), as both of the (keys, values)
 pair mlx-lm models pass on. `install_attention()` wraps mlx-lm's
 `scaled_dot_product_attention` and dispatches on that object, not on the `cache` argument:
 a Gemma-style KV-shared layer calls attention with its donor's (keys, values) and
@@ -22,11 +22,13 @@ short query blocks on MLX-CUDA, such as speculative verify steps, take
 A delayed batch with plain and converted rows returns a `MixedRowsKV`: each group of rows
 is attended separately and the outputs are put back in batch order.
 
-Two implementations, selected per cache (see `fused_decode_from_env`):
-* plain: decode the rotated planes with the codec, `mx.fast.scaled_dot_product_attention`
-  on the rotated query, unrotate. Used for every prefill (query length > 1).
-* fused (decode, query length 1): on MLX's CUDA backend the kernels of
-  engine/attention/cuda_decode.py; elsewhere one `mx.compile`d function does unpack, centroid lookup,
+Decode paths (query length 1), selected per cache by its `decode` (DECODE_PATHS, set by
+`--kv turboquant:...,decode=PATH`):
+* "unfused": decode the rotated planes with the codec, `mx.fast.scaled_dot_product_attention`
+  on the rotated query, unrotate. Every prefill (query length > 1) takes this path.
+* "auto" (the default): on MLX's CUDA backend the kernels of engine/attention/cuda_decode.py
+  (for shapes that fit; their encode kernel too), elsewhere the compiled path.
+* "compiled": one `mx.compile`d function does unpack, centroid lookup,
   scaled scores, mask, softmax and the value sum in float32. It is compiled per
   (bits, mask kind) and per shape (shapeless compile gave wrong results on MLX 0.32.4 when
   the key length changed); the CPU backend reuses its generated kernels across shapes.
@@ -38,7 +40,6 @@ Attention sinks are refused (ValueError), as mlx-lm's quantized attention does.
 from __future__ import annotations
 
 import functools
-import os
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -50,15 +51,10 @@ import numpy as np
 from tqserve.engine.codec.turboquant import EncodedVectors, TurboQuantCodec, lloyd_max_codebook
 from tqserve.engine.attention import cuda_decode
 
-FUSED_DECODE_ENV = "TQSERVE_TURBOQUANT_FUSED_DECODE"
+DECODE_PATHS = ("auto", "compiled", "unfused")  # a TurboQuant cache's decode (module doc)
 _ORIGINAL = "_tqserve_original"
 _NAME = "scaled_dot_product_attention"
 _MASKED = mx.finfo(mx.float32).min  # a masked score, as the fused op's (short_block_attention)
-
-
-def fused_decode_from_env() -> bool:
-    """The fused-decode selection: on unless TQSERVE_TURBOQUANT_FUSED_DECODE is "0"."""
-    return os.environ.get(FUSED_DECODE_ENV, "1").strip() != "0"
 
 
 @attrs.frozen(eq=False, kw_only=True)
@@ -78,7 +74,7 @@ class RotatedKV:
     value_norms: mx.array
     key_codec: TurboQuantCodec
     value_codec: TurboQuantCodec
-    fused_decode: bool
+    decode: str  # one of DECODE_PATHS
     length: int  # the longest row's end
     ends: tuple[int, ...]
 
@@ -217,7 +213,7 @@ def _fused_attention(queries: mx.array, kv: RotatedKV, scale: float) -> mx.array
     batch, num_heads, _, head_dim = queries.shape
     num_kv_heads = kv.key_codes.shape[1]
     repeats = num_heads // num_kv_heads
-    if cuda_decode.available(head_dim, repeats):
+    if kv.decode == "auto" and cuda_decode.available(head_dim, repeats):
         return cuda_decode.decode_attention(queries, kv, scale)
     rotated = kv.key_codec.rotate(queries.astype(mx.float32)) * scale
     rotated = rotated.reshape(batch, num_kv_heads, repeats, head_dim)
@@ -268,14 +264,14 @@ def turboquant_sdpa(queries: mx.array, cache_state: RotatedKV | MixedRowsKV, sca
     """Attention of (B, n_heads, L, D) queries over a TurboQuant cache's fetched state.
 
     `mask` is what mlx-lm passes: None, "causal", a boolean mask or an additive one.
-    Decode (L == 1) takes the fused path where the cache selected it, else the plain one.
+    Decode (L == 1) takes the cache's decode path (module doc); prefill the unfused one.
     """
     if isinstance(cache_state, MixedRowsKV):
         return _mixed_attention(queries, cache_state, scale, mask)
     if queries.shape[-1] != cache_state.key_codec.head_dim:
         raise ValueError(f"queries of dim {queries.shape[-1]} for a cache of head_dim "
                          f"{cache_state.key_codec.head_dim}")
-    if cache_state.fused_decode and queries.shape[2] == 1:
+    if cache_state.decode != "unfused" and queries.shape[2] == 1:
         return _fused_attention(queries, cache_state, scale)
     return _plain_attention(queries, cache_state, scale, mask)
 

@@ -14,7 +14,7 @@ Batches (prefill groups, the decode batch) keep delayed rows in slots:
 its `extract(i)` gives row i back as a DelayedTurboQuantKVCache with the same bytes and
 boundary.
 
-The fused-decode selection and the codec settings are one TurboQuantConfig per cache,
+The decode path and the codec settings are one TurboQuantConfig per cache,
 resolved at construction and carried by every copy, slot batch and extraction.
 """
 
@@ -35,7 +35,7 @@ Fetched = tuple[Any, Any]
 def _convert(plain: KVCache, config: TurboQuantConfig) -> TurboQuantKVCache:
     return TurboQuantKVCache.from_kv_cache(
         plain, config.k_bits, config.v_bits, head_dim=config.head_dim, seed=config.seed,
-        rotation=config.rotation, fused_decode=config.fused_decode)
+        rotation=config.rotation, decode=config.decode)
 
 
 def _plain_cache(planes: dict[str, mx.array]) -> KVCache:
@@ -51,12 +51,12 @@ class DelayedTurboQuantKVCache(_BaseCache):
 
     def __init__(self, quantized_kv_start: int, k_bits: int, v_bits: int, head_dim: int,
                  seed: int = 0, rotation: str = DEFAULT_ROTATION,
-                 fused_decode: bool | None = None) -> None:
-        """`fused_decode` None reads TQSERVE_TURBOQUANT_FUSED_DECODE now, once."""
+                 decode: str = "auto") -> None:
+        """An empty row; `decode` is its TurboQuant decode path (engine/kv/turboquant.py)."""
         if quantized_kv_start < 0:
             raise ValueError(f"quantized_kv_start must be >= 0, got {quantized_kv_start}")
         self.config = TurboQuantConfig.create(k_bits, v_bits, head_dim, seed, rotation,
-                                              fused_decode)
+                                              decode)
         self.quantized_kv_start = quantized_kv_start
         self.inner: KVCache | TurboQuantKVCache = KVCache()
         self.minimum_reusable_offset = 0
@@ -66,7 +66,7 @@ class DelayedTurboQuantKVCache(_BaseCache):
            minimum_reusable_offset: int) -> DelayedTurboQuantKVCache:
         """A row holding `inner` (plain, or converted with its boundary)."""
         cache = cls(start, config.k_bits, config.v_bits, config.head_dim, config.seed,
-                    config.rotation, config.fused_decode)
+                    config.rotation, config.decode)
         cache.inner = inner
         cache.minimum_reusable_offset = minimum_reusable_offset
         return cache

@@ -6,8 +6,8 @@ full-attention layer's (a plain mlx-lm `KVCache`) with a TurboQuantKVCache, or a
 DelayedTurboQuantKVCache when `quantized_kv_start` > 0. Every other layer keeps its plain
 mlx-lm cache: sliding-window layers (RotatingKVCache) stay in the model dtype because a
 rotating buffer overwrites positions in place, and the first list a factory makes that has
-such layers logs ONE warning naming them. Each cache resolves the fused-decode selection
-(TQSERVE_TURBOQUANT_FUSED_DECODE) when it is constructed.
+such layers logs ONE warning naming them. Every cache it makes has the factory's decode
+path (`decode`: engine.attention.sdpa.DECODE_PATHS).
 
 `make_affine_cache_factory(bits, group_size)` does the same with AffineKVCache (mlx-lm's
 `kv_bits` quantization, batchable); `check_affine_head_dims` refuses a full-attention layer
@@ -106,7 +106,8 @@ def check_affine_head_dims(model: Any, group_size: int) -> list[int]:
 
 
 def cache_factory_for(model: Any, turboquant: str | None, quantized_kv_start: int = 0,
-                      kv_quant: int | None = None, kv_group_size: int = 64) -> CacheFactory | None:
+                      kv_quant: int | None = None, kv_group_size: int = 64,
+                      decode: str = "auto") -> CacheFactory | None:
     """The engine-start choice: None for mlx-lm's plain caches, else a TurboQuant factory,
     else (`kv_quant` bits) an affine one.
 
@@ -114,7 +115,7 @@ def cache_factory_for(model: Any, turboquant: str | None, quantized_kv_start: in
     model the cache cannot serve is refused before any request; TurboQuant also installs
     the rotated attention port into mlx-lm's dispatch. Given both, TurboQuant wins and one
     warning is logged. `quantized_kv_start` applies to TurboQuant only (ValueError with
-    affine KV, which quantizes from the first token).
+    affine KV, which quantizes from the first token). `decode` is TurboQuant's decode path.
     """
     if turboquant is None:
         if kv_quant is None:
@@ -134,8 +135,9 @@ def cache_factory_for(model: Any, turboquant: str | None, quantized_kv_start: in
     if kv_quant is not None:
         logger.warning("turboquant %s and kv-quant %d are mutually exclusive: using "
                        "TurboQuant, ignoring kv-quant", turboquant, kv_quant)
-    _warm_cuda_kernels(model, k_bits, v_bits)
-    return make_turboquant_cache_factory(k_bits, v_bits, quantized_kv_start)
+    if decode == "auto":
+        _warm_cuda_kernels(model, k_bits, v_bits)
+    return make_turboquant_cache_factory(k_bits, v_bits, quantized_kv_start, decode=decode)
 
 
 def _warm_cuda_kernels(model: Any, k_bits: int, v_bits: int) -> None:
@@ -166,7 +168,7 @@ def warm_up_kernels(head_dims: dict[int, int], group: int, k_bits: int, v_bits: 
     for head_dim in sorted(set(head_dims.values())):
         if not cuda_decode.available(head_dim, group):
             continue
-        cache = TurboQuantKVCache(k_bits, v_bits, head_dim, seed=seed, fused_decode=True)
+        cache = TurboQuantKVCache(k_bits, v_bits, head_dim, seed=seed, decode="auto")
         kv = mx.zeros((1, 1, 2, head_dim), dtype=dtype) + 1
         cache.update_and_fetch(kv, kv)
         fetched, _ = cache.update_and_fetch(kv[:, :, :1], kv[:, :, :1])
@@ -210,17 +212,17 @@ def make_affine_cache_factory(bits: int, group_size: int = 64) -> CacheFactory:
 
 
 def make_turboquant_cache_factory(k_bits: int, v_bits: int, quantized_kv_start: int = 0,
-                                  seed: int = 0) -> CacheFactory:
+                                  seed: int = 0, decode: str = "auto") -> CacheFactory:
     """A `make_cache(model) -> list` of TurboQuant caches for full-attention layers."""
-    # Validate the bits now, not at the first request.
-    TurboQuantConfig.create(k_bits, v_bits, SUPPORTED_HEAD_DIMS[0], seed)
+    # Validate the bits and the decode path now, not at the first request.
+    TurboQuantConfig.create(k_bits, v_bits, SUPPORTED_HEAD_DIMS[0], seed, decode=decode)
     if quantized_kv_start < 0:
         raise ValueError(f"quantized_kv_start must be >= 0, got {quantized_kv_start}")
 
     def make_layer(head_dim: int) -> Any:
         if quantized_kv_start > 0:
             return DelayedTurboQuantKVCache(quantized_kv_start, k_bits, v_bits, head_dim,
-                                            seed=seed)
-        return TurboQuantKVCache(k_bits, v_bits, head_dim, seed=seed)
+                                            seed=seed, decode=decode)
+        return TurboQuantKVCache(k_bits, v_bits, head_dim, seed=seed, decode=decode)
 
     return _layer_replacing_factory("TurboQuant", check_head_dims, make_layer)

@@ -17,8 +17,8 @@ call, and the fused decode (compiled ops, or the CUDA kernel) needs no mask.
   `from_kv_cache` is the one conversion from a plain mlx-lm KVCache. A batch's
   `extract(i)` is row i as a TurboQuantKVCache with the same bytes.
 
-A cache's settings are a `TurboQuantConfig`. Its `fused_decode` is resolved ONCE, when a
-cache is constructed without an explicit choice (TQSERVE_TURBOQUANT_FUSED_DECODE); slot
+A cache's settings are a `TurboQuantConfig`, its decode path included (`decode`, one of
+engine.attention.sdpa.DECODE_PATHS, from `--kv turboquant:...,decode=PATH`); slot
 batches, extracted, converted and restored (`state`) caches carry the config, so the
 selection never changes. Caches with different configs refuse to share a batch
 (ValueError). A row's `state` is (key_codes, key_norms, value_codes, value_norms) of the
@@ -38,7 +38,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
 from tqserve.engine.attention import cuda_decode
-from tqserve.engine.attention.sdpa import RotatedKV, fused_decode_from_env
+from tqserve.engine.attention.sdpa import DECODE_PATHS, RotatedKV
 from tqserve.engine.codec.turboquant import DEFAULT_ROTATION, TurboQuantCodec
 from tqserve.engine.kv.slot_cache import OneRow, SlotsCache
 from tqserve.engine.kv.slot_rows import Planes, SlotRows
@@ -53,27 +53,38 @@ def _codec(head_dim: int, bits: int, seed: int, rotation: str) -> TurboQuantCode
 
 @attrs.frozen(kw_only=True)
 class TurboQuantConfig:
-    """Bits, head dim, rotation and the fused-decode selection of a TurboQuant cache."""
+    """Bits, head dim, rotation and the decode path of a TurboQuant cache."""
 
     k_bits: int
     v_bits: int
     head_dim: int
     seed: int
     rotation: str
-    fused_decode: bool
+    decode: str
 
     def __attrs_post_init__(self) -> None:
+        if self.decode not in DECODE_PATHS:
+            raise ValueError(f"TurboQuant decode must be one of {', '.join(DECODE_PATHS)}, "
+                             f"got {self.decode!r}")
         for bits in (self.k_bits, self.v_bits):  # the codec raises ValueError on a bad field
             _codec(self.head_dim, bits, self.seed, self.rotation)
 
     @classmethod
     def create(cls, k_bits: int, v_bits: int, head_dim: int, seed: int = 0,
-               rotation: str = DEFAULT_ROTATION,
-               fused_decode: bool | None = None) -> TurboQuantConfig:
-        """A validated config; `fused_decode` None reads TQSERVE_TURBOQUANT_FUSED_DECODE now."""
-        fused = fused_decode_from_env() if fused_decode is None else fused_decode
+               rotation: str = DEFAULT_ROTATION, decode: str = "auto") -> TurboQuantConfig:
+        """A validated config (ValueError names the bad field)."""
         return cls(k_bits=k_bits, v_bits=v_bits, head_dim=head_dim, seed=seed,
-                   rotation=rotation, fused_decode=fused)
+                   rotation=rotation, decode=decode)
+
+    @property
+    def fused_decode(self) -> bool:
+        """Whether decode steps take a fused path (compiled ops or the CUDA kernels)."""
+        return self.decode != "unfused"
+
+    @property
+    def kernels(self) -> bool:
+        """Whether the CUDA kernels may encode and attend (where they run)."""
+        return self.decode == "auto"
 
     @property
     def key_codec(self) -> TurboQuantCodec:
@@ -88,14 +99,14 @@ class TurboQuantConfig:
     def scalars(self) -> tuple[Any, ...]:
         """The fields in `state` order."""
         return (self.k_bits, self.v_bits, self.head_dim, self.seed, self.rotation,
-                self.fused_decode)
+                self.decode)
 
     @classmethod
     def from_scalars(cls, values: Sequence[Any]) -> TurboQuantConfig:
         """Inverse of `scalars`."""
-        k_bits, v_bits, head_dim, seed, rotation, fused = values
+        k_bits, v_bits, head_dim, seed, rotation, decode = values
         return cls(k_bits=int(k_bits), v_bits=int(v_bits), head_dim=int(head_dim),
-                   seed=int(seed), rotation=str(rotation), fused_decode=bool(fused))
+                   seed=int(seed), rotation=str(rotation), decode=str(decode))
 
 
 class TurboQuantSlotsKVCache(SlotsCache):
@@ -131,8 +142,9 @@ class TurboQuantSlotsKVCache(SlotsCache):
 
     def write(self, keys: mx.array, values: mx.array) -> None:
         """Encode and write a block of every row (no fetch)."""
-        key_codec, value_codec = self._config().key_codec, self._config().value_codec
-        if cuda_decode.can_encode(key_codec, value_codec):
+        config = self._config()
+        key_codec, value_codec = config.key_codec, config.value_codec
+        if config.kernels and cuda_decode.can_encode(key_codec, value_codec):
             k, v = cuda_decode.encode(keys, values, key_codec, value_codec)
         else:
             k, v = key_codec.encode(keys), value_codec.encode(values)
@@ -145,7 +157,7 @@ class TurboQuantSlotsKVCache(SlotsCache):
         planes = self.slots.planes()
         lengths = tuple(self.slots.lengths)
         return RotatedKV(**{n: planes[n] for n in PLANES}, key_codec=config.key_codec,
-                         value_codec=config.value_codec, fused_decode=config.fused_decode,
+                         value_codec=config.value_codec, decode=config.decode,
                          length=max(lengths, default=0), ends=lengths)
 
     def extend(self, other: Any) -> None:
@@ -184,10 +196,10 @@ class TurboQuantKVCache(OneRow, TurboQuantSlotsKVCache):  # type: ignore[misc]  
     config: TurboQuantConfig  # always set: a row is made with its settings
 
     def __init__(self, k_bits: int, v_bits: int, head_dim: int, seed: int = 0,
-                 rotation: str = DEFAULT_ROTATION, fused_decode: bool | None = None) -> None:
-        """`fused_decode` None reads TQSERVE_TURBOQUANT_FUSED_DECODE now, once."""
+                 rotation: str = DEFAULT_ROTATION, decode: str = "auto") -> None:
+        """An empty row; `decode` is its decode path (module doc)."""
         super().__init__(TurboQuantConfig.create(k_bits, v_bits, head_dim, seed, rotation,
-                                                 fused_decode))
+                                                 decode))
         self.slots = SlotRows.holding({})
 
     @classmethod
@@ -202,7 +214,7 @@ class TurboQuantKVCache(OneRow, TurboQuantSlotsKVCache):  # type: ignore[misc]  
     def from_kv_cache(cls, kv_cache: KVCache, k_bits: int, v_bits: int, *,
                       head_dim: int | None = None, seed: int = 0,
                       rotation: str = DEFAULT_ROTATION,
-                      fused_decode: bool | None = None) -> TurboQuantKVCache:
+                      decode: str = "auto") -> TurboQuantKVCache:
         """Encode the written K/V of a plain mlx-lm KVCache (the one conversion path).
 
         `head_dim` defaults to the keys' last dim; an empty KVCache needs it given.
@@ -212,7 +224,7 @@ class TurboQuantKVCache(OneRow, TurboQuantSlotsKVCache):  # type: ignore[misc]  
         if kv_cache.keys is None and head_dim is None:
             raise ValueError("an empty KVCache converts only with head_dim given")
         dim = head_dim if head_dim is not None else kv_cache.keys.shape[-1]
-        cache = cls(k_bits, v_bits, dim, seed=seed, rotation=rotation, fused_decode=fused_decode)
+        cache = cls(k_bits, v_bits, dim, seed=seed, rotation=rotation, decode=decode)
         cache.append_written(kv_cache)
         return cache
 

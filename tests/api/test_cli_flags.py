@@ -14,6 +14,7 @@ import attrs
 import httpx
 import pytest
 
+from tqserve.api import kvflag
 from tqserve.api.cli import _config, _server_config, build_parser, main
 from tqserve.api.config import ServerConfig
 from tqserve.engine.config import Config
@@ -28,6 +29,8 @@ def serve_config(argv: list[str]) -> ServerConfig:
 NOT_FIELDS = {"help", "blas", "kv", "speculative_config", "record"}  # flags of no config field
 # engine fields only `serve` has a flag for (a one-request generate keeps their defaults)
 SERVE_ONLY_ENGINE = {"chat_template", "distributed", "distributed_timeout"}
+# engine fields set only through --kv (no old flag of their own)
+KV_ONLY = set(kvflag.FIELDS) - set(kvflag.OLD_FLAGS)
 
 
 def _dests(command: str) -> set[str]:
@@ -39,8 +42,9 @@ def test_every_field_of_both_configs_has_its_flag_and_every_flag_its_field():
     engine = {f.name for f in attrs.fields(Config)}
     server = {f.name for f in attrs.fields(ServerConfig)} - {"engine"}
     assert not engine & server  # each setting lives in one class
-    assert _dests("serve") == engine | server | NOT_FIELDS
-    assert _dests("generate") == (engine - SERVE_ONLY_ENGINE) | {
+    assert KV_ONLY == {"turboquant_decode"} and KV_ONLY <= engine
+    assert _dests("serve") == (engine - KV_ONLY) | server | NOT_FIELDS
+    assert _dests("generate") == (engine - SERVE_ONLY_ENGINE - KV_ONLY) | {
         "help", "blas", "kv", "speculative_config", "prompt", "max_tokens", "temperature",
         "seed"}
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from tqserve.api import kvflag
 from tqserve.api.cli import _config, build_parser, main
 
 REPO = Path(__file__).resolve().parents[2]
@@ -35,6 +36,19 @@ def test_good_values_set_the_config_fields(value, fields):
     assert kv_config("--kv", value) == fields
 
 
+@pytest.mark.parametrize("value,decode", [
+    ("plain", "auto"), ("turboquant:k4v4", "auto"), ("turboquant:k4v4,decode=compiled",
+                                                     "compiled"),
+    ("turboquant:k4v4,decode=unfused,start=8", "unfused"),
+])
+def test_decode_path_is_a_kv_option_not_an_environment_variable(value, decode):
+    """The TurboQuant decode path (once TQSERVE_TURBOQUANT_FUSED_DECODE and
+    TQSERVE_TURBOQUANT_CUDA_KERNEL) is Config.turboquant_decode, set by --kv."""
+    config = _config(build_parser().parse_args(["serve", "--kv", value]))
+    assert config.turboquant_decode == decode
+    assert kvflag.parse_kv(kvflag.spelling(kvflag.parse_kv(value))) == kvflag.parse_kv(value)
+
+
 def test_no_kv_flag_is_plain_and_serve_takes_it_too():
     assert kv_config() == (None, 0, None, 64)
     config = _config(build_parser().parse_args(["serve", "--kv", "turboquant:k4v4,start=8"]))
@@ -42,8 +56,8 @@ def test_no_kv_flag_is_plain_and_serve_takes_it_too():
 
 
 @pytest.mark.parametrize("value,message", [
-    ("", "'' is not plain, turboquant:kXvY[,start=N] or affine:BITS[,group=G]"),
-    ("zstd", "'zstd' is not plain, turboquant:kXvY[,start=N] or affine:BITS[,group=G]"),
+    ("", "'' is not plain, turboquant:kXvY[,start=N][,decode=PATH] or affine:BITS[,group=G]"),
+    ("zstd", "'zstd' is not plain, turboquant:kXvY[,start=N][,decode=PATH] or affine:BITS"),
     ("plain:8", "plain takes no bits or options, got 'plain:8'"),
     ("plain,start=4", "plain takes no bits or options"),
     ("turboquant", "turboquant needs its bits: turboquant:k4v4"),
@@ -53,7 +67,13 @@ def test_no_kv_flag_is_plain_and_serve_takes_it_too():
     ("turboquant:k4v3,start=-1", "option 'start=-1' is not start=N with N an integer >= 0"),
     ("turboquant:k4v3,start=", "option 'start=' is not start=N"),
     ("turboquant:k4v3,start=4,start=5", "option start is given twice"),
-    ("turboquant:k4v3,group=32", "unknown option 'group=32' (options here: start=N)"),
+    ("turboquant:k4v3,group=32", "unknown option 'group=32' (options here: start=N, "
+     "decode=auto|compiled|unfused)"),
+    ("turboquant:k4v3,decode=fast", "option 'decode=fast': decode is one of auto, compiled, "
+     "unfused"),
+    ("turboquant:k4v3,decode", "option 'decode': decode is one of auto"),
+    ("turboquant:k4v3,decode=unfused,decode=auto", "option decode is given twice"),
+    ("affine:8,decode=compiled", "unknown option 'decode=compiled' (options here: group=N)"),
     ("turboquant:k4v3,", "unknown option ''"),
     ("affine", "affine needs its bits: affine:8"),
     ("affine:3", "affine bits must be one of 4, 8, got '3'"),

@@ -25,7 +25,6 @@ from tqserve.engine.config import Config
 from tqserve.engine.request import GenerateRequest
 from tqserve.engine.sampling import SamplingParams
 
-from tqserve.engine.attention.sdpa import FUSED_DECODE_ENV
 from tqserve.engine.kv.factory import cache_factory_for
 from tqserve.engine.kv.slots import is_slot_batch, retire_order, slot_batch
 from tqserve.engine.prefill import PrefillGroups
@@ -39,7 +38,7 @@ KINDS = {
     "plain": dict(turboquant=None),
     "tq-k4v4": dict(turboquant="k4v4"),
     "tq-k8v3": dict(turboquant="k8v3"),
-    "tq-k4v4-plain-ops": dict(turboquant="k4v4"),  # TQSERVE_TURBOQUANT_FUSED_DECODE=0
+    "tq-k4v4-plain-ops": dict(turboquant="k4v4", decode="unfused"),
     "delayed-k4v4-start-12": dict(turboquant="k4v4", quantized_kv_start=12),
     "affine-8": dict(turboquant=None, kv_quant=8, kv_group_size=64),
 }
@@ -140,8 +139,6 @@ def batched(loaded: Any, make: Any) -> tuple[dict[int, list[int]], dict]:
 
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_slots_match_each_row_decoded_alone(draft_model, kind, monkeypatch):
-    if kind.endswith("plain-ops"):
-        monkeypatch.setenv(FUSED_DECODE_ENV, "0")
     make = cache_factory_for(draft_model.model, **KINDS[kind]) or make_prompt_cache
     fresh = make(draft_model.model)
     assert all(is_slot_batch(slot_batch(c)) for c in fresh)

@@ -19,7 +19,7 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
 from tqserve.engine.codec.turboquant import EncodedVectors
 from tqserve.engine.attention import sdpa as attention
-from tqserve.engine.attention.sdpa import FUSED_DECODE_ENV, install_attention, turboquant_sdpa
+from tqserve.engine.attention.sdpa import install_attention, turboquant_sdpa
 from tqserve.engine.kv.delayed import DelayedTurboQuantKVCache
 from tqserve.engine.kv.factory import check_head_dims, make_turboquant_cache_factory
 from tqserve.engine.kv.turboquant import TurboQuantSlotsKVCache
@@ -44,7 +44,7 @@ def _random(shape: tuple[int, ...], seed: int) -> mx.array:
 
 
 def _filled(length: int, seed: int, fused: bool, bits: tuple[int, int] = (4, 3)) -> Any:
-    cache = TurboQuantKVCache(*bits, DIM, seed=1, fused_decode=fused)
+    cache = TurboQuantKVCache(*bits, DIM, seed=1, decode="auto" if fused else "unfused")
     cache.update_and_fetch(_random((1, KV_HEADS, length, DIM), seed),
                            _random((1, KV_HEADS, length, DIM), seed + 1) * 4)
     return cache
@@ -117,16 +117,16 @@ def _count_fused(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return calls
 
 
-def test_env_selection_is_resolved_once_and_kept(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(FUSED_DECODE_ENV, "0")
-    off = TurboQuantKVCache(4, 4, DIM)
-    delayed = DelayedTurboQuantKVCache(2, 4, 4, DIM)
-    monkeypatch.setenv(FUSED_DECODE_ENV, "1")
+def test_decode_path_is_kept_by_every_copy(monkeypatch: pytest.MonkeyPatch) -> None:
+    off = TurboQuantKVCache(4, 4, DIM, decode="unfused")
+    delayed = DelayedTurboQuantKVCache(2, 4, 4, DIM, decode="unfused")
     assert TurboQuantKVCache(4, 4, DIM).fused_decode
+    with pytest.raises(ValueError, match="decode must be one of auto, compiled, unfused"):
+        TurboQuantKVCache(4, 4, DIM, decode="fast")
     x = _random((1, KV_HEADS, 3, DIM), 0)
     off.update_and_fetch(x, x)
     delayed.update_and_fetch(x, x)
-    delayed.update_and_fetch(x[:, :, :1], x[:, :, :1])  # converts now, under env "1"
+    delayed.update_and_fetch(x[:, :, :1], x[:, :, :1])  # converts now, keeping "unfused"
     batch = slot_batch_of([off])
     kept = [off, batch, batch.extract(0), copy.deepcopy(off), TurboQuantKVCache.from_state(
         off.state), TurboQuantSlotsKVCache.from_state(batch.state), delayed.quantized,

@@ -3,6 +3,7 @@ reference (runs on MLX-CUDA only)."""
 
 from __future__ import annotations
 
+import attrs
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -24,11 +25,11 @@ TOL = 2e-5
 @pytest.mark.parametrize("bits", [(4, 4), (3, 5), (8, 2), (1, 7)])
 @pytest.mark.parametrize("head_dim,kv_heads,q_heads", [(128, 2, 8), (64, 4, 4), (256, 1, 2),
                                                        (128, 8, 32)])
-def test_kernel_matches_compiled_and_plain(monkeypatch, bits, head_dim, kv_heads, q_heads,
+def test_kernel_matches_compiled_and_plain(bits, head_dim, kv_heads, q_heads,
                                            rotation):
     rows = []
     for n, seed in ((37, 1), (700, 2)):
-        cache = TurboQuantKVCache(*bits, head_dim, fused_decode=True, rotation=rotation)
+        cache = TurboQuantKVCache(*bits, head_dim, decode="auto", rotation=rotation)
         k = mx.random.normal((1, kv_heads, n, head_dim), key=mx.random.key(seed))
         v = mx.random.normal((1, kv_heads, n, head_dim), key=mx.random.key(seed + 10))
         cache.update_and_fetch(k, v)
@@ -39,8 +40,7 @@ def test_kernel_matches_compiled_and_plain(monkeypatch, bits, head_dim, kv_heads
         mx.random.normal((2, kv_heads, 1, head_dim), key=mx.random.key(6)))
     queries = mx.random.normal((2, q_heads, 1, head_dim), key=mx.random.key(7)) * 3
     kernel = attention._fused_attention(queries, fetched, 0.1)
-    monkeypatch.setenv(cuda_decode.KERNEL_ENV, "0")
-    compiled = attention._fused_attention(queries, fetched, 0.1)
+    compiled = attention._fused_attention(queries, attrs.evolve(fetched, decode="compiled"), 0.1)
     reference = _float64_reference(queries, fetched, 0.1)
     # The compiled ops' float32 matmuls may run in TF32 on the GPU; the kernel does not,
     # but a "qr" rotation is such a matmul (outside the kernel).
@@ -88,7 +88,7 @@ def test_encode_kernel_matches_codec(bits, head_dim):
 
 def test_many_rows_of_a_single_row_cache():
     """A single-row cache fed a B > 1 block (as bench kv --rows does) decodes every row."""
-    cache = TurboQuantKVCache(4, 4, 128, fused_decode=True)
+    cache = TurboQuantKVCache(4, 4, 128, decode="auto")
     cache.update_and_fetch(mx.random.normal((5, 2, 300, 128), key=mx.random.key(1)),
                            mx.random.normal((5, 2, 300, 128), key=mx.random.key(2)))
     fetched, _ = cache.update_and_fetch(mx.random.normal((5, 2, 1, 128), key=mx.random.key(3)),
@@ -99,12 +99,12 @@ def test_many_rows_of_a_single_row_cache():
 
 
 @pytest.mark.parametrize("bits", [(4, 4), (8, 3)])
-def test_kernel_on_slots_reads_each_rows_own_end(monkeypatch, bits):
+def test_kernel_on_slots_reads_each_rows_own_end(bits):
     """Left-aligned slot rows of 37, 700 and 0 positions (+1): the kernel stops at each
     row's own end (RotatedKV.ends), as the compiled path and the reference do."""
     batch = TurboQuantSlotsKVCache()
     for n, seed in ((37, 1), (700, 2), (0, 3)):
-        row = TurboQuantKVCache(*bits, 128, fused_decode=True)
+        row = TurboQuantKVCache(*bits, 128, decode="auto")
         if n:
             k = mx.random.normal((1, 2, n, 128), key=mx.random.key(seed))
             row.update_and_fetch(k, k * 0.5 + 1)
@@ -115,8 +115,7 @@ def test_kernel_on_slots_reads_each_rows_own_end(monkeypatch, bits):
     assert fetched.ends == (38, 701, 1) and fetched.length == 701
     queries = mx.random.normal((3, 8, 1, 128), key=mx.random.key(7)) * 3
     kernel = attention._fused_attention(queries, fetched, 0.1)
-    monkeypatch.setenv(cuda_decode.KERNEL_ENV, "0")
-    compiled = attention._fused_attention(queries, fetched, 0.1)
+    compiled = attention._fused_attention(queries, attrs.evolve(fetched, decode="compiled"), 0.1)
     reference = _float64_reference(queries, fetched, 0.1)
     assert np.max(np.abs(np.array(kernel) - reference)) < TOL
     assert np.max(np.abs(np.array(compiled) - reference)) < 5e-3

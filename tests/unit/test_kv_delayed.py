@@ -131,11 +131,11 @@ def test_mixed_batch_attention_equals_each_row_alone() -> None:
 
 
 def test_settings_must_match() -> None:
-    a = DelayedTurboQuantKVCache(8, 4, 4, DIM, fused_decode=True)
+    a = DelayedTurboQuantKVCache(8, 4, 4, DIM, decode="auto")
     with pytest.raises(ValueError, match="different settings"):
         slot_batch_of([a, DelayedTurboQuantKVCache(9, 4, 4, DIM)])
     with pytest.raises(ValueError, match="different settings"):
         slot_batch_of([a]).extend(
-            slot_batch_of([DelayedTurboQuantKVCache(8, 4, 4, DIM, fused_decode=False)]))
+            slot_batch_of([DelayedTurboQuantKVCache(8, 4, 4, DIM, decode="unfused")]))
     with pytest.raises(ValueError, match=">= 0"):
         DelayedTurboQuantKVCache(-1, 4, 4, DIM)

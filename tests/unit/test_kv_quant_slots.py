@@ -19,12 +19,12 @@ from tqserve.engine.kv.turboquant import TurboQuantKVCache
 H, QH, D = 2, 4, 64
 START = 6  # quantized_kv_start of the delayed kinds
 KINDS = {
-    "tq-k4v4-fused": lambda: TurboQuantKVCache(4, 4, D, fused_decode=True),
-    "tq-k8v3-plain": lambda: TurboQuantKVCache(8, 3, D, fused_decode=False),
+    "tq-k4v4-fused": lambda: TurboQuantKVCache(4, 4, D, decode="auto"),
+    "tq-k8v3-plain": lambda: TurboQuantKVCache(8, 3, D, decode="unfused"),
     "affine-8-64": lambda: AffineKVCache(8, 64),
     "affine-4-32": lambda: AffineKVCache(4, 32),
-    "delayed-k4v4-fused": lambda: DelayedTurboQuantKVCache(START, 4, 4, D, fused_decode=True),
-    "delayed-k8v3-plain": lambda: DelayedTurboQuantKVCache(START, 8, 3, D, fused_decode=False),
+    "delayed-k4v4-fused": lambda: DelayedTurboQuantKVCache(START, 4, 4, D, decode="auto"),
+    "delayed-k8v3-plain": lambda: DelayedTurboQuantKVCache(START, 8, 3, D, decode="unfused"),
 }
 
 

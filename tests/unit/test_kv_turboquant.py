@@ -88,7 +88,7 @@ def test_from_kv_cache_encodes_the_written_positions() -> None:
 
 
 def test_state_round_trip_single_and_batched() -> None:
-    mirror = Mirror(lambda: TurboQuantKVCache(4, 2, DIM, seed=3, fused_decode=False),
+    mirror = Mirror(lambda: TurboQuantKVCache(4, 2, DIM, seed=3, decode="unfused"),
                     tq_planes)
     run_batch_scenario(mirror)
     for name in mirror.order:
@@ -107,13 +107,13 @@ def test_state_round_trip_single_and_batched() -> None:
 
 
 def test_deepcopy_and_batch_ops_keep_config() -> None:
-    single = TurboQuantKVCache(4, 4, DIM, seed=9, rotation="qr", fused_decode=False)
+    single = TurboQuantKVCache(4, 4, DIM, seed=9, rotation="qr", decode="unfused")
     single.update_and_fetch(mx.ones((1, HEADS, 2, DIM)), mx.ones((1, HEADS, 2, DIM)))
     batch = slot_batch_of([single, copy.deepcopy(single)])
     assert batch.config == single.config
     assert batch.extract(1).config == single.config
     assert copy.deepcopy(batch).config == single.config
-    other = TurboQuantKVCache(4, 4, DIM, seed=9, rotation="qr", fused_decode=True)
+    other = TurboQuantKVCache(4, 4, DIM, seed=9, rotation="qr", decode="auto")
     with pytest.raises(ValueError, match="cannot combine"):
         slot_batch_of([single, other])
     with pytest.raises(ValueError, match="cannot combine"):

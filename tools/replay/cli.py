@@ -187,12 +187,12 @@ def _serve_args(config: Any) -> list[str]:
     defaults = Config()
     changed = {f.name: getattr(config, f.name) for f in attrs.fields(Config)
                if getattr(config, f.name) != getattr(defaults, f.name)}
-    kv = {n: getattr(config, n) for n in kvflag.OLD_FLAGS}
+    kv = {n: getattr(config, n) for n in kvflag.FIELDS}
     spec = {n: changed.pop(n) for n in specflag.OLD_FLAGS if n in changed}
     for name, value in changed.items():
         if name == "prefix_cache":
             out.append("--no-prefix-cache")
-        elif name not in kvflag.OLD_FLAGS:
+        elif name not in kvflag.FIELDS:
             out += ["--" + name.replace("_", "-"), str(value)]
     if kvflag.spelling(kv) != "plain":
         out += ["--kv", kvflag.spelling(kv)]
