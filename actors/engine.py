@@ -75,7 +75,7 @@ from __future__ import annotations
 import functools
 import logging
 from contextlib import asynccontextmanager
-from typing import Any, AsyncIterator, Mapping
+from typing import Any, AsyncIterator, Callable, Mapping
 
 import trio
 
@@ -102,6 +102,7 @@ from tqserve.engine.codec.turboquant import DEFAULT_ROTATION
 from tqserve.engine.model import LoadedModel, load_model
 from tqserve.engine.plan_channel import PlanChannel
 from tqserve.engine.speculative.factory import build_speculator, spec_policy
+from tqserve.engine.speculative.lookup import LookupBook
 from tqserve.engine.speculative.policy import SpecChoice, SpeculationPolicy
 from tqserve.engine.speculative.state import PairedLayout, StateLayout
 from tqserve.engine.namespaces import CacheNamespaces
@@ -163,16 +164,8 @@ async def open_engine(config: Config, *, loaded: LoadedModel | None = None,
         owner_out, owner_in = open_mailbox(sizes["cache_owner"], "cache_owner", recorder)
         replies_out, replies_in = open_mailbox(sizes["admission_replies"],
                                                "admission_replies", recorder)
-        speculation, link, spec_default = None, None, None
-        if speculator is not None:
-            spec_default = speculator.default
-            sizes["speculation"] = SPECULATION_MAILBOX
-            sizes["speculation_replies"] = reply_mailbox_size(SPECULATION_MAILBOX)
-            spec_out, spec_in = open_mailbox(sizes["speculation"], "speculation", recorder)
-            decisions_out, decisions_in = open_mailbox(sizes["speculation_replies"],
-                                                       "speculation_replies", recorder)
-            speculation = SpeculationPolicy(spec_policy(config))
-            link = SpeculationLink(outbox=spec_out, replies=decisions_in)
+        speculation, link = _speculation(config, speculator, sizes, recorder)
+        spec_default = speculator.default if speculator is not None else None
         prefix, spill = None, None
         if config.prefix_cache:
             refused = await thread.call(runner.unsnapshottable_caches)
@@ -204,8 +197,7 @@ async def open_engine(config: Config, *, loaded: LoadedModel | None = None,
                     await nursery.start(run_hub, hub, hub_in)
                     await nursery.start(run_cache_owner, ledger, owner_in, board)
                     if speculation is not None:
-                        await nursery.start(run_speculation, speculation, spec_default,
-                                            spec_in, decisions_out, board)
+                        await nursery.start(speculation, board)
                     await nursery.start(
                         functools.partial(run_scheduler, board=board, prefix=prefix,
                                           group_failed=group_failed, speculation=link),
@@ -240,6 +232,26 @@ async def open_engine(config: Config, *, loaded: LoadedModel | None = None,
                 await thread.call(runner.close)  # shielded: MLX idle before the thread ends
         finally:
             await thread.aclose()
+
+
+def _speculation(config: Config, speculator: Any, sizes: dict[str, int], recorder: Any
+                 ) -> tuple[Callable[..., Any] | None, SpeculationLink | None]:
+    """The speculation actor's task (to start with the board) and the scheduler's end of
+    its two edges; (None, None) without speculation. With lookup served, the actor keeps
+    the lookup rows' indexes (a LookupBook)."""
+    if speculator is None:
+        return None, None
+    sizes["speculation"] = SPECULATION_MAILBOX
+    sizes["speculation_replies"] = reply_mailbox_size(SPECULATION_MAILBOX)
+    spec_out, spec_in = open_mailbox(sizes["speculation"], "speculation", recorder)
+    decisions_out, decisions_in = open_mailbox(sizes["speculation_replies"],
+                                               "speculation_replies", recorder)
+    lookup = speculator.proposers.get("lookup")
+    book = LookupBook(lookup.settings) if lookup is not None else None
+    task = functools.partial(run_speculation, SpeculationPolicy(spec_policy(config)),
+                             speculator.default, spec_in, decisions_out, book=book)
+    return task, SpeculationLink(outbox=spec_out, replies=decisions_in,
+                                 lookup=book is not None, default=speculator.default)
 
 
 async def _build(config: Config, loaded: LoadedModel | None, thread: RunnerThread

@@ -24,6 +24,18 @@ def _as_tuple(value: Iterable[Any]) -> tuple[Any, ...]:
     return tuple(value)
 
 
+def _tuple_of_ints(value: Iterable[Any]) -> tuple[int, ...]:
+    return tuple(int(v) for v in value)
+
+
+def _tuple_of_emitted(value: Any) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    return tuple((str(rid), _tuple_of_ints(tokens)) for rid, tokens in value)
+
+
+def _tuple_of_drafts(value: Any) -> tuple[tuple[str, int, tuple[int, ...]], ...]:
+    return tuple((str(rid), int(at), _tuple_of_ints(tokens)) for rid, at, tokens in value)
+
+
 def _tuple_of_pairs(value: Any) -> tuple[tuple[int, float], ...] | None:
     if value is None:
         return None
@@ -220,10 +232,12 @@ class Error:
 @attrs.frozen(kw_only=True)
 class SpecOpen:
     """Inside `SpecStep`: a row the runner opened this step, with its request's choice
-    (a SpecChoice, False: never, None: the server's default)."""
+    (a SpecChoice, False: never, None: the server's default) and, for a row that looks
+    up (prompt lookup), its prompt: the context its lookup index starts from."""
 
     request_id: str
     choice: SpecChoice | bool | None = None
+    context: tuple[int, ...] = attrs.field(default=(), converter=_tuple_of_ints)
 
 
 @attrs.frozen(kw_only=True)
@@ -256,6 +270,9 @@ class SpecStep:
     speculative: bool = False
     num_rows: int = 0
     num_tokens: int = 0
+    # the tokens each lookup row emitted this step (its index grows by them)
+    emitted: tuple[tuple[str, tuple[int, ...]], ...] = attrs.field(
+        default=(), converter=_tuple_of_emitted)
 
 
 def _tuple_of_proposals(value: Any) -> tuple[tuple[str, int], ...]:
@@ -273,6 +290,9 @@ class SpecDecision:
     proposals: tuple[tuple[str, int], ...] = attrs.field(default=(),
                                                          converter=_tuple_of_proposals)
     new_rows: bool = True
+    # lookup rows' proposals: (row, the context length they answer, tokens); engine.orders
+    drafts: tuple[tuple[str, int, tuple[int, ...]], ...] = attrs.field(
+        default=(), converter=_tuple_of_drafts)
 
 
 Event = Queued | PromptLogprobs | Token | Done | Error

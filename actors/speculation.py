@@ -16,9 +16,15 @@ Sends: one SpecDecision per SpecStep to the scheduler on the reply edge
       reply mailbox holds one decision per SpecStep that can be in flight (the scheduler
       reads every waiting decision before it sends the next SpecStep), so `send_nowait`
       never fails and this actor never blocks on the scheduler.
-The proposers' MLX state (draft caches, MTP-head caches and hidden states) stays on the
-runner thread keyed by request id; the runner opens and closes it with the rows. N-gram
-lookup keeps no state. `SpeculationLink` is the scheduler's end of the two edges.
+Prompt lookup is proposed here, off the runner thread: a `LookupBook`
+(engine.speculative.lookup) keeps an n-gram index of every lookup row's context (its
+prompt comes with its SpecOpen, each step's tokens with the SpecStep), and a decision
+carries each lookup row's proposal for the next step with the context length it answers
+(`drafts`). The runner takes a draft only for a row whose context is that long; it looks
+up itself only where no draft fits (a row's first decode step, before any decision names
+it). The proposers' MLX state (draft caches, MTP-head caches and hidden states) stays on
+the runner thread keyed by request id; the runner opens and closes it with the rows.
+`SpeculationLink` is the scheduler's end of the two edges.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from tqserve.actors.board import Board
 from tqserve.actors.mailbox import Inbox, Outbox
 from tqserve.actors.messages import RowVerified, SpecDecision, SpecOpen, SpecStep
 from tqserve.engine.step import StepAdvice, StepPlan, StepResult
+from tqserve.engine.speculative.lookup import LookupBook
 from tqserve.engine.speculative.policy import SpecChoice, SpeculationPolicy, resolve_choice
 
 SPECULATION_MAILBOX = 4  # a few steps' reports; booking one takes microseconds
@@ -45,35 +52,46 @@ def reply_mailbox_size(speculation_mailbox: int = SPECULATION_MAILBOX) -> int:
 
 
 def decide_step(policy: SpeculationPolicy, default: SpecChoice | None,
-                msg: SpecStep) -> SpecDecision:
-    """Book one step (sync, no I/O) and decide every open row's next proposal size."""
+                msg: SpecStep, book: LookupBook | None = None) -> SpecDecision:
+    """Book one step (sync, no I/O) and decide every open row's next proposal size, and
+    each lookup row's proposal (with `book`)."""
     for opened in msg.opened:
-        policy.open_row(opened.request_id, resolve_choice(opened.choice, default))
+        choice = resolve_choice(opened.choice, default)
+        policy.open_row(opened.request_id, choice)
+        if book is not None and choice is not None and choice.method == "lookup":
+            book.open(opened.request_id, opened.context)
     for rid in msg.released:
         policy.close_row(rid)
+        if book is not None:
+            book.close(rid)
+    if book is not None:
+        for rid, tokens in msg.emitted:
+            book.extend(rid, tokens)
     policy.absorb([(v.request_id, v.num_proposed, v.num_accepted) for v in msg.verified],
                   msg.num_rows, msg.speculative, msg.num_tokens, msg.decode_seconds)
     rows = policy.row_ids()
     # rows about to decode (still prefilling) count towards the batch they will join
     batch_size = len(msg.batch) or len(rows)
-    decided = policy.decide(rows, batch_size)
-    return SpecDecision(step=msg.step, proposals=tuple(
-        (rid, k) for rid, k in decided.items() if k > 0), new_rows=policy.allows(batch_size))
+    decided = tuple((rid, k) for rid, k in policy.decide(rows, batch_size).items() if k > 0)
+    return SpecDecision(step=msg.step, proposals=decided, new_rows=policy.allows(batch_size),
+                        drafts=book.drafts(decided) if book is not None else ())
 
 
 async def run_speculation(policy: SpeculationPolicy, default: SpecChoice | None,
                           inbox: Inbox, replies: Outbox, board: Board,
+                          book: LookupBook | None = None,
                           task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
                           ) -> None:
     """Answer each SpecStep with a SpecDecision until the scheduler closes the edge; post
-    the books' statistics to the board after each."""
+    the books' statistics to the board after each. `book`: the lookup rows' indexes
+    (None: this server does not serve lookup)."""
     board.post(speculation=policy.statistics())
     task_status.started()
     async with replies:
         async for msg in inbox:
             match msg:
                 case SpecStep():
-                    replies.send_nowait(decide_step(policy, default, msg))
+                    replies.send_nowait(decide_step(policy, default, msg, book))
                     board.post(speculation=policy.statistics())
                 case _:
                     raise TypeError(f"speculation got unexpected {type(msg).__name__}")
@@ -87,9 +105,13 @@ class SpeculationLink:
 
     outbox: Outbox
     replies: Inbox
+    lookup: bool = False               # lookup is served: its rows' contexts go along
+    default: SpecChoice | None = None  # the server's choice (tells which rows look up)
     proposals: tuple[tuple[str, int], ...] = ()
+    drafts: tuple[tuple[str, int, tuple[int, ...]], ...] = ()
     new_rows: bool = True              # the latest decision's `new_rows`
     open_rows: set[str] = attrs.Factory(set)
+    lookup_rows: set[str] = attrs.Factory(set)
     num_steps: int = 0
     num_decisions: int = 0
 
@@ -100,7 +122,7 @@ class SpeculationLink:
         while self.num_decisions < self.num_steps:
             self._take(await self.replies.receive())
         return attrs.evolve(advice, speculation=True, proposals=self.proposals,
-                            new_rows_propose=self.new_rows)
+                            drafts=self.drafts, new_rows_propose=self.new_rows)
 
     def _read_decisions(self) -> None:
         while True:
@@ -113,17 +135,21 @@ class SpeculationLink:
         if not isinstance(decision, SpecDecision):
             raise TypeError(f"scheduler got unexpected {type(decision).__name__}")
         self.proposals, self.new_rows = tuple(decision.proposals), decision.new_rows
+        self.drafts = tuple(decision.drafts)
         self.num_decisions += 1
 
     async def report(self, plan: StepPlan, result: StepResult, batch: Sequence[str],
                      active: Collection[str]) -> None:
         """One SpecStep for the step just run; `batch`: the rows decoding next, `active`:
         every request not finished (the books of the others go now, as they end)."""
-        opened = tuple(SpecOpen(request_id=n.request_id, choice=n.speculative)  # type: ignore
+        opened = tuple(SpecOpen(request_id=n.request_id, choice=n.speculative,  # type: ignore
+                                context=n.prompt if self._looks_up(n.speculative) else ())
                        for n in plan.new_rows)
         self.open_rows.update(o.request_id for o in opened)
+        self.lookup_rows.update(o.request_id for o in opened if o.context)
         released = tuple(sorted(self.open_rows.difference(active)))
         self.open_rows.difference_update(released)
+        self.lookup_rows.difference_update(released)
         verified = tuple(RowVerified(request_id=o.request_id, num_proposed=o.num_proposed,
                                      num_accepted=o.num_accepted)
                          for o in result.outputs if o.num_proposed)
@@ -131,12 +157,21 @@ class SpeculationLink:
             step=self.num_steps, opened=opened, released=released, verified=verified,
             batch=tuple(batch), decode_seconds=result.decode_seconds,
             speculative=result.speculative, num_rows=len(result.outputs),
-            num_tokens=sum(len(o.tokens) for o in result.outputs)))
+            num_tokens=sum(len(o.tokens) for o in result.outputs),
+            emitted=tuple((o.request_id, o.tokens) for o in result.outputs
+                          if o.request_id in self.lookup_rows and o.tokens)))
+
+    def _looks_up(self, choice: object) -> bool:
+        """Whether a row of this request choice proposes by lookup (and lookup is served)."""
+        if not self.lookup:
+            return False
+        resolved = resolve_choice(choice, self.default)
+        return resolved is not None and resolved.method == "lookup"
 
     async def reset(self) -> None:
         """The runner was reset: every row's books go."""
         released, self.open_rows = tuple(sorted(self.open_rows)), set()
-        self.proposals = ()
+        self.proposals, self.drafts, self.lookup_rows = (), (), set()
         await self._send(SpecStep(step=self.num_steps, released=released))
 
     async def _send(self, msg: SpecStep) -> None:

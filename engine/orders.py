@@ -49,3 +49,11 @@ def propose_sizes(advice: StepAdvice, decode: Sequence[str], joined_now: frozens
         if k > 0:
             out.append((rid, k))
     return tuple(out)
+
+
+def proposal_drafts(advice: StepAdvice, propose: tuple[tuple[str, int], ...]
+                    ) -> tuple[tuple[str, int, tuple[int, ...]], ...]:
+    """The speculation actor's lookup proposals (advice.drafts) of the rows that propose
+    this step."""
+    proposing = {rid for rid, _ in propose}
+    return tuple(d for d in advice.drafts if d[0] in proposing)

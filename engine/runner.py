@@ -78,6 +78,8 @@ class RunnerStatistics:
     snapshot_bytes: int
     num_step_gaps: int        # gaps timed: a forward was in flight between two steps
     step_gap_seconds: float   # their sum: the runner thread idled, the trio side worked
+    num_drafts_taken: int = 0  # proposals the speculation actor made (lookup), taken
+    num_proposals_made: int = 0  # proposals made on the runner thread
 
 
 def _cache_nbytes(cache: list[Any] | None) -> int:
@@ -176,7 +178,8 @@ class Runner:
             # a forward still in flight from the plain path is read first, not followed
             self._clock.mode = "switch" if ready is not None else "speculative"
             self._clock.shape = ("speculative", len(self._batch.ids), 1 + max(ks))
-            outputs = self._finalize(ready) if ready is not None else self._speculate(ks)
+            outputs = (self._finalize(ready) if ready is not None
+                       else self._speculate(ks, plan.drafts))
             return StepResult(outputs=outputs, kv_bytes=self.kv_bytes(),
                               kv_capacity=self._batch.capacity,
                               snapshots=snapshots, spills=spills, writes=writes)
@@ -212,12 +215,13 @@ class Runner:
                                       chunk.end)
             self._num_forward_tokens += chunk.end - chunk.start
 
-    def _speculate(self, ks: list[int]) -> tuple[RowOutput, ...]:
+    def _speculate(self, ks: list[int], drafts: tuple[tuple[str, int, tuple[int, ...]], ...]
+                   ) -> tuple[RowOutput, ...]:
         if self.speculator is None or self._batch.cache is None:
             raise RuntimeError("a verify step without a speculator or a batch")
         outputs, positions = verify_step(self.speculator, self._model, self._batch.cache,
                                          self._batch_rows(), self._batch_masks(self._batch.ids),
-                                         ks)
+                                         ks, drafts)
         self._num_forward_tokens += positions
         return outputs
 
@@ -391,4 +395,6 @@ class Runner:
             num_rows=len(self._rows), num_batch_rows=len(self._batch.ids),
             kv_bytes=self.kv_bytes(), num_forward_tokens=self._num_forward_tokens,
             num_snapshots=len(self.snapshots), snapshot_bytes=self.snapshots.nbytes,
-            num_step_gaps=self._clock.num_gaps, step_gap_seconds=self._clock.gap_seconds)
+            num_step_gaps=self._clock.num_gaps, step_gap_seconds=self._clock.gap_seconds,
+            num_drafts_taken=getattr(self.speculator, "num_drafts_taken", 0),
+            num_proposals_made=getattr(self.speculator, "num_made_here", 0))

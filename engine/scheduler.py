@@ -35,7 +35,7 @@ from typing import Iterable
 import attrs
 
 from tqserve.engine.kv_budget import KvBudget
-from tqserve.engine.orders import propose_sizes, snapshot_orders
+from tqserve.engine.orders import proposal_drafts, propose_sizes, snapshot_orders
 from tqserve.engine.prefill_plan import PrefillPlanner
 from tqserve.engine.rows import IllegalTransition, Row, RowState  # noqa: F401 (re-exported)
 from tqserve.engine.step import (NO_ADVICE, Event, Finished, NewRow, SpeculativeUsage,
@@ -257,13 +257,14 @@ class SchedulerCore:
             self._decoding.append(rid)
         release = tuple(self._to_release)
         release_tokens = tuple(self._release_tokens.pop(r, ()) for r in release)
+        propose = propose_sizes(advice, self._decoding,
+                                frozenset(row.request_id for row in started), self._own_k)
         plan = StepPlan(
             release=release, release_tokens=release_tokens, new_rows=new_rows,
             prefill=tuple(chunks), join=tuple(joins), decode=tuple(self._decoding),
             **snapshot_orders(advice, self._snapshot_ids, release, release_tokens, joins,
                               self._wants_prompt_snapshot),
-            propose=propose_sizes(advice, self._decoding,
-                                  frozenset(row.request_id for row in started), self._own_k))
+            propose=propose, drafts=proposal_drafts(advice, propose))
         self._to_release.clear()
         self._num_steps += 1
         return plan, events

@@ -78,6 +78,9 @@ class StepPlan:
     # the StepAdvice): (request id, k) of the decoding rows that propose up to k tokens
     # this step; a row not named decodes plainly, and a step where none proposes is plain.
     propose: tuple[tuple[str, int], ...] = ()
+    # the speculation actor's lookup proposals for rows of `propose` (request id, context
+    # length answered, tokens): the runner takes one for a row whose context is that long
+    drafts: tuple[tuple[str, int, tuple[int, ...]], ...] = ()
 
     @property
     def empty(self) -> bool:
@@ -93,8 +96,9 @@ class StepAdvice:
     `prefix_cache`: snapshot released rows and the prompts of joining rows that asked
     (`set_reuse(snapshot_prompt=...)`); `write_through`: persist this step's snapshots;
     `spill` / `drop`: the prefix cache's pending orders. `proposals`: the speculation
-    actor's decision for the last step (every row opened until then, its k); rows that
-    join in this very plan propose their own k when `new_rows_propose`."""
+    actor's decision for the last step (every row opened until then, its k), with its
+    lookup rows' proposals (`drafts`); rows that join in this very plan propose their own
+    k when `new_rows_propose`."""
 
     prefix_cache: bool = False
     write_through: bool = False
@@ -102,6 +106,7 @@ class StepAdvice:
     drop: tuple[str, ...] = ()
     speculation: bool = False
     proposals: tuple[tuple[str, int], ...] = ()
+    drafts: tuple[tuple[str, int, tuple[int, ...]], ...] = ()
     new_rows_propose: bool = True
 
 

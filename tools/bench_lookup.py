@@ -1,15 +1,18 @@
-"""What prompt lookup costs per proposing row and step: tqserve's numpy pass against the
-plain Python scan of the same definition, on one context each.
+"""What prompt lookup costs per proposing row and step: the speculation actor's index,
+the runner's numpy pass and a plain Python scan of the same definition, on one context
+each.
 
     python -m tqserve.tools.bench_lookup [--contexts 512,4096,16384] [--vocabs 32000,50]
                                          [--k 4] [--repeats 20] [--out FILE]
 
 For each context length and vocabulary: random tokens (a 32,000-token vocabulary rarely
 matches the tail, the scan's worst case; a 50-token one matches early, like code), the
-median seconds of one `lookup_tokens(context, k)` call (engine.speculative.proposers) and
-of `scan_lookup`, their ratio, and a check that both propose the same tokens. The call
-runs on the runner thread for every proposing row between two steps, so a row's figure
-times the batch is host time a step waits for. CPU only, no MLX; prints JSON.
+median seconds of one `lookup_tokens(context, k)` call (engine.speculative.lookup: what
+the runner computes where the actor made no proposal) and of `scan_lookup`, their ratio;
+the index's (`LookupIndex`): building it from the context (once per row, when it opens)
+and one step (one token appended, one proposal); and a check that all three propose the
+same tokens. A row's per-step figure times the batch is host time between two steps.
+CPU only, no MLX; prints JSON.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import statistics
 import time
 from typing import Any, Callable, Sequence
 
-from tqserve.engine.speculative.proposers import LookupSettings, lookup_tokens
+from tqserve.engine.speculative.lookup import LookupIndex, LookupSettings, lookup_tokens
 
 
 def scan_lookup(context: Sequence[int], k: int, s: LookupSettings) -> tuple[int, ...]:
@@ -51,10 +54,20 @@ def measure(length: int, vocab: int, k: int, repeats: int, seed: int = 0) -> dic
     settings = LookupSettings()
     numpy_s = _median_seconds(lambda: lookup_tokens(context, k, settings), repeats)
     scan_s = _median_seconds(lambda: scan_lookup(context, k, settings), repeats)
+    build_s = _median_seconds(lambda: LookupIndex(context, settings), repeats)
+    index = LookupIndex(context, settings)
+    same = lookup_tokens(context, k, settings) == scan_lookup(context, k, settings) == (
+        index.propose(k))
+
+    def step() -> None:  # one token appended, one proposal
+        index.extend((rng.randrange(vocab),))
+        index.propose(k)
+
+    step_s = _median_seconds(step, repeats)
     return {"context": length, "vocab": vocab, "numpy_ms": numpy_s * 1e3,
             "python_scan_ms": scan_s * 1e3, "scan_over_numpy": scan_s / numpy_s,
-            "same_proposal": lookup_tokens(context, k, settings) == scan_lookup(
-                context, k, settings)}
+            "index_build_ms": build_s * 1e3, "index_step_ms": step_s * 1e3,
+            "numpy_over_index_step": numpy_s / step_s, "same_proposal": same}
 
 
 def _ints(text: str) -> list[int]:

@@ -35,13 +35,15 @@ def proposal_sizes(speculator: Speculator | None, rows: Sequence[tuple[str, RowS
 
 def verify_step(speculator: Speculator, model: Any, cache: list[Any],
                 rows: Sequence[tuple[str, RowState]], masks: np.ndarray | None,
-                ks: list[int]) -> tuple[tuple[RowOutput, ...], int]:
-    """One verify step of the batch `rows` (in the batch's order): each row's output and
-    the number of positions the forward ran."""
+                ks: list[int], drafts: Sequence[tuple[str, int, tuple[int, ...]]] = ()
+                ) -> tuple[tuple[RowOutput, ...], int]:
+    """One verify step of the batch `rows` (in the batch's order; `drafts`: the
+    speculation actor's lookup proposals): each row's output and the number of positions
+    the forward ran."""
     spec_rows = [SpecRow(request_id=rid, context=(*r.prompt, *r.generated),
                          sampler=r.sampler, grammar=r.grammar) for rid, r in rows]
     results = speculator.step(model, cache, spec_rows, [r.last_token for _, r in rows],
-                              masks, ks)
+                              masks, ks, drafts)
     outputs, positions = [], 0
     for (rid, row), res in zip(rows, results):
         positions += 1 + res.num_proposed

@@ -23,10 +23,10 @@ from typing import Any, Protocol, Sequence
 
 import attrs
 import mlx.core as mx
-import numpy as np
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from tqserve.engine.arrays import item_int
+from tqserve.engine.speculative.lookup import LookupSettings, lookup_tokens
 from tqserve.engine.speculative.state import ProposerState, StateLayout
 
 class Proposer(Protocol):
@@ -41,46 +41,11 @@ class Proposer(Protocol):
         ...
 
 
-@attrs.frozen(kw_only=True)
-class LookupSettings:
-    """Prompt lookup: match the last `max_ngram` .. `min_ngram` tokens of the context at
-    an earlier place (most recent first) and propose what followed it."""
-
-    max_ngram: int = 3
-    min_ngram: int = 1
-
-    def __attrs_post_init__(self) -> None:
-        if not 1 <= self.min_ngram <= self.max_ngram <= 16:
-            raise ValueError("lookup n-gram sizes must satisfy 1 <= min <= max <= 16, got "
-                             f"{self.min_ngram}..{self.max_ngram}")
-
-
-def lookup_tokens(context: Sequence[int], k: int, settings: LookupSettings) -> tuple[int, ...]:
-    """Up to k tokens following the most recent earlier match of the context's tail: the
-    longest n-gram first (max_ngram .. min_ngram), the latest start before the tail's own.
-
-    One vectorized pass per n over the whole context (numpy compares every candidate
-    start at once): it runs on the runner thread for every proposing row and step, where
-    a scan in Python cost ~0.5 ms per 1,000 tokens of context (about 20x this)."""
-    n_ctx = len(context)
-    ctx = np.asarray(context, dtype=np.int64)
-    for n in range(min(settings.max_ngram, n_ctx - 1), settings.min_ngram - 1, -1):
-        starts = n_ctx - n  # the candidates: 0 .. n_ctx - n - 1 (the tail starts at n_ctx - n)
-        hit = ctx[:starts] == ctx[starts]
-        for i in range(1, n):
-            hit &= ctx[i:starts + i] == ctx[starts + i]
-        found = np.flatnonzero(hit)
-        if found.size:
-            start = int(found[-1])
-            return tuple(int(t) for t in ctx[start + n:start + n + k])
-    return ()
-
-
 class LookupProposer:
     """N-gram lookup over prompt + output so far; holds no per-row state."""
 
-    def __init__(self, settings: LookupSettings = LookupSettings()) -> None:
-        self.settings = settings
+    def __init__(self, settings: LookupSettings | None = None) -> None:
+        self.settings = settings if settings is not None else LookupSettings()
 
     def open_row(self, request_id: str) -> None:
         pass

@@ -6,7 +6,9 @@ carries it (`StepPlan.propose`, from the speculation actor's books: actors.specu
 a step where some row proposes runs as one verify step (rows that do not propose are fed
 their one token), without the plain path's pipelining (a proposal depends on the tokens
 just accepted). A row's choice: its request's `SpecChoice`, `False` (never), or `None`
-(the server's default).
+(the server's default). A lookup row's proposal usually comes made, from the speculation
+actor's index (`StepPlan.drafts`, taken when it answers the row's context as it is now);
+its proposer runs here only where none fits (`num_made_here` counts those).
 
 Paired snapshots (engine.speculative.state): a row whose proposer keeps state (draft, MTP)
 has that proposer's `identity` as its state identity ("" for lookup and plain rows); the
@@ -52,6 +54,8 @@ class Speculator:
         self.proposers = dict(proposers)
         self.default = default
         self._choices: dict[str, SpecChoice | None] = {}
+        self.num_drafts_taken = 0  # proposals made by the speculation actor, taken
+        self.num_made_here = 0     # proposals made on this thread
 
     def resolve(self, choice: RequestChoice) -> SpecChoice | None:
         """A request's effective choice. ValueError naming the field if its method is not
@@ -159,14 +163,23 @@ class Speculator:
         for rid in list(request_ids):
             self.close_row(rid)
 
-    def proposals(self, rows: Sequence[SpecRow], ks: Sequence[int]) -> list[tuple[int, ...]]:
-        """Every row's proposal this step, at most its k tokens (empty for k = 0)."""
+    def proposals(self, rows: Sequence[SpecRow], ks: Sequence[int],
+                  drafts: Sequence[tuple[str, int, tuple[int, ...]]] = ()
+                  ) -> list[tuple[int, ...]]:
+        """Every row's proposal this step, at most its k tokens (empty for k = 0): a draft
+        made for the row's context as it is now, else its proposer's."""
+        made = {rid: (at, tokens) for rid, at, tokens in drafts}
         asks: dict[str, list[tuple[int, str, Sequence[int], int]]] = {}
+        out: list[tuple[int, ...]] = [()] * len(rows)
         for i, (row, k) in enumerate(zip(rows, ks)):
             choice = self.choice(row.request_id)
-            if k > 0 and choice is not None:
+            draft = made.get(row.request_id)
+            if k > 0 and draft is not None and draft[0] == len(row.context):
+                out[i] = tuple(draft[1][:k])
+                self.num_drafts_taken += 1
+            elif k > 0 and choice is not None:
                 asks.setdefault(choice.method, []).append((i, row.request_id, row.context, k))
-        out: list[tuple[int, ...]] = [()] * len(rows)
+                self.num_made_here += 1
         for method, items in asks.items():
             got = self.proposers[method].propose([(rid, ctx, k) for _, rid, ctx, k in items])
             for (i, _, _, k), tokens in zip(items, got):
@@ -175,10 +188,12 @@ class Speculator:
 
     def step(self, model: Any, cache: list[Any], rows: Sequence[SpecRow],
              last_tokens: Sequence[int], masks: np.ndarray | None,
-             ks: Sequence[int]) -> list[Verified]:
-        """Propose (row i at most ks[i] tokens), verify in one forward, roll back; each
-        result says how many of its row's proposals the target kept."""
-        proposals = self.proposals(rows, ks)
+             ks: Sequence[int], drafts: Sequence[tuple[str, int, tuple[int, ...]]] = ()
+             ) -> list[Verified]:
+        """Propose (row i at most ks[i] tokens; `drafts`: made elsewhere), verify in one
+        forward, roll back; each result says how many of its row's proposals the target
+        kept."""
+        proposals = self.proposals(rows, ks, drafts)
         position_masks: list[list[np.ndarray]] = [[] for _ in rows]
         for i, row in enumerate(rows):
             if row.grammar is not None and proposals[i]:

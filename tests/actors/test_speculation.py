@@ -16,8 +16,9 @@ from tqserve.actors.messages import RowVerified, SpecDecision, SpecOpen, SpecSte
 from tqserve.actors.speculation import (SPECULATION_MAILBOX, SpeculationLink,
                                         reply_mailbox_size, run_speculation)
 from tqserve.engine.sampling import SamplingParams
-from tqserve.engine.orders import propose_sizes
+from tqserve.engine.orders import proposal_drafts, propose_sizes
 from tqserve.engine.step import NO_ADVICE, NewRow, RowOutput, StepPlan, StepResult
+from tqserve.engine.speculative.lookup import LookupBook, LookupSettings
 from tqserve.engine.speculative.policy import SpecChoice, SpecPolicy, SpeculationPolicy
 from tqserve.engine.speculative.throughput import ThroughputSettings
 
@@ -130,3 +131,48 @@ async def test_new_rows_propose_their_own_k_only_where_the_batch_allows(nursery)
     await trio.testing.wait_all_tasks_blocked()
     assert (await _apply(link, _plan(["b", "d"]))).propose == (("b", 3), ("d", 3))
     assert policy.statistics().num_rows == 2 and link.open_rows == {"b", "d"}
+
+
+async def test_lookup_rows_are_proposed_here_from_their_prompt_and_tokens(nursery):
+    """Lookup proposals are made by the actor (engine.speculative.lookup), off the runner
+    thread: the link sends a lookup row's prompt when it opens and its tokens each step;
+    the decision carries each lookup row's proposal with the context length it answers,
+    and the core passes the proposing rows' ones on in the plan."""
+    policy = SpeculationPolicy(SpecPolicy(time_policy=False))
+    spec_out, spec_in = open_mailbox(SPECULATION_MAILBOX, "speculation")
+    replies_out, replies_in = open_mailbox(reply_mailbox_size(), "speculation_replies")
+    lookup = SpecChoice(method="lookup", num_tokens=2)
+    await nursery.start(run_speculation, policy, lookup, spec_in, replies_out, Board(),
+                        LookupBook(LookupSettings(max_ngram=2)))
+    link = SpeculationLink(outbox=spec_out, replies=replies_in, lookup=True, default=lookup)
+    prompts = {"a": (5, 6, 7, 5, 6, 9, 5), "b": (1, 2, 3), "d": (4, 4, 4)}
+    plan = StepPlan(decode=("a", "b", "d"), new_rows=(
+        NewRow(request_id="a", row_id=0, prompt=prompts["a"], params=SamplingParams()),
+        NewRow(request_id="b", row_id=1, prompt=prompts["b"], params=SamplingParams(),
+               speculative=DEFAULT),  # a draft-model row: not indexed here
+        NewRow(request_id="d", row_id=2, prompt=prompts["d"], params=SamplingParams(),
+               speculative=False)))
+    sent = []
+    real_send = link.outbox.send
+
+    async def spy(msg):
+        sent.append(msg)
+        await real_send(msg)
+
+    link.outbox.send = spy
+    outputs = tuple(RowOutput(request_id=r, tokens=(6,)) for r in ("a", "b", "d"))
+    await link.report(plan, StepResult(outputs=outputs, kv_bytes=0), ["a", "b", "d"],
+                      {"a", "b", "d"})
+    assert [(o.request_id, o.context) for o in sent[0].opened] == [
+        ("a", prompts["a"]), ("b", ()), ("d", ())]
+    assert sent[0].emitted == (("a", (6,)),) and link.lookup_rows == {"a"}
+    advice = await link.advise(NO_ADVICE)
+    # a's context 5 6 7 5 6 9 5 6: its tail "5 6" last followed at 3 -> 9 5
+    assert advice.drafts == (("a", 8, (9, 5)),)
+    assert dict(advice.proposals) == {"a": 2, "b": 3}
+    propose = propose_sizes(advice, ("a", "b"), frozenset(), lambda rid: 0)
+    assert proposal_drafts(advice, propose) == (("a", 8, (9, 5)),)
+    assert proposal_drafts(advice, (("b", 3),)) == ()
+    # the row ends: its index goes with its books
+    await link.report(_plan([]), StepResult(outputs=(), kv_bytes=0), [], set())
+    assert (await link.advise(NO_ADVICE)).drafts == () and link.lookup_rows == set()

@@ -86,6 +86,10 @@ async def test_greedy_speculation_matches_mlx_lm(request, method, model, extra, 
         stats = engine.statistics()
         assert stats.rows_active == 0
         assert 0 < stats.speculative.num_accepted <= stats.speculative.num_proposed
+        if method == "lookup":  # proposed by the speculation actor, off the runner thread,
+            ran = engine.runner.statistics()  # but a row's first decode step (no decision)
+            speculating = rounds * sum(s is not False for s in spec)
+            assert ran.num_drafts_taken > 0 and ran.num_proposals_made <= speculating, ran
     assert outcomes["near_tie"] <= 1, outcomes
 
 

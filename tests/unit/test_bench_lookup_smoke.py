@@ -1,5 +1,5 @@
-"""tools.bench_lookup end to end at tiny sizes: JSON rows with both timings, the same
-proposal from both, and --out written."""
+"""tools.bench_lookup end to end at tiny sizes: JSON rows with the three timings, the same
+proposal from all, and --out written."""
 
 import json
 
@@ -20,6 +20,9 @@ def test_bench_lookup_reports_both_sides(tmp_path, capsys):
         assert row["same_proposal"] is True
         assert row["numpy_ms"] > 0 and row["python_scan_ms"] > 0
         assert row["scan_over_numpy"] == pytest.approx(row["python_scan_ms"] / row["numpy_ms"])
+        assert row["index_build_ms"] > 0 and row["index_step_ms"] > 0
+        assert row["numpy_over_index_step"] == pytest.approx(
+            row["numpy_ms"] / row["index_step_ms"])
 
 
 def test_bad_arguments_exit_2(capsys):

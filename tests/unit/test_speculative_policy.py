@@ -9,7 +9,7 @@ import pytest
 
 from tqserve.engine.speculative.policy import (SpecChoice, SpecPolicy, SpeculationPolicy,
                                                parse_speculative)
-from tqserve.engine.speculative.proposers import LookupSettings, lookup_tokens
+from tqserve.engine.speculative.lookup import LookupSettings, lookup_tokens
 from tqserve.engine.speculative.throughput import ThroughputSettings
 from tqserve.tools.bench_lookup import scan_lookup  # the definition, scanned in Python
 
