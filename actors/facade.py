@@ -32,7 +32,7 @@ from tqserve.engine.model import LoadedModel
 from tqserve.engine.prompt_logprobs import MAX_PROMPT_LOGPROBS_TOKENS
 from tqserve.engine.request import GenerateRequest
 from tqserve.engine.runner import Runner
-from tqserve.engine.scheduler import check_speculative
+from tqserve.engine.speculative.policy import check_speculative
 from tqserve.engine.speculative.policy import SpeculationStatistics
 from tqserve.engine.structured import BigStackExecutor, ResponseFormat, compile_format
 

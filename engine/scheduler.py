@@ -41,7 +41,8 @@ from tqserve.engine.rows import IllegalTransition, Row, RowState  # noqa: F401 (
 from tqserve.engine.step import (NO_ADVICE, Event, Finished, NewRow, SpeculativeUsage,
                                  Started, StepAdvice, StepPlan, StepResult, TokenOut)
 from tqserve.engine.sampling import SamplingParams
-from tqserve.engine.speculative.policy import RequestChoice, SpecChoice, resolve_choice
+from tqserve.engine.speculative.policy import (RequestChoice, SpecChoice, check_speculative,
+                                               resolve_choice)
 from tqserve.engine.structured import ResponseFormat
 
 
@@ -54,16 +55,6 @@ class SchedulerStatistics:
     num_steps: int
     num_prefill_groups: int
     num_prefill_tokens: int  # padding included: what the prefill forwards processed
-
-
-def check_speculative(methods: frozenset[str], speculative: object) -> None:
-    """ValueError naming speculative.method if a request's method is not one of `methods`
-    (the proposers served)."""
-    method = getattr(speculative, "method", None)
-    if method is not None and method not in methods:
-        served = ", ".join(sorted(methods)) or "none"
-        raise ValueError(f"speculative.method {method!r} is not served here (served: "
-                         f"{served}; see --speculative and --speculative-config)")
 
 
 class SchedulerCore:

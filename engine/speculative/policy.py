@@ -80,6 +80,16 @@ def resolve_choice(choice: object, default: SpecChoice | None) -> SpecChoice | N
     return choice
 
 
+def check_speculative(methods: frozenset[str], speculative: object) -> None:
+    """ValueError naming speculative.method if a request's method is not one of `methods`
+    (the proposers served)."""
+    method = getattr(speculative, "method", None)
+    if method is not None and method not in methods:
+        served = ", ".join(sorted(methods)) or "none"
+        raise ValueError(f"speculative.method {method!r} is not served here (served: "
+                         f"{served}; see --speculative and --speculative-config)")
+
+
 @attrs.frozen(kw_only=True)
 class SpecPolicy:
     """Batch-size policy and back-off settings (see the module doc)."""
