@@ -1,4 +1,4 @@
-"""Affine KV (mlx-lm's `kv_bits`) on mlx-lm's cache protocol: a batch in slots, one row.
+"""Affine KV (mlx-lm's `kv_bits`): a codec of the slot caches (engine/kv/slot_cache.py).
 
 Keys and values are stored as `mx.quantize` planes of a `SlotRows` (the same bytes
 mlx-lm's QuantizedKVCache holds): key_wq (uint32, head_dim*bits/32 words), key_scales and
@@ -7,17 +7,11 @@ cache exposes `bits` and `group_size`, so mlx-lm's `scaled_dot_product_attention
 dispatches to `quantized_scaled_dot_product_attention`, and `update_and_fetch` returns
 what that expects: the (wq, scales, biases) of keys and of values up to the longest row.
 
-* `AffineSlotsKVCache` is the batch (prefill groups, the decode batch): row i in slot i
-  at its own length; `extend` writes only the joining rows, `filter` moves at most one
-  row per retirement, `trim_rows` lowers lengths.
-* `AffineKVCache` is the same class seen as one sequence (`OneRow`,
-  engine/kv/slot_cache.py), like QuantizedKVCache; `from_kv_cache` converts a plain
-  mlx-lm KVCache. A batch's `extract(i)` is row i as an AffineKVCache with the same bytes.
-
-Settings come from the first row that joins a batch and must match every later one
-(ValueError). A row's `state` is the six planes of the written positions (None while
-empty), the offset, then bits and group_size; a batch's is the planes up to its longest
-row, the lengths array, bits, group_size.
+`AffineSlotsKVCache` is the batch (prefill groups, the decode batch); `AffineKVCache` is
+the same class seen as one sequence (`OneRow`), like QuantizedKVCache, and what a batch's
+`extract(i)` gives, with the same bytes; `from_kv_cache` converts a plain mlx-lm KVCache.
+The settings (`AffineSettings`: bits and group_size) come from the first row that joins a
+batch and must match every later one (ValueError); `state` ends with bits and group_size.
 """
 
 from __future__ import annotations
@@ -25,11 +19,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import attrs
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
 from tqserve.engine.kv.slot_cache import OneRow, SlotsCache
-from tqserve.engine.kv.slot_rows import SlotRows
+from tqserve.engine.kv.slot_rows import Planes
 
 KV_BITS = (4, 8)
 KV_GROUP_SIZES = (32, 64, 128)
@@ -46,103 +41,77 @@ def check_affine_settings(bits: int, group_size: int) -> None:
                          f"got {group_size!r}")
 
 
+@attrs.frozen
+class AffineSettings:
+    """Bits and group size of an affine cache (validated: `check_affine_settings`)."""
+
+    bits: int
+    group_size: int
+
+    def __attrs_post_init__(self) -> None:
+        check_affine_settings(self.bits, self.group_size)
+
+    def scalars(self) -> tuple[int, int]:
+        """The fields in `state` order."""
+        return self.bits, self.group_size
+
+    @classmethod
+    def from_scalars(cls, values: Sequence[Any]) -> AffineSettings:
+        """Inverse of `scalars`."""
+        bits, group_size = values
+        return cls(int(bits), int(group_size))
+
+
 class AffineSlotsKVCache(SlotsCache):
     """A batch of affine-quantized rows in slots (module doc)."""
 
-    def __init__(self, bits: int | None = None, group_size: int | None = None) -> None:
-        """Empty; the settings are taken from the first row that joins, unless given."""
-        self.bits = bits
-        self.group_size = group_size
-        self.slots = SlotRows()
+    KIND = "affine"
+    PLANES = PLANES
+    SETTINGS = AffineSettings
+    settings: AffineSettings | None
 
-    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Quantized, Quantized]:
-        """Quantize (rows, H, L, D) keys and values, write each row at its length; fetch
-        the (wq, scales, biases) of keys and of values up to the longest row."""
-        if keys.ndim != 4 or values.shape[:3] != keys.shape[:3] or keys.shape[0] != self.num_rows:
-            raise ValueError(f"expected keys and values ({self.num_rows}, H, L, D), got "
-                             f"{keys.shape} and {values.shape}")
-        if self.bits is None or self.group_size is None:
-            raise ValueError("an affine slot batch without rows has no settings")
-        encoded = (*mx.quantize(keys, group_size=self.group_size, bits=self.bits),
-                   *mx.quantize(values, group_size=self.group_size, bits=self.bits))
-        self.slots.append(dict(zip(PLANES, encoded)))
+    @property
+    def bits(self) -> int | None:
+        """Bits per quantized element (None until a row joins)."""
+        return None if self.settings is None else self.settings.bits
+
+    @property
+    def group_size(self) -> int | None:
+        """Elements per scale and bias (None until a row joins)."""
+        return None if self.settings is None else self.settings.group_size
+
+    def encode(self, keys: mx.array, values: mx.array) -> Planes:
+        """`mx.quantize` of keys and values: (wq, scales, biases) each."""
+        bits, group_size = self._settings().scalars()
+        for name, x in (("keys", keys), ("values", values)):
+            if x.shape[-1] % group_size:
+                raise ValueError(f"{name} head dim {x.shape[-1]} is not a multiple of "
+                                 f"group size {group_size}")
+        return dict(zip(PLANES, (*mx.quantize(keys, group_size=group_size, bits=bits),
+                                 *mx.quantize(values, group_size=group_size, bits=bits))))
+
+    def fetched(self) -> tuple[Quantized, Quantized]:
+        """The (wq, scales, biases) of keys and of values up to the longest row."""
         p = self.slots.fetch()
         return ((p["key_wq"], p["key_scales"], p["key_biases"]),
                 (p["value_wq"], p["value_scales"], p["value_biases"]))
 
-    def extend(self, other: Any) -> None:
-        """Append the rows of `other` (an AffineKVCache or another affine slot batch): only
-        their bytes are written."""
-        if not isinstance(other, AffineSlotsKVCache):
-            raise TypeError(f"a {type(other).__name__} cannot join an affine slot batch")
-        settings = (other.bits, other.group_size)
-        rows = [other.slots.row(i) for i in range(other.num_rows)]
-        if self.bits is None:
-            self.bits, self.group_size = settings
-        elif settings != (self.bits, self.group_size):
-            raise ValueError(f"cannot combine affine caches of bits/group size "
-                             f"{self.bits}/{self.group_size} and {settings[0]}/{settings[1]}")
-        self.slots.add_rows([r or None for r in rows])
 
-    def extract(self, idx: int) -> AffineKVCache:
-        """Row idx as a single-row AffineKVCache (a copy of its bytes)."""
-        if self.bits is None or self.group_size is None:
-            raise ValueError("an affine slot batch without rows has no settings")
-        row = AffineKVCache(self.bits, self.group_size)
-        row.slots = SlotRows.holding(self.slots.extract(idx))
-        return row
-
-    @property
-    def state(self) -> tuple[Any, ...]:
-        """The six planes up to the longest row (or Nones), lengths, bits, group_size."""
-        return (*self._planes_state(PLANES), self.bits, self.group_size)
-
-    @state.setter
-    def state(self, v: Sequence[Any]) -> None:
-        self._set_planes_state(PLANES, v)
-        self.bits, self.group_size = int(v[7]), int(v[8])
-
-
-class AffineKVCache(OneRow, AffineSlotsKVCache):  # type: ignore[misc]  # int offset
+class AffineKVCache(OneRow, AffineSlotsKVCache):
     """One row of affine-quantized KV: the slot class seen as one sequence (module doc)."""
 
-    bits: int  # always set: a row is made with its settings
+    settings: AffineSettings  # always set: a row is made with its settings
+    bits: int
     group_size: int
 
     def __init__(self, bits: int = 8, group_size: int = 64) -> None:
         """An empty row; bits in KV_BITS, group_size in KV_GROUP_SIZES (else ValueError)."""
-        check_affine_settings(bits, group_size)
-        super().__init__(bits, group_size)
-        self.slots = SlotRows.holding({})
+        super().__init__(AffineSettings(bits, group_size))
 
     @classmethod
     def from_kv_cache(cls, kv_cache: KVCache, bits: int, group_size: int) -> AffineKVCache:
         """Quantize the written K/V of a plain mlx-lm KVCache."""
-        if not isinstance(kv_cache, KVCache):
-            raise TypeError(f"expected an mlx-lm KVCache, got {type(kv_cache).__name__}")
-        cache = cls(bits, group_size)
-        cache.append_written(kv_cache)
-        return cache
+        return cls.converted(kv_cache, AffineSettings(bits, group_size))
 
-    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Quantized, Quantized]:
-        """Quantize and append (B, H, L, D) keys and values; fetch all written ones."""
-        if keys.ndim != 4 or values.ndim != 4 or keys.shape[:3] != values.shape[:3]:
-            raise ValueError(f"expected keys and values (B, H, L, D), got {keys.shape} "
-                             f"and {values.shape}")
-        for name, x in (("keys", keys), ("values", values)):
-            if x.shape[-1] % self.group_size:
-                raise ValueError(f"{name} head dim {x.shape[-1]} is not a multiple of "
-                                 f"group size {self.group_size}")
-        self._open(keys.shape[0])
-        return super().update_and_fetch(keys, values)
 
-    @property
-    def state(self) -> tuple[Any, ...]:
-        """The six planes (or Nones), the offset, bits, group_size."""
-        return (*self._row_planes(PLANES), self.offset, self.bits, self.group_size)
-
-    @state.setter
-    def state(self, v: Sequence[Any]) -> None:
-        check_affine_settings(int(v[7]), int(v[8]))
-        self.bits, self.group_size = int(v[7]), int(v[8])
-        self.slots = self._holding(PLANES, v[:6], v[6])
+AffineSlotsKVCache.ROW = AffineKVCache

@@ -1,27 +1,16 @@
 """Plain (float) KV in per-row slots: rows join and leave without copying the other rows.
 
-`RowSlotsKVCache` is the decode batch's cache for plain KVCache layers. It holds
-preallocated planes (rows capacity, heads, positions capacity, head dim); batch row i
-lives in slot i with its own length `lengths[i]`, its KV LEFT-aligned at positions
-[0, lengths[i]) (no padding). So:
-
-* a step's new positions are written per row at [lengths[i], lengths[i] + L) (one
-  scatter), and attention reads positions [0, max length) with a mask that keeps, for
-  each row, the positions below its own length (plus causality inside the block);
-  RoPE takes the per-row offsets (`offset` is the lengths as an array);
-* joining (`extend`) writes only the joining rows into free slots [n, n + m);
-* retiring (`filter(keep)`) moves only the rows whose slot changes: the runner keeps
-  rows in "swap the last row into the hole" order (`retire_order`), so one retirement
-  moves at most one row; a suffix of rows leaving moves nothing (a move evaluates the
-  moved row first, one host sync on that step: see `SlotRows.take`);
-* `trim_rows(amounts)` rolls back each row by its own amount (speculative rollback),
-  by lowering its length: nothing moves.
-Capacities grow by doubling (rows) and by STEP positions; only growth copies every row.
-Lengths are kept on the host (the runner knows every append), so no step reads them back.
-Positions beyond a row's length hold stale values that the mask never lets through.
-
-`merge`, `extract`, `state` and `trim` follow mlx-lm's batch cache protocol; `extract`
-returns a plain KVCache (what prefix snapshots hold).
+`RowSlotsKVCache` is the decode batch's cache for plain KVCache layers: plain KV as a
+codec of SlotsCache (engine/kv/slot_cache.py), without settings, its planes "keys" and
+"values" stored as they come. Batch row i lives in slot i of a SlotRows
+(engine/kv/slot_rows.py) at its own length, LEFT-aligned at [0, lengths[i]) (no padding):
+a step writes each row at its own length and attention reads [0, max length) under a
+per-row mask (RoPE takes the lengths as `offset`); `extend` writes only the joining rows,
+`filter` with `retire_order` moves at most one row per retirement, and `trim_rows`
+(speculative rollback) lowers each row's length, here CLAMPED at it, returning what each
+row lost. Nothing moves but a retirement's row; only growth copies every row. Its rows
+are mlx-lm KVCaches: one joins with its written positions, and `extract` returns one
+(what prefix snapshots hold).
 
 Affine, TurboQuant and delayed TurboQuant rows have slot batches of their own
 (engine/kv/affine.py, turboquant.py, delayed_slots.py, on engine/kv/slot_cache.py); a
@@ -41,22 +30,23 @@ from typing import Any, Sequence
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
-from tqserve.engine.kv.affine import AffineKVCache, AffineSlotsKVCache
+from tqserve.engine.kv.affine import AffineSlotsKVCache
 from tqserve.engine.kv.delayed import DelayedTurboQuantKVCache
 from tqserve.engine.kv.delayed_slots import DelayedTurboQuantSlotsKVCache
-from tqserve.engine.kv.slot_rows import SlotRows, retire_order
+from tqserve.engine.kv.slot_rows import Planes, retire_order
 from tqserve.engine.kv.slot_cache import OneRow, SlotsCache
-from tqserve.engine.kv.turboquant import TurboQuantKVCache, TurboQuantSlotsKVCache
+from tqserve.engine.kv.turboquant import TurboQuantSlotsKVCache
 
 __all__ = ["RowSlotsKVCache", "is_slot_batch", "retire_order", "slot_batch", "slot_batch_of",
            "slot_kind"]
 
 
 class RowSlotsKVCache(SlotsCache):
-    """A batch of plain KV rows in slots (module doc): planes "keys" and "values"."""
+    """A batch of plain KV rows in slots (module doc): planes "keys" and "values", no
+    settings; its rows are mlx-lm KVCaches."""
 
-    def __init__(self) -> None:
-        self.slots = SlotRows()
+    KIND = "plain"
+    PLANES = ("keys", "values")
 
     @property
     def keys(self) -> mx.array | None:
@@ -68,20 +58,23 @@ class RowSlotsKVCache(SlotsCache):
         """The rows' allocated value planes; None while empty."""
         return self.slots.planes().get("values")
 
-    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        """Write L new positions of every row (row i at its own length); return the
-        planes up to the longest row."""
-        if keys.shape[0] != self.num_rows:
-            raise ValueError(f"{keys.shape[0]} rows of keys for a batch of {self.num_rows}")
-        self.slots.append({"keys": keys, "values": values})
+    def encode(self, keys: mx.array, values: mx.array) -> Planes:
+        """Plain KV is stored as it comes."""
+        return {"keys": keys, "values": values}
+
+    def fetched(self) -> tuple[mx.array, mx.array]:
+        """Keys and values up to the longest row."""
         fetched = self.slots.fetch()
         return fetched["keys"], fetched["values"]
 
-    def extend(self, other: Any) -> None:
-        """Append the rows of `other` (a KVCache or RowSlotsKVCache) in free slots: only
-        their KV is written."""
-        self.slots.add_rows([None if k is None else {"keys": k, "values": v}
-                             for k, v in _rows_of(other)])
+    def _joining(self, other: Any) -> tuple[Any, list[Planes]]:
+        """A KVCache joins with its written positions; a plain slot batch with its rows."""
+        if type(other) is not KVCache:
+            return super()._joining(other)
+        if other.keys is None or other.offset == 0:
+            return None, [{}]
+        return None, [{"keys": other.keys[..., :other.offset, :],
+                       "values": other.values[..., :other.offset, :]}]
 
     def trim_rows(self, amounts: Sequence[int]) -> list[int]:  # type: ignore[override]
         """Roll row i back by amounts[i] positions (CLAMPED at its length); nothing moves.
@@ -103,47 +96,19 @@ class RowSlotsKVCache(SlotsCache):
             cache.offset = self.lengths[idx]
         return cache
 
-    @property
-    def state(self) -> tuple[Any, ...]:
-        """Keys and values up to the longest row (or Nones), the lengths array."""
-        return self._planes_state(("keys", "values"))
 
-    @state.setter
-    def state(self, v: Sequence[Any]) -> None:
-        self._set_planes_state(("keys", "values"), v)
-
-
-def _rows_of(cache: Any) -> list[tuple[Any, Any]]:
-    """Each row's valid (keys, values), (1, H, length, D), of a plain cache or batch;
-    (None, None) for a row that holds no position yet."""
-    if isinstance(cache, RowSlotsKVCache):
-        if cache.keys is None or cache.values is None:
-            return [(None, None)] * cache.num_rows
-        return [(cache.keys[i:i + 1, :, :p], cache.values[i:i + 1, :, :p]) if p else (None, None)
-                for i, p in enumerate(cache.lengths)]
-    if type(cache) is KVCache:
-        if cache.keys is None or cache.offset == 0:
-            return [(None, None)]
-        return [(cache.keys[..., :cache.offset, :], cache.values[..., :cache.offset, :])]
-    raise TypeError(f"a {type(cache).__name__} cannot join a plain slot batch")
-
-
-_SLOT_CLASSES: tuple[tuple[type, Any], ...] = (
-    (AffineKVCache, AffineSlotsKVCache),
-    (TurboQuantKVCache, TurboQuantSlotsKVCache),
-    (DelayedTurboQuantKVCache, DelayedTurboQuantSlotsKVCache),
-)
+_SLOT_CLASSES = (RowSlotsKVCache, AffineSlotsKVCache, TurboQuantSlotsKVCache,
+                 DelayedTurboQuantSlotsKVCache)  # affine and TurboQuant rows are their own
 
 
 def slot_kind(cache: Any) -> Any | None:
     """The slot batch class for a row or slot batch of this kind (plain, affine,
     TurboQuant, delayed TurboQuant); None for other kinds."""
-    if type(cache) is KVCache or isinstance(cache, RowSlotsKVCache):
+    if type(cache) is KVCache:
         return RowSlotsKVCache
-    for kind, slots in _SLOT_CLASSES:
-        if isinstance(cache, (kind, slots)):
-            return slots
-    return None
+    if isinstance(cache, DelayedTurboQuantKVCache):
+        return DelayedTurboQuantSlotsKVCache
+    return next((slots for slots in _SLOT_CLASSES if isinstance(cache, slots)), None)
 
 
 def slot_batch_of(caches: Sequence[Any]) -> Any:
@@ -165,7 +130,7 @@ def slot_batch(cache: Any) -> Any | None:
 def is_slot_batch(cache: Any) -> bool:
     """Whether a batch cache keeps its rows in slots (joins take single rows as they are,
     retirements want `retire_order`); a one-row cache (`OneRow`) is no batch."""
-    return isinstance(cache, (RowSlotsKVCache, SlotsCache)) and not isinstance(cache, OneRow)
+    return isinstance(cache, SlotsCache) and not isinstance(cache, OneRow)
 
 
 def as_decode_batch(cache: Any) -> Any:

@@ -9,21 +9,19 @@ as both elements of the (keys, values) pair; attention (engine/attention/sdpa.py
 consumes it. No decoded copy is kept: decoding happens transiently inside one attention
 call, and the fused decode (compiled ops, or the CUDA kernel) needs no mask.
 
-* `TurboQuantSlotsKVCache` is the batch (prefill groups, the decode batch): rows join
-  (`extend`: only their bytes are written) and leave (`filter` with `retire_order`: at
-  most one row moves) and roll back (`trim_rows`), encoded bytes only, never decoded.
-* `TurboQuantKVCache` is the same class seen as one sequence (`OneRow`,
-  engine/kv/slot_cache.py): int `offset`, no padding, like mlx-lm's KVCache;
-  `from_kv_cache` is the one conversion from a plain mlx-lm KVCache. A batch's
-  `extract(i)` is row i as a TurboQuantKVCache with the same bytes.
+`TurboQuantSlotsKVCache` is the batch (prefill groups, the decode batch), a codec of the
+slot caches (engine/kv/slot_cache.py): rows join, leave and roll back with their encoded
+bytes, never decoded. `TurboQuantKVCache` is the same class seen as one sequence
+(`OneRow`): int `offset`, no padding, like mlx-lm's KVCache, and what a batch's
+`extract(i)` gives, with the same bytes; `from_kv_cache` is the one conversion from a
+plain mlx-lm KVCache. `write` (encode without fetch) and `fetch` serve the delayed
+batch's converted part (engine/kv/delayed_slots.py).
 
-A cache's settings are a `TurboQuantConfig`, its decode path included (`decode`, one of
-engine.attention.sdpa.DECODE_PATHS, from `--kv turboquant:...,decode=PATH`); slot
-batches, extracted, converted and restored (`state`) caches carry the config, so the
-selection never changes. Caches with different configs refuse to share a batch
-(ValueError). A row's `state` is (key_codes, key_norms, value_codes, value_norms) of the
-written positions (None while empty), the offset, then the config fields; a batch's is the
-planes up to its longest row, the lengths array, then the config fields (mlx-lm 0.32.2
+A cache's settings are a `TurboQuantConfig` (`config`), its decode path included
+(`decode`, one of engine.attention.sdpa.DECODE_PATHS, from `--kv
+turboquant:...,decode=PATH`); slot batches, extracted, converted and restored (`state`)
+caches carry the config, so the selection never changes. Caches with different configs
+refuse to share a batch (ValueError). `state` ends with the config fields (mlx-lm 0.32.2
 has no meta_state).
 """
 
@@ -41,7 +39,7 @@ from tqserve.engine.attention import cuda_decode
 from tqserve.engine.attention.sdpa import DECODE_PATHS, RotatedKV
 from tqserve.engine.codec.turboquant import DEFAULT_ROTATION, TurboQuantCodec
 from tqserve.engine.kv.slot_cache import OneRow, SlotsCache
-from tqserve.engine.kv.slot_rows import Planes, SlotRows
+from tqserve.engine.kv.slot_rows import Planes
 
 PLANES = ("key_codes", "key_norms", "value_codes", "value_norms")
 
@@ -112,103 +110,66 @@ class TurboQuantConfig:
 class TurboQuantSlotsKVCache(SlotsCache):
     """A batch of TurboQuant rows in slots (module doc)."""
 
-    def __init__(self, config: TurboQuantConfig | None = None) -> None:
-        """Empty; the config is taken from the first row that joins, unless given."""
-        self.config = config
-        self.slots = SlotRows()
+    KIND = "TurboQuant"
+    PLANES = PLANES
+    SETTINGS = TurboQuantConfig
+    settings: TurboQuantConfig | None
+
+    @property
+    def config(self) -> TurboQuantConfig | None:
+        """The settings (None until a row joins an empty batch)."""
+        return self.settings
+
+    @config.setter
+    def config(self, config: TurboQuantConfig | None) -> None:
+        self.settings = config
 
     @property
     def fused_decode(self) -> bool:
         """Whether decode steps take the fused attention path (fixed by the config)."""
-        return self.config is not None and self.config.fused_decode
+        return self.settings is not None and self.settings.fused_decode
 
-    def _config(self) -> TurboQuantConfig:
-        if self.config is None:
-            raise ValueError("a TurboQuant slot batch without rows has no config")
-        return self.config
-
-    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[RotatedKV, RotatedKV]:
-        """Encode (rows, H, L, head_dim) keys and values, write each row at its length;
-        fetch a RotatedKV of the rows' allocated planes with their own ends."""
-        config = self._config()
-        d = config.head_dim
-        if keys.ndim != 4 or keys.shape[-1] != d or values.shape != keys.shape or (
-                keys.shape[0] != self.num_rows):
-            raise ValueError(f"expected keys and values ({self.num_rows}, H, L, {d}), got "
-                             f"{keys.shape} and {values.shape}")
-        self.write(keys, values)
-        fetched = self.fetch()
-        return fetched, fetched
-
-    def write(self, keys: mx.array, values: mx.array) -> None:
-        """Encode and write a block of every row (no fetch)."""
-        config = self._config()
+    def encode(self, keys: mx.array, values: mx.array) -> Planes:
+        """The codes and norms of (rows, H, L, head_dim) keys and values (the CUDA
+        kernels encode where the config lets them and they run)."""
+        config = self._settings()
+        if keys.shape[-1] != config.head_dim or values.shape != keys.shape:
+            raise ValueError(f"expected keys and values ({self.num_rows}, H, L, "
+                             f"{config.head_dim}), got {keys.shape} and {values.shape}")
         key_codec, value_codec = config.key_codec, config.value_codec
         if config.kernels and cuda_decode.can_encode(key_codec, value_codec):
             k, v = cuda_decode.encode(keys, values, key_codec, value_codec)
         else:
             k, v = key_codec.encode(keys), value_codec.encode(values)
-        self.slots.append({"key_codes": k.codes, "key_norms": k.norms,
-                           "value_codes": v.codes, "value_norms": v.norms})
+        return {"key_codes": k.codes, "key_norms": k.norms,
+                "value_codes": v.codes, "value_norms": v.norms}
 
     def fetch(self) -> RotatedKV:
         """The rows' allocated planes (rows, H, T_alloc, W), rows [0, lengths[i])."""
-        config = self._config()
+        config = self._settings()
         planes = self.slots.planes()
         lengths = tuple(self.slots.lengths)
         return RotatedKV(**{n: planes[n] for n in PLANES}, key_codec=config.key_codec,
                          value_codec=config.value_codec, decode=config.decode,
                          length=max(lengths, default=0), ends=lengths)
 
-    def extend(self, other: Any) -> None:
-        """Append the rows of `other` (a TurboQuantKVCache or another TurboQuant slot
-        batch): only their bytes are written."""
-        if not isinstance(other, TurboQuantSlotsKVCache):
-            raise TypeError(f"a {type(other).__name__} cannot join a TurboQuant slot batch")
-        self.add(other.config, [other.slots.row(i) for i in range(other.num_rows)])
-
-    def add(self, config: TurboQuantConfig | None, rows: Sequence[Planes]) -> None:
-        """Append rows given as plane dicts ({} for an empty row) encoded with `config`."""
-        if self.config is None:
-            self.config = config
-        elif config is not None and config != self.config:
-            raise ValueError(f"cannot combine TurboQuant caches {self.config} and {config}")
-        self.slots.add_rows([r or None for r in rows])
-
-    def extract(self, idx: int) -> TurboQuantKVCache:
-        """Row idx as a single-row TurboQuantKVCache (a copy of its bytes, same config)."""
-        return TurboQuantKVCache.of(self._config(), SlotRows.holding(self.slots.extract(idx)))
-
-    @property
-    def state(self) -> tuple[Any, ...]:
-        """The four planes up to the longest row (or Nones), lengths, the config fields."""
-        return (*self._planes_state(PLANES), *self._config().scalars())
-
-    @state.setter
-    def state(self, v: Sequence[Any]) -> None:
-        self._set_planes_state(PLANES, v)
-        self.config = TurboQuantConfig.from_scalars(v[5:])
+    def fetched(self) -> tuple[RotatedKV, RotatedKV]:
+        """A RotatedKV of the rows' allocated planes with their own ends, as keys and values."""
+        rotated = self.fetch()
+        return rotated, rotated
 
 
-class TurboQuantKVCache(OneRow, TurboQuantSlotsKVCache):  # type: ignore[misc]  # int offset
+class TurboQuantKVCache(OneRow, TurboQuantSlotsKVCache):
     """One row of TurboQuant KV: the slot class seen as one sequence (module doc)."""
 
-    config: TurboQuantConfig  # always set: a row is made with its settings
+    settings: TurboQuantConfig  # always set: a row is made with its settings
+    config: TurboQuantConfig
 
     def __init__(self, k_bits: int, v_bits: int, head_dim: int, seed: int = 0,
                  rotation: str = DEFAULT_ROTATION, decode: str = "auto") -> None:
         """An empty row; `decode` is its decode path (module doc)."""
         super().__init__(TurboQuantConfig.create(k_bits, v_bits, head_dim, seed, rotation,
                                                  decode))
-        self.slots = SlotRows.holding({})
-
-    @classmethod
-    def of(cls, config: TurboQuantConfig, slots: SlotRows | None = None) -> TurboQuantKVCache:
-        """A cache with `config` holding `slots` (one fresh empty row by default)."""
-        cache = cls.__new__(cls)
-        cache.config = config
-        cache.slots = slots if slots is not None else SlotRows.holding({})
-        return cache
 
     @classmethod
     def from_kv_cache(cls, kv_cache: KVCache, k_bits: int, v_bits: int, *,
@@ -224,20 +185,8 @@ class TurboQuantKVCache(OneRow, TurboQuantSlotsKVCache):  # type: ignore[misc]  
         if kv_cache.keys is None and head_dim is None:
             raise ValueError("an empty KVCache converts only with head_dim given")
         dim = head_dim if head_dim is not None else kv_cache.keys.shape[-1]
-        cache = cls(k_bits, v_bits, dim, seed=seed, rotation=rotation, decode=decode)
-        cache.append_written(kv_cache)
-        return cache
+        return cls.converted(kv_cache, TurboQuantConfig.create(k_bits, v_bits, dim, seed,
+                                                               rotation, decode))
 
-    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[RotatedKV, RotatedKV]:
-        """Encode and append (B, H, L, head_dim) keys and values; fetch all written ones."""
-        self._open(keys.shape[0] if keys.ndim == 4 else 1)
-        return super().update_and_fetch(keys, values)
 
-    @property
-    def state(self) -> tuple[Any, ...]:
-        return (*self._row_planes(PLANES), self.offset, *self._config().scalars())
-
-    @state.setter
-    def state(self, v: Sequence[Any]) -> None:
-        self.config = TurboQuantConfig.from_scalars(v[5:])
-        self.slots = self._holding(PLANES, v[:4], v[4])
+TurboQuantSlotsKVCache.ROW = TurboQuantKVCache
