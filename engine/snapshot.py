@@ -134,8 +134,6 @@ def planes_of(cache: Any) -> dict[str, mx.array]:
             return {}
         return {"keys": cache.keys[..., :cache.offset, :],
                 "values": cache.values[..., :cache.offset, :]}
-    if isinstance(cache, DelayedTurboQuantKVCache):
-        return planes_of(cache.inner)
     return cache.written()
 
 
@@ -189,10 +187,9 @@ def _layer_from(template: Any, kind: str, planes: Mapping[str, mx.array],
     if kind == "tq":
         return TurboQuantKVCache.of(template.config, SlotRows.holding(planes))
     if kind in ("dplain", "dtq"):
-        inner = (TurboQuantKVCache.of(template.config, SlotRows.holding(planes))
-                 if kind == "dtq" else _layer_from(None, "kv", planes, 0))
-        return DelayedTurboQuantKVCache.of(template.quantized_kv_start, template.config, inner,
-                                           boundary if kind == "dtq" else 0)
+        return DelayedTurboQuantKVCache.holding(template.quantized_kv_start, template.config,
+                                                planes, kind == "dtq",
+                                                boundary if kind == "dtq" else 0)
     if kind == "affine":
         affine = AffineKVCache(template.bits, template.group_size)
         affine.slots = SlotRows.holding(planes)

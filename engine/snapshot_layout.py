@@ -114,8 +114,9 @@ def plane_layout(model: Any, template: Sequence[Any]) -> PlaneLayout | None:
                                  for name, a in planes_of(probe).items()}
             if variant == kind:
                 probes.append(probe if kind not in ("dplain", "dtq") else
-                              DelayedTurboQuantKVCache.of(fresh.quantized_kv_start,
-                                                          fresh.config, probe, 0))
+                              DelayedTurboQuantKVCache.holding(fresh.quantized_kv_start,
+                                                               fresh.config, planes_of(probe),
+                                                               kind == "dtq"))
         layers.append(variants)
     described = describe(Snapshot(layers=tuple(probes), kinds=kinds, offset=1,
                                   minimum_reusable_offset=0))

@@ -1,10 +1,10 @@
 """KV cache classes on mlx-lm's cache protocol: one family on one position store
 (slot_rows.py). For every batch (the prefill groups and the decode batch) the per-row
 slots of each kind (slots.py: `slot_batch_of`); a single row of each kind (plain is
-mlx-lm's KVCache; TurboQuant and affine are their slot classes seen as one sequence,
-slot_cache.OneRow; delayed TurboQuant a plain row that converts); the per-model cache
-factory. How attention reads these planes (the rotated attention port, the fused decode,
-the CUDA kernels) is engine.attention's."""
+mlx-lm's KVCache; TurboQuant, affine and delayed TurboQuant are their slot classes seen
+as one sequence, slot_cache.OneRow); the per-model cache factory. How attention reads
+these planes (the rotated attention port, the fused decode, the CUDA kernels) is
+engine.attention's."""
 
 from tqserve.engine.kv.affine import AffineKVCache, AffineSlotsKVCache
 from tqserve.engine.kv.delayed import DelayedTurboQuantKVCache
