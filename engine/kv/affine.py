@@ -97,7 +97,7 @@ class AffineSlotsKVCache(SlotsCache):
                 (p["value_wq"], p["value_scales"], p["value_biases"]))
 
 
-class AffineKVCache(OneRow, AffineSlotsKVCache):
+class AffineKVCache(OneRow, AffineSlotsKVCache):  # type: ignore[misc]  # int offset
     """One row of affine-quantized KV: the slot class seen as one sequence (module doc)."""
 
     settings: AffineSettings  # always set: a row is made with its settings

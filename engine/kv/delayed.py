@@ -12,7 +12,7 @@ deepcopy and `state` keep it.
 
 One class implements this: `DelayedTurboQuantSlotsKVCache` (delayed_slots.py), a plain
 and a converted slot part, which holds the rows of prefill groups and of the decode
-batch. One row, `DelayedTurboQuantKVCache`, is that class seen as one sequence (`OneRow`,
+batch. One row, `DelayedTurboQuantKVCache`, is that class seen as one sequence (`OneSequence`,
 engine/kv/slot_cache.py), as TurboQuantKVCache is TurboQuant's: its row sits in one of the
 two parts, so conversion, trim, `state` (one flat layout) and deepcopy are the slot
 class's; it joins a batch (`extend`) with the bytes it holds, and a batch's `extract(i)`
@@ -34,12 +34,12 @@ from mlx_lm.models.cache import KVCache
 from tqserve.engine.codec.turboquant import DEFAULT_ROTATION
 from tqserve.engine.kv.delayed_slots import (DelayedTurboQuantSlotsKVCache, Fetched,
                                              _plain_cache)
-from tqserve.engine.kv.slot_cache import OneRow
+from tqserve.engine.kv.slot_cache import OneSequence
 from tqserve.engine.kv.slot_rows import Planes, SlotRows
 from tqserve.engine.kv.turboquant import TurboQuantConfig, TurboQuantKVCache
 
 
-class DelayedTurboQuantKVCache(OneRow, DelayedTurboQuantSlotsKVCache):  # type: ignore[misc]
+class DelayedTurboQuantKVCache(OneSequence, DelayedTurboQuantSlotsKVCache):  # type: ignore[misc]
     """One row: plain until `quantized_kv_start`, TurboQuant after (see the module doc)."""
 
     config: TurboQuantConfig  # always set: a row is made with its settings

@@ -10,7 +10,7 @@ row is LEFT-aligned in its part.
 
 * update_and_fetch first converts the plain rows whose length reached
   `quantized_kv_start` (the row's written positions encoded as
-  `TurboQuantKVCache.append_written` encodes a plain KVCache's, at its actual length,
+  `TurboQuantKVCache.converted` encodes a plain KVCache's, at its actual length,
   which becomes its boundary, written into a new converted slot; its plain slot retires,
   moving at most one plain row), then writes each part's rows and returns plain arrays, a
   RotatedKV or a `MixedRowsKV` (the parts' rows in slot order; attention restores batch
@@ -133,8 +133,8 @@ class DelayedTurboQuantSlotsKVCache(SlotsCache):
             length = -1 if self._converted[i] else self.slots.lengths[self.slot[i]]
             if length < self.quantized_kv_start:
                 continue
-            row = TurboQuantKVCache.of(self.config)
-            row.append_written(_plain_cache(self.slots.row(self.slot[i])))
+            row = TurboQuantKVCache.converted(_plain_cache(self.slots.row(self.slot[i])),
+                                              self.config)
             planes = row.written()
             mx.eval(planes)  # read the plain slot before another row moves into it
             moved = self._retire(self.slots, [self.slot[i]])

@@ -192,8 +192,26 @@ class SlotsCache(_BaseCache):
                              else None for i, p in enumerate(lengths)])
 
 
-class OneRow(SlotsCache):
-    """mlx-lm's single-sequence view of a slot cache (see the module doc). Put it before
+class OneSequence:
+    """mlx-lm's single-sequence view of a slot store: an int `offset` and the mask a
+    KVCache at that offset makes. A one-row class puts it before its slot class (OneRow;
+    the delayed row, engine/kv/delayed.py); `is_slot_batch` tells rows from batches by it."""
+
+    slots: SlotRows
+
+    @property
+    def offset(self) -> int:
+        """Tokens held (every row of the block alike)."""
+        return self.slots.lengths[0] if self.slots.lengths else 0
+
+    def make_mask(self, N: int, return_array: bool = False,
+                  window_size: int | None = None, **kwargs: Any) -> Any:
+        """The mask a KVCache at this offset makes: None, "causal" or an array."""
+        return create_attention_mask(N, self.offset, return_array, window_size)
+
+
+class OneRow(OneSequence, SlotsCache):  # type: ignore[misc]  # int offset
+    """A codec's one-row class over its slot class (see the module doc). Put it before
     the codec's slot class: its `offset`, `make_mask`, `update_and_fetch` and the restore
     of a `state` win."""
 
@@ -222,16 +240,6 @@ class OneRow(SlotsCache):
             end = kv_cache.offset
             cache.update_and_fetch(kv_cache.keys[..., :end, :], kv_cache.values[..., :end, :])
         return cache
-
-    @property
-    def offset(self) -> int:  # type: ignore[override]  # mlx-lm's single-row caches' int
-        """Tokens held (every row of the block alike)."""
-        return self.slots.lengths[0] if self.slots.lengths else 0
-
-    def make_mask(self, N: int, return_array: bool = False,
-                  window_size: int | None = None, **kwargs: Any) -> Any:
-        """The mask a KVCache at this offset makes: None, "causal" or an array."""
-        return create_attention_mask(N, self.offset, return_array, window_size)
 
     def written(self) -> Planes:
         """The written planes (B, H, offset, W), as views ({} while empty)."""

@@ -34,7 +34,7 @@ from tqserve.engine.kv.affine import AffineSlotsKVCache
 from tqserve.engine.kv.delayed import DelayedTurboQuantKVCache
 from tqserve.engine.kv.delayed_slots import DelayedTurboQuantSlotsKVCache
 from tqserve.engine.kv.slot_rows import Planes, retire_order
-from tqserve.engine.kv.slot_cache import OneRow, SlotsCache
+from tqserve.engine.kv.slot_cache import OneSequence, SlotsCache
 from tqserve.engine.kv.turboquant import TurboQuantSlotsKVCache
 
 __all__ = ["RowSlotsKVCache", "is_slot_batch", "retire_order", "slot_batch", "slot_batch_of",
@@ -129,8 +129,8 @@ def slot_batch(cache: Any) -> Any | None:
 
 def is_slot_batch(cache: Any) -> bool:
     """Whether a batch cache keeps its rows in slots (joins take single rows as they are,
-    retirements want `retire_order`); a one-row cache (`OneRow`) is no batch."""
-    return isinstance(cache, SlotsCache) and not isinstance(cache, OneRow)
+    retirements want `retire_order`); a one-row cache (`OneSequence`) is no batch."""
+    return isinstance(cache, SlotsCache) and not isinstance(cache, OneSequence)
 
 
 def as_decode_batch(cache: Any) -> Any:

@@ -159,7 +159,7 @@ class TurboQuantSlotsKVCache(SlotsCache):
         return rotated, rotated
 
 
-class TurboQuantKVCache(OneRow, TurboQuantSlotsKVCache):
+class TurboQuantKVCache(OneRow, TurboQuantSlotsKVCache):  # type: ignore[misc]  # int offset
     """One row of TurboQuant KV: the slot class seen as one sequence (module doc)."""
 
     settings: TurboQuantConfig  # always set: a row is made with its settings
