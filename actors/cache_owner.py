@@ -5,8 +5,10 @@ Owns: the leases (request id -> its row id and the positions the core charged it
 the budget (bytes, from engine.kv_budget), the core's latest charge of the running rows,
 the resident bytes the runner reported, and the counts of leases and releases by reason.
 Decides nothing: the sans-io core decides which rows start under the budget (a row is
-charged its whole life when it starts, so what was admitted can always finish and no row
-is ever preempted: engine.kv_budget) and the scheduler reports each decision here. This
+charged its whole life when it starts, or with --kv-admission preempt what it holds, the
+longest row preempted under pressure: engine.kv_budget) and the scheduler reports each
+decision here (a preemption is a release with reason "preempted", its resumption a
+lease). This
 ledger is what statistics, /metrics and `wait_idle` read: it posts its record to the
 board (actors.board) after every message.
 Receives: Lease, Release, KvUsage from the scheduler (CACHE_OWNER_MAILBOX).
@@ -28,7 +30,7 @@ class CacheOwnerStatistics:
     rows_active: int
     kv_bytes: int          # resident: what the runner's caches allocate now
     kv_budget_bytes: int   # what admitted rows may come to hold together (0: no budget)
-    kv_charged_bytes: int  # what the core charged the running rows for their whole lives
+    kv_charged_bytes: int  # what the core charged the running rows (engine.kv_budget)
     leased_positions: int  # positions the leased rows were charged for, summed
     num_leases: int
     num_releases: int

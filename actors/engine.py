@@ -168,10 +168,10 @@ async def open_engine(config: Config, *, loaded: LoadedModel | None = None,
         spec_default = speculator.default if speculator is not None else None
         prefix, spill = None, None
         if config.prefix_cache:
-            refused = await thread.call(runner.unsnapshottable_caches)
+            refused = await thread.call(runner.snapshots.unsnapshottable_caches)
             if not refused:
                 layout = await thread.call(runner.plane_layout)
-                states = await thread.call(runner.state_layouts)
+                states = await thread.call(runner.snapshots.state_layouts)
                 prefix, spill = _prefix_cache(config, loaded, runner, thread, layout, states,
                                               spec_default, sizes, recorder)
             else:
@@ -282,7 +282,8 @@ async def _build(config: Config, loaded: LoadedModel | None, thread: RunnerThrea
     budget = await thread.call(functools.partial(
         kv_budget, loaded, make_cache, draft, per_position=per_position,
         budget_bytes=config.kv_budget_bytes, mtp=config.speculative == "mtp",
-        margin=config.num_speculative_tokens + 1 if speculator is not None else 0))
+        margin=config.num_speculative_tokens + 1 if speculator is not None else 0,
+        preempt=config.kv_admission == "preempt"))
     core = SchedulerCore(
         max_batch=config.max_batch, prefill_chunk=config.prefill_chunk,
         max_step_tokens=config.max_step_tokens, eos_token_ids=loaded.eos_token_ids,

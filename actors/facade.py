@@ -68,7 +68,8 @@ class EngineStatistics:
     prefix_cache: PrefixCacheStatistics | None
     speculative: SpeculationStatistics | None = None  # with --speculative or a draft model
     kv_budget_bytes: int = 0    # engine.kv_budget: what admitted rows may hold together
-    kv_charged_bytes: int = 0   # what the running rows are charged for their whole lives
+    kv_charged_bytes: int = 0   # what the running rows are charged (engine.kv_budget)
+    kv_preemptions: int = 0     # rows preempted to the prefix cache (--kv-admission preempt)
     # the bounds a client plans against: max_model_len (prompt + max_tokens), max_batch,
     # max_queued_requests, max_queued_tokens (tools/replay's load and context checks)
     limits: dict[str, int] = attrs.Factory(dict)
@@ -342,6 +343,7 @@ class Engine:
             model=self.model.path.name, dtype=self.model.dtype,
             prefix_cache=_prefix_statistics(snap), speculative=snap.speculation,
             kv_budget_bytes=owner.kv_budget_bytes, kv_charged_bytes=owner.kv_charged_bytes,
+            kv_preemptions=owner.releases_by_reason.get("preempted", 0),
             limits={"max_model_len": self.model.context_length,
                     "max_batch": self.config.max_batch,
                     "max_queued_requests": self.config.max_queued_requests,

@@ -52,7 +52,8 @@ from tqserve.engine.distributed import GroupFailure
 from tqserve.actors.speculation import SpeculationLink
 from tqserve.engine.runner import Runner
 from tqserve.engine.scheduler import SchedulerCore
-from tqserve.engine.step import NO_ADVICE, Event, Finished, Started, StepPlan, TokenOut
+from tqserve.engine.step import (NO_ADVICE, Event, Finished, Preempted, Started, StepPlan,
+                                 TokenOut)
 
 log = logging.getLogger("tqserve.scheduler")
 
@@ -175,13 +176,17 @@ class _Scheduler:
                     await self.started(event)
                 case Finished():
                     await self.finish(event, error)
+                case Preempted():  # its KV leaves with the step's release (engine.kv_budget)
+                    await self.cache_owner.send(Release(request_id=event.request_id,
+                                                        row_id=event.row_id, reason="preempted"))
 
     async def started(self, event: Started) -> None:
-        arrived = self.arrived.pop(event.request_id, None)
-        if arrived is not None:
-            self.waited[event.request_id] = trio.current_time() - arrived
-        self.admission_replies.send_nowait(Dequeued(
-            request_id=event.request_id, num_prompt_tokens=event.num_prompt_tokens))
+        if not event.resumed:  # a resumed row left admission's queue when it first started
+            arrived = self.arrived.pop(event.request_id, None)
+            if arrived is not None:
+                self.waited[event.request_id] = trio.current_time() - arrived
+            self.admission_replies.send_nowait(Dequeued(
+                request_id=event.request_id, num_prompt_tokens=event.num_prompt_tokens))
         await self.cache_owner.send(Lease(request_id=event.request_id, row_id=event.row_id,
                                           kv_positions=event.kv_positions))
 
@@ -190,7 +195,7 @@ class _Scheduler:
         waited = self.waited.pop(event.request_id, None)
         if self.prefix is not None:
             self.prefix.finished(event)
-        if event.was_queued:
+        if event.was_queued and not event.preemptions:
             self.admission_replies.send_nowait(Dequeued(
                 request_id=event.request_id, num_prompt_tokens=event.prompt_tokens))
         if event.row_id is not None:
@@ -297,7 +302,7 @@ class _Scheduler:
         if self.prefix is not None:
             for new in plan.new_rows:
                 self.prefix.release_reuse(new.request_id)
-            held = await self.thread.call(self.runner.snapshot_keys)
+            held = await self.thread.call(self.runner.snapshots.keys)
             await self.thread.call(self.runner.retain, self.prefix.reconcile(held))
         await self.emit(self.core.fail_all(),
                         error=f"engine step failed: {type(exc).__name__}: {exc}")

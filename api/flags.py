@@ -125,10 +125,18 @@ def _kv(g: Any, defaults: Any, server: bool) -> None:
     from tqserve.engine.kv.affine import KV_BITS, KV_GROUP_SIZES
 
     g.add_argument("--kv", type=kv_type, default=None, metavar="FORMAT",
-                   help="KV cache format: plain; turboquant:kXvY[,start=N] (X key and Y "
-                        "value bits, 1..8; rows stay full precision for their first N "
-                        "tokens); affine:BITS[,group=G] (bits 4 or 8, G elements per scale: "
-                        "32, 64 or 128) (default: plain)")
+                   help="KV cache format: plain; turboquant:kXvY[,start=N][,decode=PATH] (X "
+                        "key and Y value bits, 1..8; rows stay full precision for their "
+                        "first N tokens; PATH auto, compiled or unfused); affine:BITS"
+                        "[,group=G] (bits 4 or 8, G elements per scale: 32, 64 or 128) "
+                        "(default: plain)")
+    g.add_argument("--kv-admission", choices=("reserve", "preempt"),
+                   default=defaults.kv_admission,
+                   help="reserve: a row starts only if every row's whole life (prompt + "
+                        "max_tokens) fits --kv-budget-bytes, and none is ever preempted; "
+                        "preempt: rows are charged what they hold now, and under pressure "
+                        "the longest is preempted to the prefix cache and resumed later "
+                        "(docs/kv-cache.md)")
     # the four flags --kv replaced: hidden, one deprecation line (api.kvflag)
     hidden = argparse.SUPPRESS
     g.add_argument("--turboquant", default=None, help=hidden)

@@ -64,14 +64,14 @@ class _EngineCollector(Collector):
                     stats.rows_active)
         yield gauge("vllm:num_requests_waiting", "Requests admitted and waiting for a row.",
                     stats.rows_queued)
-        yield gauge("vllm:kv_cache_usage_perc", "Fraction (0-1) of the KV budget charged to "
-                    "the running rows (their whole lives: engine.kv_budget).",
+        yield gauge("vllm:kv_cache_usage_perc", "Fraction (0-1) of the KV budget charged.",
                     stats.kv_charged_bytes / max(1, stats.kv_budget_bytes))
         yield gauge("tqserve:kv_cache_bytes", "KV bytes allocated for all rows.", stats.kv_bytes)
         yield gauge("tqserve:kv_budget_bytes", "KV bytes the admitted rows may hold together.",
                     stats.kv_budget_bytes)
         yield gauge("tqserve:kv_charged_bytes", "KV bytes charged to the running rows.",
                     stats.kv_charged_bytes)
+        yield counter("vllm:num_preemptions", "Rows preempted (KV).", stats.kv_preemptions)
         yield counter("tqserve:requests", "Requests that reached admission.", stats.requests_total)
         yield counter("tqserve:admission_rejections", "Requests refused at admission "
                       "(queue full: code overloaded, HTTP 429).", stats.requests_rejected)

@@ -149,6 +149,10 @@ class Config:
     # KV bytes every admitted row may come to hold together (engine.kv_budget); 0: from
     # the machine at start (engine.memory: half the free RAM, 80% of free GPU memory).
     kv_budget_bytes: int = attrs.field(default=0, validator=_non_negative)
+    # reserve: rows are charged their whole lives at start (never preempted); preempt: what
+    # they hold now, the longest preempted to the prefix cache under pressure (kv_budget)
+    kv_admission: str = attrs.field(default="reserve",
+                                    validator=attrs.validators.in_(("reserve", "preempt")))
     turboquant: str | None = attrs.field(default=None, validator=_turboquant)
     quantized_kv_start: int = attrs.field(default=0, validator=_non_negative)
     kv_quant: int | None = attrs.field(default=None, validator=_kv_quant)

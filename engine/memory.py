@@ -76,7 +76,7 @@ def kv_bytes_per_position(model: Any, make_cache: Callable[[Any], list[Any]] | N
 
 def kv_budget(loaded: Any, make_cache: Callable[[Any], list[Any]] | None, draft: Any, *,
               budget_bytes: int, mtp: bool, margin: int,
-              per_position: int | None = None) -> KvBudget:
+              per_position: int | None = None, preempt: bool = False) -> KvBudget:
     """The engine's KV budget (on the runner thread): what a row costs per position (the
     target's caches, or `per_position` as probed already; a draft model's; an MTP head's
     one layer) and the bytes allowed (`budget_bytes`, 0: `auto_kv_budget`); MLX's buffer
@@ -91,4 +91,4 @@ def kv_budget(loaded: Any, make_cache: Callable[[Any], list[Any]] | None, draft:
     bound_buffer_cache(budget)
     log.info("KV budget %.1f MiB (%d bytes per position)", budget / 2**20, per_position)
     return KvBudget(budget_bytes=budget, bytes_per_position=per_position,
-                    context=loaded.context_length, margin=margin)
+                    context=loaded.context_length, margin=margin, preempt=preempt)

@@ -60,8 +60,8 @@ from tqserve.engine.snapshot_store import SnapshotStore
 from tqserve.engine.speculative.mtp import forward_with_hidden
 from tqserve.engine.speculative.batch_step import proposal_sizes, verify_step
 from tqserve.engine.speculative.speculator import Plane, Speculator
-from tqserve.engine.speculative.state import StateLayout
-from tqserve.engine.step import PrefillChunk, RowOutput, SnapshotMade, StepPlan, StepResult
+from tqserve.engine.step import (NewRow, PrefillChunk, RowOutput, SnapshotMade, StepPlan,
+                                 StepResult)
 from tqserve.engine.step_clock import StepClock
 from tqserve.engine.structured import GrammarMasks, RowGrammar
 
@@ -147,19 +147,12 @@ class Runner:
                 if new.group and PrefillGroups.can_batch(cache) and not (
                         self.speculator is not None
                         and self.speculator.wants_hidden(new.request_id)) and (
-                        new.params.prompt_logprobs is None):
+                        new.params.prompt_logprobs is None or new.resumed):
                     # (an MTP row prefills alone: its head reads the target's hidden states;
                     # so does a row asking for prompt logprobs: it reads its own logits)
                     self._groups.add(new.request_id, new.group, cache)
                     cache = None
-            self._rows[new.request_id] = RowState(
-                sampler=RowSampler.create(new.params, new.prompt),
-                prompt=new.prompt,
-                cache=cache,
-                last_token=new.prompt[-1],
-                grammar=self._open_grammar(new.response_format),
-            )
-            self._prompt_logprobs.open(new.request_id, new.prompt, new.params.prompt_logprobs)
+            self._rows[new.request_id] = self._row_state(new, cache)
         for key in plan.drop:
             self.snapshots.drop(key)
         grouped = [c for c in plan.prefill if c.request_id in self._groups]
@@ -195,6 +188,23 @@ class Runner:
         return StepResult(outputs=outputs, kv_bytes=self.kv_bytes(),
                           kv_capacity=self._batch.capacity, snapshots=snapshots,
                           spills=spills, writes=writes)
+
+    def _row_state(self, new: NewRow, cache: list[Any] | None) -> RowState:
+        """A new row's host state. A resumed row (engine.kv_budget's preemption) continues
+        after its output so far, the end of its prompt: its sampler has drawn those tokens
+        (same seeded keys, penalties and counts), its grammar has consumed them, and its
+        prompt logprobs were given already."""
+        own = len(new.prompt) - new.resumed
+        sampler = RowSampler.create(new.params, new.prompt[:own])
+        grammar = self._open_grammar(new.response_format)
+        if new.resumed:
+            sampler = sampler.advanced(new.prompt[own:])
+            if grammar is not None:
+                grammar.advance_many(new.prompt[own:])
+        self._prompt_logprobs.open(new.request_id, new.prompt,
+                                   None if new.resumed else new.params.prompt_logprobs)
+        return RowState(sampler=sampler, prompt=new.prompt, cache=cache,
+                        last_token=new.prompt[-1], grammar=grammar)
 
     def _prefill_alone(self, chunks: Iterable[PrefillChunk]) -> None:
         """The chunks of rows prefilling on their own caches (not in a group)."""
@@ -264,37 +274,28 @@ class Runner:
         row = self._rows[rid]
         return self.snapshots.hold(key, rid, snap, lambda: (*row.prompt, *row.generated))
 
-    # the snapshot store's doors for the actors (LeaderRunner tells the other ranks)
+    # the snapshot store's doors that LeaderRunner extends to the other ranks (the rest:
+    # `runner.snapshots`)
     def restore(self, key: str, kinds: str, offset: int, boundary: int,
                 planes: Mapping[str, Plane], state: str = "") -> int:
         return self.snapshots.restore(key, kinds, offset, boundary, planes, state)
 
-    def state_layouts(self) -> dict[str, StateLayout]:
-        return self.snapshots.state_layouts()
-
     def plane_layout(self) -> PlaneLayout | None:
         return self.snapshots.plane_layout()
 
-    def unsnapshottable_caches(self) -> list[str]:
-        return self.snapshots.unsnapshottable_caches()
-
     def drop_snapshot(self, key: str) -> None:
         self.snapshots.drop(key)
-
-    def snapshot_keys(self) -> set[str]:
-        return self.snapshots.keys()
 
     def retain(self, keys: Iterable[str]) -> set[str]:
         return self.snapshots.retain(keys)
 
     def _release(self, request_ids: tuple[str, ...]) -> None:
-        gone = set(request_ids)
         for rid in request_ids:
             if self._rows.pop(rid, None) is not None and self.speculator is not None:
                 self.speculator.close_row(rid)
         self._groups.release(request_ids)
         self._prompt_logprobs.drop(request_ids)
-        self._batch.release(gone)
+        self._batch.release(set(request_ids))
 
     def _join(self, request_id: str) -> None:
         if request_id in self._groups:
@@ -310,10 +311,8 @@ class Runner:
 
     def _join_group(self, request_id: str) -> None:
         """The completed prefill group of `request_id` joins at once (one `extend`)."""
-        taken = self._groups.take(request_id)
-        if taken is None:
-            return
-        self._batch.join_group(*taken)
+        if (taken := self._groups.take(request_id)) is not None:
+            self._batch.join_group(*taken)
 
     def _launch(self, ready: tuple[list[str], LazySample] | None) -> None:
         """The batch's next forward: sampled tokens feed their rows, joiners their last token."""

@@ -24,22 +24,27 @@ them all. A row may emit several tokens in one step (speculation's accepted toke
 are reported together, cut after the first stop token or at max_tokens. Text is not made
 here: the hub detokenizes per stream and matches stop strings there, and a stop string
 comes back as `cancel(rid, "stop", num_tokens)` (actors.hub).
+
+A row starts only while the running rows fit the KV budget (engine.kv_budget): for their
+whole lives, or with `--kv-admission preempt` for now, the longest decoding row preempted
+when the next step would not fit (it resumes where it stopped, from its snapshot).
 """
 
 from __future__ import annotations
 
 import itertools
 from collections import deque
-from typing import Iterable
+from typing import Collection, Iterable, Iterator
 
 import attrs
 
-from tqserve.engine.kv_budget import KvBudget
+from tqserve.engine.kv_budget import SLOT_STEP, KvBudget, shrunk
 from tqserve.engine.orders import proposal_drafts, propose_sizes, snapshot_orders
 from tqserve.engine.prefill_plan import PrefillPlanner
 from tqserve.engine.rows import IllegalTransition, Row, RowState  # noqa: F401 (re-exported)
-from tqserve.engine.step import (NO_ADVICE, Event, Finished, NewRow, SpeculativeUsage,
-                                 Started, StepAdvice, StepPlan, StepResult, TokenOut)
+from tqserve.engine.step import (NO_ADVICE, Event, Finished, NewRow, Preempted,
+                                 SpeculativeUsage, Started, StepAdvice, StepPlan, StepResult,
+                                 TokenOut)
 from tqserve.engine.sampling import SamplingParams
 from tqserve.engine.speculative.policy import (RequestChoice, SpecChoice, check_speculative,
                                                resolve_choice)
@@ -55,6 +60,7 @@ class SchedulerStatistics:
     num_steps: int
     num_prefill_groups: int
     num_prefill_tokens: int  # padding included: what the prefill forwards processed
+    num_preemptions: int = 0
 
 
 class SchedulerCore:
@@ -97,6 +103,7 @@ class SchedulerCore:
         self._kv_capacity = (0, 0)  # the decode batch's allocation, as the runner reported
         self._speculative_default = speculative_default
         self._snapshot_ids = itertools.count()  # engine.orders' snapshot keys
+        self._num_preemptions = 0
 
     def add(self, request_id: str, prompt: tuple[int, ...], params: SamplingParams, *,
             reuse: str | None = None, cached: int = 0, cached_tier: str | None = None,
@@ -109,7 +116,7 @@ class SchedulerCore:
             raise ValueError(f"duplicate request id {request_id!r}")
         if not prompt:
             raise ValueError("prompt must hold at least one token")
-        self.check_speculative(speculative)
+        check_speculative(self._speculative_methods, speculative)
         if not 0 <= cached <= len(prompt) - 1 or (cached > 0) != (reuse is not None):
             raise ValueError(f"cannot reuse {cached} tokens of a {len(prompt)}-token prompt")
         self._rows[request_id] = Row(request_id, tuple(prompt), params,
@@ -118,30 +125,30 @@ class SchedulerCore:
                                       speculative=speculative)
         self._queue.append(request_id)
 
-    def check_speculative(self, speculative: object) -> None:
-        """ValueError naming speculative.method if the request's method is not served."""
-        check_speculative(self._speculative_methods, speculative)
-
     def next_to_start(self) -> list[tuple[str, tuple[int, ...]]]:
         """Queued requests that would take a row at the next `schedule` and were not yet
         looked up: (request id, prompt). The prefix cache answers each with `set_reuse`
         (a donor or none) or `hold` (its donor's KV is loading)."""
+        return [(row.request_id, row.prompt) for row in self._startable(looking=True)
+                if not row.looked_up and (row.params.prompt_logprobs is None or row.resumed)]
+
+    def _startable(self, preempted: Collection[str] = (), looking: bool = False) -> Iterator[Row]:
+        """The queued rows that take a row now, in order, while rows are free and they fit
+        the KV budget together (first come, first served); held rows wait for their load;
+        `looking`: a preempted row is looked up before it fits (its snapshot saves room)."""
         free = self._max_batch - len(self._prefilling) - len(self._decoding)
-        out: list[tuple[str, tuple[int, ...]]] = []
         taking: list[Row] = []
-        for rid in self._queue:
-            if free <= 0:
-                break
+        for rid in list(self._queue):
             row = self._rows[rid]
+            if free <= 0 or rid in preempted:
+                return
             if row.held:
                 continue
-            if not self._kv_fits([*taking, row]):
-                break
+            if not self._kv_fits([*taking, row]) and not (looking and row.resumed):
+                return
             free -= 1
             taking.append(row)
-            if not row.looked_up and row.params.prompt_logprobs is None:  # reuses no prefix
-                out.append((rid, row.prompt))
-        return out
+            yield row
 
     def set_reuse(self, request_id: str, *, reuse: str | None = None, cached: int = 0,
                   cached_tier: str | None = None, snapshot_prompt: bool = True) -> None:
@@ -160,8 +167,8 @@ class SchedulerCore:
 
     def hold(self, request_id: str) -> None:
         """Keep a queued request out of `schedule` until `set_reuse` or `unhold`."""
-        self._rows[request_id].held = True
-        self._rows[request_id].looked_up = True
+        row = self._rows[request_id]
+        row.held = row.looked_up = True
 
     def unhold(self, request_id: str) -> None:
         """A held request's load failed: schedulable again, to be looked up anew."""
@@ -219,27 +226,21 @@ class SchedulerCore:
         proposals from the actors' `advice`). Rows released here finished earlier."""
         events: list[Event] = []
         started: list[Row] = []
-        for rid in list(self._queue):
-            if len(self._prefilling) + len(self._decoding) >= self._max_batch:
-                break
-            row = self._rows[rid]
-            if row.held:
-                continue
-            if not self._kv_fits([*started, row]):
-                break  # it waits (first come, first served) for rows to finish
-            self._queue.remove(rid)
+        for row in self._startable(self._preempt_rows(events)):
+            self._queue.remove(row.request_id)
             row.move(RowState.PREFILLING)
             row.row_id = self._free_row_ids.pop()
             self._prefilling.append(row.request_id)
             started.append(row)
             events.append(Started(request_id=row.request_id, row_id=row.row_id,
-                                  num_prompt_tokens=len(row.prompt),
-                                  kv_positions=self._kv_positions(row)))
+                                  num_prompt_tokens=row.num_prompt_tokens,
+                                  kv_positions=self._kv_length(row), resumed=row.resumed > 0))
         self._prefill.form(started)
         new_rows = tuple(NewRow(request_id=row.request_id, row_id=row.row_id,  # type: ignore
                                 prompt=row.prompt, params=row.params, reuse=row.reuse,
                                 cached=row.cached, response_format=row.response_format,
-                                speculative=row.speculative, group=row.group)
+                                speculative=row.speculative, group=row.group,
+                                resumed=row.resumed)
                          for row in started)
         chunks, joins = self._prefill.plan(self._rows, self._prefilling, len(self._decoding))
         for rid in joins:
@@ -269,14 +270,15 @@ class SchedulerCore:
         return choice.num_tokens if choice is not None else 0
 
     def _kv_fits(self, starting: list[Row]) -> bool:
-        """Whether the running rows plus `starting` (queued rows about to start, forming
-        one prefill group) stay within the KV budget for their whole lives."""
+        """Whether the running rows and `starting` (one prefill group) fit the KV budget."""
         return self.kv_charge(starting) <= (self._kv_budget.budget_bytes
                                             if self._kv_budget is not None else 0)
 
-    def kv_charge(self, starting: list[Row] | None = None) -> int:
-        """KV bytes charged for the rows running now (and `starting`); 0 without a
-        budget (engine.kv_budget)."""
+    def kv_charge(self, starting: list[Row] | None = None, growth: int = SLOT_STEP,
+                  capacity: tuple[int, int] | None = None) -> int:
+        """KV bytes charged for the rows running now (and `starting`), beside the slot
+        store's `capacity` (default: as reported); 0 without a budget (engine.kv_budget:
+        with preemption a row is charged its positions now plus `growth`)."""
         budget = self._kv_budget
         if budget is None:
             return 0
@@ -284,18 +286,41 @@ class SchedulerCore:
         ids = {r.request_id for r in starting}
         rows = [self._rows[r] for r in (*self._prefilling, *self._decoding)
                 if r not in ids] + starting
-        lengths = [budget.row_positions(len(r.prompt), r.params.max_tokens) for r in rows]
+        lengths = [self._kv_length(r, growth) for r in rows]
         widths = self._prefill.widths()
         if starting:
             width = max(len(r.prompt) - 1 - r.cached for r in starting)
             widths += [width] * len(starting)
-        return budget.charge(lengths, widths, capacity=self._kv_capacity)
+        return budget.charge(lengths, widths, capacity=capacity or self._kv_capacity)
 
-    def _kv_positions(self, row: Row) -> int:
-        """The positions a starting row is charged for (0 without a budget)."""
+    def _kv_length(self, row: Row, growth: int = SLOT_STEP) -> int:
+        """The positions a row is charged for (0 without a budget; engine.kv_budget)."""
         budget = self._kv_budget
-        return 0 if budget is None else budget.row_positions(len(row.prompt),
-                                                              row.params.max_tokens)
+        return 0 if budget is None else budget.row_length(
+            len(row.prompt), row.params.max_tokens - row.resumed, row.positions, growth)
+
+    def _preempt_rows(self, events: list[Event]) -> set[str]:
+        """With preemption: while the running rows' next step (a verify block and the
+        pipelined token included) does not fit beside the store as this step's releases
+        leave it, the longest decoding row gives its row back (engine.kv_budget)."""
+        budget, gone = self._kv_budget, set[str]()
+        while budget is not None and budget.preempt and len(self._decoding) > 1:
+            rows = [self._rows[r] for r in self._decoding]
+            capacity = (shrunk(self._kv_capacity, len(rows), max(r.positions for r in rows))
+                        if self._to_release else self._kv_capacity)
+            if self.kv_charge(growth=2, capacity=capacity) <= budget.budget_bytes:
+                break
+            row = max(reversed(rows), key=lambda r: r.positions)  # the newest of the longest
+            rid = row.request_id
+            self._release_tokens[rid] = row.tokens
+            self._decoding.remove(rid)
+            self._to_release.append(rid)
+            self._free_row_ids.append(row_id := row.preempt())
+            events.append(Preempted(request_id=rid, row_id=row_id))
+            self._queue.appendleft(rid)
+            self._num_preemptions += 1
+            gone.add(rid)
+        return gone
 
     def postprocess(self, result: StepResult) -> list[Event]:
         """Turn sampled tokens into events; finish rows that hit a stop token, their
@@ -349,29 +374,27 @@ class SchedulerCore:
         if not was_queued:
             self._to_release.append(row.request_id)
             if reason in ("stop", "length") and row.num_generated > 0:
-                self._release_tokens[row.request_id] = row.prompt + tuple(row.generated)
+                self._release_tokens[row.request_id] = row.tokens
         row.move(RowState.FINISHED)
         del self._rows[row.request_id]
         if row.row_id is not None:
             self._free_row_ids.append(row.row_id)
         return Finished(
-            request_id=row.request_id, finish_reason=reason, prompt_tokens=len(row.prompt),
-            completion_tokens=row.num_generated,
-            cached_tokens=row.cached, row_id=row.row_id,
-            was_queued=was_queued, cached_tier=row.cached_tier,
-            tokens=row.prompt + tuple(row.generated), error=error,
+            request_id=row.request_id, finish_reason=reason,
+            prompt_tokens=row.num_prompt_tokens, completion_tokens=row.num_generated,
+            cached_tokens=row.cached if row.first_cached is None else row.first_cached,
+            row_id=row.row_id, was_queued=was_queued, cached_tier=row.cached_tier,
+            tokens=row.tokens, error=error,
+            preemptions=row.preemptions,
             speculative=SpeculativeUsage(proposed=row.num_proposed, accepted=row.num_accepted,
                                          verify_steps=row.num_verify_steps)
             if row.num_verify_steps else None)
 
     def statistics(self) -> SchedulerStatistics:
         return SchedulerStatistics(
-            num_queued=len(self._queue),
-            num_prefilling=len(self._prefilling),
-            num_decoding=len(self._decoding),
+            num_queued=len(self._queue), num_prefilling=len(self._prefilling),
+            num_decoding=len(self._decoding), num_steps=self._num_steps,
             num_queued_tokens=sum(len(self._rows[r].prompt) for r in self._queue),
-            num_steps=self._num_steps,
             num_prefill_groups=self._prefill.num_groups,
             num_prefill_tokens=self._prefill.num_prefill_tokens,
-        )
-
+            num_preemptions=self._num_preemptions)

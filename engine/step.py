@@ -37,6 +37,9 @@ class NewRow:
     response_format: ResponseFormat | None = None
     speculative: RequestChoice = None  # the request's SpecChoice, False (never), None (default)
     group: int = 0  # the prefill group (see the module doc)
+    # a preempted row resumed (engine.kv_budget): the last `resumed` tokens of `prompt` are
+    # its output so far (its sampler, grammar and proposer continue after them)
+    resumed: int = 0
 
 
 @attrs.frozen(kw_only=True)
@@ -177,6 +180,16 @@ class Started:
     row_id: int
     num_prompt_tokens: int
     kv_positions: int = 0
+    resumed: bool = False  # a preempted row starting again (it left admission's queue before)
+
+
+@attrs.frozen(kw_only=True)
+class Preempted:
+    """A decoding row gave its row back to the KV budget (engine.kv_budget: its KV leaves
+    with this step's release, for the prefix cache); it waits at the queue's head."""
+
+    request_id: str
+    row_id: int
 
 
 def _pairs(value: Any) -> tuple[tuple[int, float], ...]:
@@ -232,9 +245,10 @@ class Finished:
     tokens: tuple[int, ...] = ()  # prompt + generated: what the row's KV may cover
     error: str | None = None  # set with finish_reason "error": what went wrong (client-facing)
     speculative: SpeculativeUsage | None = None  # set when the row verified proposals
+    preemptions: int = 0  # times it was preempted (it left admission's queue once)
 
 
-Event = Started | TokenOut | Finished
+Event = Started | TokenOut | Finished | Preempted
 
 
 @attrs.frozen(kw_only=True)

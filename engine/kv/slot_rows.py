@@ -32,7 +32,7 @@ import attrs
 import mlx.core as mx
 import numpy as np
 
-from tqserve.engine.kv_budget import SLOT_STEP, grown_rows
+from tqserve.engine.kv_budget import SLOT_STEP, grown_rows, shrunk
 
 STEP = SLOT_STEP  # positions added when a row outgrows the planes (as mlx-lm's KVCache.step)
 STEP_ARRAYS_KEPT = 8  # recent lengths' index arrays kept: every layer of a step shares one
@@ -286,11 +286,8 @@ class SlotRows:
         if self._planes is None:
             return
         cap_rows, _, cap_pos, _ = next(iter(self._planes.values())).shape
-        rows = cap_rows
-        while rows > 1 and self.num_rows <= rows // 4:
-            rows //= 2
-        need = STEP * max(1, -(-max(self.lengths, default=0) // STEP))
-        positions = need if cap_pos > 2 * need else cap_pos
+        rows, positions = shrunk((cap_rows, cap_pos), max(self.num_rows, 1),
+                                 max(self.lengths, default=0))
         if (rows, positions) != (cap_rows, cap_pos):
             self._planes = {n: mx.contiguous(a[:rows, :, :positions])
                             for n, a in self._planes.items()}

@@ -218,7 +218,7 @@ async def test_rank_0_books_the_other_ranks_disk_work(draft_model: Any, tmp_path
             kinds = str(header.extra["layer_kinds"])
             args = (kinds, header.offset, header.minimum_reusable_offset, arrays)
             assert await group.restore(keys["A"], "sA", *args) > 0
-            assert "sA" in leader.snapshot_keys() and "sA" in rank1.snapshot_keys()
+            assert "sA" in leader.snapshots.keys() and "sA" in rank1.snapshots.keys()
 
             # rank 1's file fails its checksums: a miss, quarantined there, rank 0's removed
             path = ShardId(2, 1).directory(tmp_path) / f"{keys['C']}.tqsnap"
@@ -242,7 +242,7 @@ async def test_rank_0_books_the_other_ranks_disk_work(draft_model: Any, tmp_path
                                                         "kinds, offset and boundary"):
                 await group.restore(keys["D"], "sD", str(header.extra["layer_kinds"]),
                                     header.offset, header.minimum_reusable_offset, arrays)
-            assert "sD" not in leader.snapshot_keys() and "sD" not in rank1.snapshot_keys()
+            assert "sD" not in leader.snapshots.keys() and "sD" not in rank1.snapshots.keys()
             assert keys["D"] not in files(tmp_path, 0) and group.num_quarantined == 2
 
             # a restart's agreement: E only on rank 0, F only on rank 1, A on both

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from tqserve.engine.kv.slot_rows import SlotRows
-from tqserve.engine.kv_budget import KvBudget, ceil_step, grown_rows, rows_bound
+from tqserve.engine.kv_budget import KvBudget, ceil_step, grown_rows, rows_bound, shrunk
 from tqserve.engine.memory import kv_bytes_per_position
 from tqserve.engine.runner import Runner
 from tqserve.engine.sampling import SamplingParams
@@ -42,6 +42,16 @@ def test_charge_and_the_refusal_name_the_sizes():
     assert budget.charge([300, 20], [40, 40]) == (2 * 512 + 2 * 256) * 1024
     assert budget.charge([300], capacity=(4, 1024)) == 4 * 1024 * 1024
     budget.check_alone(100, 1000)
+    # preempting: a row must be able to resume alone by prefilling its whole life again
+    preempting = KvBudget(budget_bytes=8 << 20, bytes_per_position=1024, preempt=True)
+    assert preempting.row_length(100, 5000, positions=300) == 300 + 256
+    assert preempting.row_length(100, 50, positions=120) == 150  # never past its life
+    assert budget.row_length(100, 5000, positions=300) == 4196
+    assert shrunk((8, 1024), 2, 300) == (4, 1024) and shrunk((8, 2048), 1, 300) == (2, 512)
+    assert shrunk((4, 512), 0, 0) == (0, 0)
+    preempting.check_alone(100, 3000)  # (3328 + 3328) positions x 1 KiB < 8 MiB
+    with pytest.raises(ValueError, match=r"needs 8\.5 MiB of KV cache"):
+        preempting.check_alone(100, 4000)
     with pytest.raises(ValueError, match=r"prompt \(3000 tokens\) plus max_tokens \(4000\) "
                                          r"needs .* MiB of KV cache, more than .* budget"):
         budget.check_alone(3000, 4000)

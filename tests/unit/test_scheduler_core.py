@@ -228,3 +228,64 @@ def test_release_carries_the_tokens_of_rows_that_finished_normally(core):
     assert released == {"len": (1, 2, 5, 6), "gone": ()}  # a cancelled row's KV is not kept
     core.add("c", (3, 4), SamplingParams())
     assert core.prompt("c") == (3, 4)
+
+
+def test_preemption_gives_back_the_longest_row_and_resumes_it_where_it_stopped():
+    """--kv-admission preempt (engine.kv_budget): rows are charged what they hold plus one
+    slot step; when the next step would not fit, the longest decoding row is released
+    with its tokens and waits at the queue's head as prompt + output; it starts again as
+    a resumed row (NewRow.resumed, here from its snapshot as the prefix cache would give
+    it), and its finish counts its own prompt and all its output. The last running row
+    is never preempted."""
+    from tqserve.engine.kv_budget import KvBudget
+    from tqserve.engine.step import Preempted
+
+    # 1 byte per position: two rows start (2 x 512-position slots + their prefill group);
+    # two rows of 1024-position slots do not fit
+    budget = KvBudget(budget_bytes=1536, bytes_per_position=1, preempt=True)
+    core = SchedulerCore(max_batch=2, prefill_chunk=64, eos_token_ids=[EOS], kv_budget=budget)
+    core.add("long", (5,) * 100, SamplingParams(max_tokens=900))
+    core.add("short", (6,) * 3, SamplingParams(max_tokens=900))
+
+    def run(capacity, tokens=None):
+        plan, events = core.schedule()
+        outs = tuple(RowOutput(request_id=r, tokens=(tokens or {}).get(r, (42,)))
+                     for r in plan.decode)
+        return plan, events, core.postprocess(StepResult(outputs=outs, kv_bytes=0,
+                                                         kv_capacity=capacity))
+
+    plan, events, _ = run((0, 0))
+    assert {e.request_id for e in events if isinstance(e, Started)} == {"long", "short"}
+    preempted: list = []
+    for _ in range(20):
+        plan, events, _ = run((2, 768), {"long": (7,) * 100})
+        preempted = [e for e in events if isinstance(e, Preempted)]
+        if preempted:
+            break
+    assert [e.request_id for e in preempted] == ["long"] and plan.decode == ("short",)
+    kept = plan.release_tokens[plan.release.index("long")]  # its KV: prompt + output so far
+    assert kept[:100] == (5,) * 100 and set(kept[100:]) <= {7, 42} and len(kept) > 766
+    stats = core.statistics()
+    assert (stats.num_preemptions, stats.num_queued, stats.num_decoding) == (1, 1, 1)
+    assert core.next_to_start() == [("long", kept)]  # looked up at once, as prompt + output
+    core.set_reuse("long", reuse="snap", cached=len(kept) - 1)  # the prefix cache's answer
+    plan, events, _ = run((2, 768))
+    assert plan.new_rows == () and plan.decode == ("short",)  # it waits for room
+    core.cancel("short")
+    run((0, 0))  # its release: the store is empty after it
+    plan, events, _ = run((0, 0))
+    started = [e for e in events if isinstance(e, Started)]
+    assert [(e.request_id, e.resumed, e.num_prompt_tokens) for e in started] == [
+        ("long", True, 100)]
+    new = plan.new_rows[0]
+    assert (new.prompt, new.resumed, new.reuse, new.cached) == (
+        kept, len(kept) - 100, "snap", len(kept) - 1)
+    done: list = []
+    while core.has_work():  # alone: never preempted
+        plan, events, out = run((1, 1024))
+        assert not any(isinstance(e, Preempted) for e in events)
+        done += out
+    finished = [e for e in done if isinstance(e, Finished)][0]
+    assert (finished.prompt_tokens, finished.completion_tokens, finished.preemptions,
+            finished.cached_tokens) == (100, 900, 1, 0)
+    assert finished.tokens[:len(kept)] == kept and len(finished.tokens) == 1000

@@ -1,0 +1,76 @@
+"""--kv-admission preempt (engine.kv_budget) through the whole engine: four long rows (two
+greedy, two seeded) under a KV budget that holds two of them at their full length. Rows are charged what they
+hold, so more start; when the slots must grow past the budget the longest row is
+preempted, its KV snapshotted into the prefix cache's RAM tier, and it resumes from that
+snapshot. Its greedy and its seeded tokens are those of the same requests without a
+budget; the runner's real allocation never passes the budget; usage counts the request's
+own prompt and all its output."""
+
+from __future__ import annotations
+
+import attrs
+import trio
+
+from tqserve.actors.engine import open_engine
+from tqserve.actors.messages import Done, Token
+from tqserve.engine.config import Config
+from tqserve.engine.memory import kv_bytes_per_position
+from tqserve.engine.request import GenerateRequest
+from tqserve.engine.sampling import SamplingParams
+from tests.e2e.reference import PROMPTS
+
+ROWS, NEW_TOKENS = 4, 800
+SEEDS = (None, 7, None, 8)  # None: greedy
+
+
+async def _run(loaded, config: Config):
+    outs: dict[int, tuple[list[int], Done]] = {}
+    peak = [0]
+    async with open_engine(config, loaded=loaded) as engine:
+        execute = engine.runner.execute
+
+        def measured(plan):  # the runner's real allocation after every step
+            result = execute(plan)
+            peak[0] = max(peak[0], result.kv_bytes)
+            return result
+
+        engine.runner.execute = measured
+
+        async def one(k: int) -> None:
+            tokens: list[int] = []
+            params = SamplingParams(max_tokens=NEW_TOKENS, seed=SEEDS[k],
+                                    temperature=0.0 if SEEDS[k] is None else 0.9)
+            async for event in engine.generate(GenerateRequest(prompt=PROMPTS[k],
+                                                               params=params)):
+                if isinstance(event, Token):
+                    tokens.append(event.token_id)
+                elif isinstance(event, Done):
+                    outs[k] = (tokens, event)
+
+        async with trio.open_nursery() as nursery:
+            for k in range(ROWS):
+                nursery.start_soon(one, k)
+        stats = engine.statistics()
+    return outs, stats, peak[0]
+
+
+async def test_preempted_rows_resume_with_the_tokens_of_a_run_without_budget(draft_model):
+    loaded = attrs.evolve(draft_model, eos_token_ids=frozenset())  # every row runs its length
+    per_position = kv_bytes_per_position(loaded.model, None)
+    # four rows start in 512-position slots; their 768-position slots do not fit, two
+    # rows' whole lives (1,024 positions) do, and so does one resuming by prefill alone
+    budget = 9 * 256 * per_position
+    base = Config(max_batch=ROWS, prefill_chunk=64)
+    free, _, _ = await _run(loaded, base)
+    held, stats, peak = await _run(loaded, attrs.evolve(
+        base, kv_budget_bytes=budget, kv_admission="preempt"))
+    assert stats.kv_preemptions >= 1
+    assert stats.prefix_cache is not None and stats.prefix_cache.hits_ram >= stats.kv_preemptions
+    assert 0 < peak <= budget
+    for k in range(ROWS):
+        tokens, done = held[k]
+        assert tokens == free[k][0], k
+        assert (done.finish_reason, done.completion_tokens, done.cached_tokens) == (
+            "length", NEW_TOKENS, 0)
+        assert done.prompt_tokens == free[k][1].prompt_tokens
+    assert stats.rows_active == 0 and stats.kv_charged_bytes == 0
