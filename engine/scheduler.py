@@ -301,13 +301,13 @@ class SchedulerCore:
 
     def _preempt_rows(self, events: list[Event]) -> set[str]:
         """With preemption: while the running rows' next step (a verify block and the
-        pipelined token included) does not fit beside the store as this step's releases
-        leave it, the longest decoding row gives its row back (engine.kv_budget)."""
+        pipelined token included) does not fit beside the store (shrunk once a row taken
+        here leaves it), the longest decoding row gives its row back (engine.kv_budget)."""
         budget, gone = self._kv_budget, set[str]()
         while budget is not None and budget.preempt and len(self._decoding) > 1:
             rows = [self._rows[r] for r in self._decoding]
             capacity = (shrunk(self._kv_capacity, len(rows), max(r.positions for r in rows))
-                        if self._to_release else self._kv_capacity)
+                        if gone else self._kv_capacity)
             if self.kv_charge(growth=2, capacity=capacity) <= budget.budget_bytes:
                 break
             row = max(reversed(rows), key=lambda r: r.positions)  # the newest of the longest

@@ -289,3 +289,39 @@ def test_preemption_gives_back_the_longest_row_and_resumes_it_where_it_stopped()
     assert (finished.prompt_tokens, finished.completion_tokens, finished.preemptions,
             finished.cached_tokens) == (100, 900, 1, 0)
     assert finished.tokens[:len(kept)] == kept and len(finished.tokens) == 1000
+
+
+def test_preemption_counts_a_store_shrink_only_when_a_batch_row_leaves_it():
+    """A row cancelled while it prefills is released without leaving the decode batch's
+    slot store, which therefore keeps its row capacity: the preemption check must not
+    assume the store shrinks, or the next growth would pass the budget."""
+    from tqserve.engine.kv_budget import KvBudget
+    from tqserve.engine.step import Preempted
+
+    budget = KvBudget(budget_bytes=4096, bytes_per_position=1, preempt=True)
+    core = SchedulerCore(max_batch=3, prefill_chunk=64, eos_token_ids=[EOS], kv_budget=budget)
+    held = {"a": 3, "b": 3}
+    for rid in held:
+        core.add(rid, (5,) * 3, SamplingParams(max_tokens=2000))
+
+    def run(capacity, give):
+        plan, events = core.schedule()
+        outs = tuple(RowOutput(request_id=r, tokens=(42,) * give) for r in plan.decode)
+        for event in core.postprocess(StepResult(outputs=outs, kv_bytes=0,
+                                                 kv_capacity=capacity)):
+            if isinstance(event, TokenOut):
+                held[event.request_id] += len(event.token_ids)
+        return plan, events
+
+    while min(held.values()) < 400:
+        run((2, 512), 100)
+    assert held["a"] == held["b"]
+    core.add("c", (6,) * 200, SamplingParams(max_tokens=10))
+    plan, events = run((8, 512), 513 - held["a"])  # "c" starts; a and b reach 513
+    assert [e.request_id for e in events if isinstance(e, Started)] == ["c"]
+    assert held == {"a": 513, "b": 513}
+    core.cancel("c")  # released while prefilling: the store keeps its 8 row slots
+    plan, events = run((8, 512), 1)
+    # 8 slots of 768 positions would pass the budget: one row goes, then the store shrinks
+    assert [e.request_id for e in events if isinstance(e, Preempted)] == ["b"]
+    assert "c" in plan.release and plan.decode == ("a",)
