@@ -14,6 +14,7 @@ import attrs
 
 from tqserve.actors.codec import Codec, CodecError  # noqa: F401 (the codec's error)
 from tqserve.engine.sampling import SamplingParams
+from tqserve.engine.speculative.lookup import Draft
 from tqserve.engine.speculative.policy import SpecChoice
 from tqserve.engine.step import TokenOut
 from tqserve.engine.structured import ResponseFormat
@@ -32,7 +33,7 @@ def _tuple_of_emitted(value: Any) -> tuple[tuple[str, tuple[int, ...]], ...]:
     return tuple((str(rid), _tuple_of_ints(tokens)) for rid, tokens in value)
 
 
-def _tuple_of_drafts(value: Any) -> tuple[tuple[str, int, tuple[int, ...]], ...]:
+def _tuple_of_drafts(value: Any) -> tuple[Draft, ...]:
     return tuple((str(rid), int(at), _tuple_of_ints(tokens)) for rid, at, tokens in value)
 
 
@@ -291,7 +292,7 @@ class SpecDecision:
                                                          converter=_tuple_of_proposals)
     new_rows: bool = True
     # lookup rows' proposals: (row, the context length they answer, tokens); engine.orders
-    drafts: tuple[tuple[str, int, tuple[int, ...]], ...] = attrs.field(
+    drafts: tuple[Draft, ...] = attrs.field(
         default=(), converter=_tuple_of_drafts)
 
 

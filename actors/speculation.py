@@ -38,7 +38,7 @@ from tqserve.actors.board import Board
 from tqserve.actors.mailbox import Inbox, Outbox
 from tqserve.actors.messages import RowVerified, SpecDecision, SpecOpen, SpecStep
 from tqserve.engine.step import StepAdvice, StepPlan, StepResult
-from tqserve.engine.speculative.lookup import LookupBook
+from tqserve.engine.speculative.lookup import Draft, LookupBook
 from tqserve.engine.speculative.policy import SpecChoice, SpeculationPolicy, resolve_choice
 
 SPECULATION_MAILBOX = 4  # a few steps' reports; booking one takes microseconds
@@ -56,9 +56,8 @@ def decide_step(policy: SpeculationPolicy, default: SpecChoice | None,
     """Book one step (sync, no I/O) and decide every open row's next proposal size, and
     each lookup row's proposal (with `book`)."""
     for opened in msg.opened:
-        choice = resolve_choice(opened.choice, default)
-        policy.open_row(opened.request_id, choice)
-        if book is not None and choice is not None and choice.method == "lookup":
+        policy.open_row(opened.request_id, resolve_choice(opened.choice, default))
+        if book is not None and opened.context:  # the link sends a lookup row's prompt
             book.open(opened.request_id, opened.context)
     for rid in msg.released:
         policy.close_row(rid)
@@ -108,7 +107,7 @@ class SpeculationLink:
     lookup: bool = False               # lookup is served: its rows' contexts go along
     default: SpecChoice | None = None  # the server's choice (tells which rows look up)
     proposals: tuple[tuple[str, int], ...] = ()
-    drafts: tuple[tuple[str, int, tuple[int, ...]], ...] = ()
+    drafts: tuple[Draft, ...] = ()
     new_rows: bool = True              # the latest decision's `new_rows`
     open_rows: set[str] = attrs.Factory(set)
     lookup_rows: set[str] = attrs.Factory(set)

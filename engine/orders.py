@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Any, Callable, Iterator, Sequence
 
 from tqserve.engine.step import StepAdvice
+from tqserve.engine.speculative.lookup import Draft
 
 
 def snapshot_orders(advice: StepAdvice, ids: Iterator[int], release: Sequence[str],
@@ -52,7 +53,7 @@ def propose_sizes(advice: StepAdvice, decode: Sequence[str], joined_now: frozens
 
 
 def proposal_drafts(advice: StepAdvice, propose: tuple[tuple[str, int], ...]
-                    ) -> tuple[tuple[str, int, tuple[int, ...]], ...]:
+                    ) -> tuple[Draft, ...]:
     """The speculation actor's lookup proposals (advice.drafts) of the rows that propose
     this step."""
     proposing = {rid for rid, _ in propose}

@@ -59,6 +59,7 @@ from tqserve.engine.snapshot_layout import PlaneLayout
 from tqserve.engine.snapshot_store import SnapshotStore
 from tqserve.engine.speculative.mtp import forward_with_hidden
 from tqserve.engine.speculative.batch_step import proposal_sizes, verify_step
+from tqserve.engine.speculative.lookup import Draft
 from tqserve.engine.speculative.speculator import Plane, Speculator
 from tqserve.engine.step import (NewRow, PrefillChunk, RowOutput, SnapshotMade, StepPlan,
                                  StepResult)
@@ -225,7 +226,7 @@ class Runner:
                                       chunk.end)
             self._num_forward_tokens += chunk.end - chunk.start
 
-    def _speculate(self, ks: list[int], drafts: tuple[tuple[str, int, tuple[int, ...]], ...]
+    def _speculate(self, ks: list[int], drafts: tuple[Draft, ...]
                    ) -> tuple[RowOutput, ...]:
         if self.speculator is None or self._batch.cache is None:
             raise RuntimeError("a verify step without a speculator or a batch")
@@ -396,4 +397,4 @@ class Runner:
             num_snapshots=len(self.snapshots), snapshot_bytes=self.snapshots.nbytes,
             num_step_gaps=self._clock.num_gaps, step_gap_seconds=self._clock.gap_seconds,
             num_drafts_taken=getattr(self.speculator, "num_drafts_taken", 0),
-            num_proposals_made=getattr(self.speculator, "num_made_here", 0))
+            num_proposals_made=getattr(self.speculator, "num_proposals_made", 0))

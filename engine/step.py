@@ -14,6 +14,7 @@ from typing import Any
 import attrs
 
 from tqserve.engine.sampling import SamplingParams
+from tqserve.engine.speculative.lookup import Draft
 from tqserve.engine.speculative.policy import RequestChoice
 from tqserve.engine.structured import ResponseFormat
 
@@ -83,7 +84,7 @@ class StepPlan:
     propose: tuple[tuple[str, int], ...] = ()
     # the speculation actor's lookup proposals for rows of `propose` (request id, context
     # length answered, tokens): the runner takes one for a row whose context is that long
-    drafts: tuple[tuple[str, int, tuple[int, ...]], ...] = ()
+    drafts: tuple[Draft, ...] = ()
 
     @property
     def empty(self) -> bool:
@@ -109,7 +110,7 @@ class StepAdvice:
     drop: tuple[str, ...] = ()
     speculation: bool = False
     proposals: tuple[tuple[str, int], ...] = ()
-    drafts: tuple[tuple[str, int, tuple[int, ...]], ...] = ()
+    drafts: tuple[Draft, ...] = ()
     new_rows_propose: bool = True
 
 

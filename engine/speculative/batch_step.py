@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from tqserve.engine.decode_batch import RowState
+from tqserve.engine.speculative.lookup import Draft
 from tqserve.engine.speculative.speculator import SpecRow, Speculator
 from tqserve.engine.step import RowOutput
 
@@ -35,7 +36,7 @@ def proposal_sizes(speculator: Speculator | None, rows: Sequence[tuple[str, RowS
 
 def verify_step(speculator: Speculator, model: Any, cache: list[Any],
                 rows: Sequence[tuple[str, RowState]], masks: np.ndarray | None,
-                ks: list[int], drafts: Sequence[tuple[str, int, tuple[int, ...]]] = ()
+                ks: list[int], drafts: Sequence[Draft] = ()
                 ) -> tuple[tuple[RowOutput, ...], int]:
     """One verify step of the batch `rows` (in the batch's order; `drafts`: the
     speculation actor's lookup proposals): each row's output and the number of positions

@@ -8,7 +8,7 @@ their one token), without the plain path's pipelining (a proposal depends on the
 just accepted). A row's choice: its request's `SpecChoice`, `False` (never), or `None`
 (the server's default). A lookup row's proposal usually comes made, from the speculation
 actor's index (`StepPlan.drafts`, taken when it answers the row's context as it is now);
-its proposer runs here only where none fits (`num_made_here` counts those).
+its proposer runs here only where none fits (`num_proposals_made` counts those).
 
 Paired snapshots (engine.speculative.state): a row whose proposer keeps state (draft, MTP)
 has that proposer's `identity` as its state identity ("" for lookup and plain rows); the
@@ -26,6 +26,7 @@ import numpy as np
 
 from tqserve.engine.sampling import RowSampler
 from tqserve.engine.speculative.mtp import forward_with_hidden
+from tqserve.engine.speculative.lookup import Draft
 from tqserve.engine.speculative.policy import RequestChoice, SpecChoice, resolve_choice
 from tqserve.engine.speculative.proposers import Proposer
 from tqserve.engine.speculative.state import ProposerState, StateLayout
@@ -55,7 +56,7 @@ class Speculator:
         self.default = default
         self._choices: dict[str, SpecChoice | None] = {}
         self.num_drafts_taken = 0  # proposals made by the speculation actor, taken
-        self.num_made_here = 0     # proposals made on this thread
+        self.num_proposals_made = 0     # proposals made on this thread
 
     def resolve(self, choice: RequestChoice) -> SpecChoice | None:
         """A request's effective choice. ValueError naming the field if its method is not
@@ -164,7 +165,7 @@ class Speculator:
             self.close_row(rid)
 
     def proposals(self, rows: Sequence[SpecRow], ks: Sequence[int],
-                  drafts: Sequence[tuple[str, int, tuple[int, ...]]] = ()
+                  drafts: Sequence[Draft] = ()
                   ) -> list[tuple[int, ...]]:
         """Every row's proposal this step, at most its k tokens (empty for k = 0): a draft
         made for the row's context as it is now, else its proposer's."""
@@ -179,7 +180,7 @@ class Speculator:
                 self.num_drafts_taken += 1
             elif k > 0 and choice is not None:
                 asks.setdefault(choice.method, []).append((i, row.request_id, row.context, k))
-                self.num_made_here += 1
+                self.num_proposals_made += 1
         for method, items in asks.items():
             got = self.proposers[method].propose([(rid, ctx, k) for _, rid, ctx, k in items])
             for (i, _, _, k), tokens in zip(items, got):
@@ -188,7 +189,7 @@ class Speculator:
 
     def step(self, model: Any, cache: list[Any], rows: Sequence[SpecRow],
              last_tokens: Sequence[int], masks: np.ndarray | None,
-             ks: Sequence[int], drafts: Sequence[tuple[str, int, tuple[int, ...]]] = ()
+             ks: Sequence[int], drafts: Sequence[Draft] = ()
              ) -> list[Verified]:
         """Propose (row i at most ks[i] tokens; `drafts`: made elsewhere), verify in one
         forward, roll back; each result says how many of its row's proposals the target
