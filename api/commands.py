@@ -16,6 +16,7 @@ BENCHES = {  # tqserve bench NAME -> tool module, and what it measures
     "spec": "tqserve.tools.bench_spec",
     "tp": "tqserve.tools.bench_tp",
     "ray": "tqserve.tools.bench_ray",
+    "preempt": "tqserve.tools.bench_preempt",
 }
 BENCH_HELP = {
     "mlx-lm": "tqserve vs mlx-lm, side by side (the default NAME)",
@@ -25,9 +26,10 @@ BENCH_HELP = {
     "spec": "speculative decoding per method vs plain at B1/B4/B8",
     "tp": "tensor parallel (serve --distributed) vs one process",
     "ray": "a trace through Ray Serve: prefix router vs Ray's default",
+    "preempt": "--kv-admission preempt vs reserve vs no budget, and mlx-lm",
 }
 OLD_BENCHES = {f"bench-{name}": name for name in BENCHES  # hidden
-               if name not in ("mlx-lm", "ray")}
+               if name not in ("mlx-lm", "ray", "preempt")}
 TOOLS = {
     "route": "tqserve.api.router.cli",
     "ray-serve": "tqserve.api.rayserve.cli",

@@ -37,7 +37,8 @@ def test_bench_help_names_every_benchmark_then_the_default_ones_flags():
     result = cli("bench", "--help")
     assert result.returncode == 0, result.stderr
     names = re.findall(r"^  (\S+)  ", result.stdout.split("NAME:\n")[1].split("\n\n")[0], re.M)
-    assert names == list(BENCHES) == ["mlx-lm", "kv", "prefix", "gpu", "spec", "tp", "ray"]
+    assert names == list(BENCHES) == ["mlx-lm", "kv", "prefix", "gpu", "spec", "tp", "ray",
+                                   "preempt"]
     assert "usage: tqserve bench [-h] [--model MODEL]" in result.stdout  # tools/bench's
 
 
