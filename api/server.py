@@ -28,6 +28,7 @@ from tqserve.api.hardening import listen_hardened
 from tqserve.api.overload import OverloadGate
 from tqserve.api.httpconn import HttpLimits
 from tqserve.api.config import ServerConfig
+from tqserve.api.recorder import open_recorder
 from tqserve.engine.model import LoadedModel
 
 # hypercorn's own hard cap: twice --max-message-bytes (at least 64 KiB over it). The app's
@@ -89,7 +90,8 @@ async def serve(config: ServerConfig, *, loaded: LoadedModel | None = None,
     down cleanly.
 
     The listening socket is bound first, so a taken port is a ValueError naming it before
-    the model loads. `record`: write every admitted request to this file (tools/replay)."""
+    the model loads. `record`: write every admitted request to this file (api.recorder;
+    `tqserve replay` reads it)."""
     if not isinstance(config, ServerConfig):
         raise TypeError(f"serve takes a ServerConfig(engine=Config(...), ...), got "
                         f"{type(config).__name__}")
@@ -97,7 +99,6 @@ async def serve(config: ServerConfig, *, loaded: LoadedModel | None = None,
     async with AsyncExitStack() as stack:
         recorder = None
         if record is not None:
-            from tqserve.tools.replay.recorder import open_recorder
             recorder, _ = await stack.enter_async_context(open_recorder(
                 record, {"model": config.engine.model, "config": attrs.asdict(config.engine)}))
         engine = await stack.enter_async_context(

@@ -6,11 +6,11 @@ from __future__ import annotations
 import trio.testing
 
 from tqserve.engine.step import TokenOut
-import tqserve.tools.replay.recorder as recorder_mod
+import tqserve.api.recorder as recorder_mod
 from tqserve.actors.messages import (Done, Error, Queued, StepTokens, Submit, Token,
                                      encode)
 from tqserve.engine.sampling import SamplingParams
-from tqserve.tools.replay.recording import read_recording
+from tqserve.storage.recording import read_recording
 
 WRITE_POLLS = 10_000  # bounded polls for the worker thread's write
 

@@ -16,7 +16,7 @@ from tqserve.engine.config import Config
 from tqserve.engine.model import DEFAULT_MODEL
 from tests.conftest import REPO, start_server
 from tqserve.tools.replay.cli import main
-from tqserve.tools.replay.recording import read_recording
+from tqserve.storage.recording import read_recording
 from tqserve.tools.replay.run import replay
 from tqserve.tools.replay.targets import EngineTarget, UrlTarget
 from tqserve.tools.replay.traces import (corpus_tokens, default_corpus_paths, load_azure,

@@ -68,3 +68,20 @@ def test_every_exception_is_still_needed():
     sizes = {str(p.relative_to(REPO)): len(p.read_text().splitlines()) for p in _modules()}
     stale = [name for name in MODULE_CAPS if sizes.get(name, 0) <= MAX_MODULE_LINES]
     assert not stale, f"under {MAX_MODULE_LINES} lines now: drop from MODULE_CAPS: {stale}"
+
+
+PRODUCT = ("engine", "actors", "api", "storage", "tqserve")
+
+
+def test_the_product_never_imports_the_tools():
+    """Benchmarks, attacks and replays (tools/) use the product, never the other way
+    round: `tqserve serve` runs without them. (api.commands names tool modules as
+    strings for `tqserve bench` and `tqserve replay`; it imports none.)"""
+    found = []
+    for path in sorted(p for pkg in PRODUCT for p in (REPO / pkg).rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            found += [f"{path.relative_to(REPO)}: {n}" for n in names
+                      if n == "tqserve.tools" or n.startswith("tqserve.tools.")]
+    assert not found, found

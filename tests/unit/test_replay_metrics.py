@@ -9,7 +9,7 @@ import pytest
 
 from tqserve.tools.replay.metrics import RequestResult, ideal_reuse, parse_goodput, summarize, \
     time_series
-from tqserve.tools.replay.recording import RecordingWriter, read_recording
+from tqserve.storage.recording import RecordingWriter, read_recording
 from tqserve.tools.replay.traces import load_mooncake, subsample_families
 
 R0 = RequestResult(index=0, send_s=0.0, prompt_tokens=10, token_times=(1.0, 1.5, 2.0),

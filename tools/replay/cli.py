@@ -28,7 +28,7 @@ import trio
 from tqserve.api.signals import SIGNALS, SignalLatch
 from tqserve.tools.replay import report
 from tqserve.tools.replay.metrics import HIT_MIN_TOKENS
-from tqserve.tools.replay.recording import FORMAT, read_recording
+from tqserve.storage.recording import FORMAT, read_recording
 from tqserve.tools.replay.session import Interrupt, run_one, say
 from tqserve.tools.replay.targets import EngineTarget, SpawnTarget, UrlTarget
 from tqserve.tools.replay.traces import (TraceRequest, corpus_tokens, default_corpus_paths,

@@ -16,7 +16,7 @@ while Mooncake's are 512: prompts came out 32x short and nobody noticed).
   deterministic offset) of a token stream made from a text corpus — by default the Python
   sources of the installed mlx-lm, tokenized with the model's tokenizer — scaled by
   `length_scale`.
-* Recordings (`tools/replay/recording.py`): exact prompts, params and the expected output.
+* Recordings (`storage/recording.py`): exact prompts, params and the expected output.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ import attrs
 import trio
 
 from tqserve.actors.messages import Done, Error, Queued, StepTokens, Submit, Token, decode
-from tqserve.tools.replay.recording import RecordingWriter
+from tqserve.storage.recording import RecordingWriter
 
 log = logging.getLogger("tqserve.record")
 RECORD_QUEUE = 8192  # mailbox messages (a token each, mostly) the writer may lag behind
