@@ -55,8 +55,8 @@ class ShutdownReport:
 
 @attrs.frozen(kw_only=True)
 class EngineStatistics:
-    rows_active: int
-    rows_queued: int
+    rows_active: int  # rows leased (prefilling or decoding)
+    rows_queued: int  # admitted and waiting for a row, preempted rows included
     kv_bytes: int
     requests_total: int
     requests_rejected: int
@@ -335,7 +335,8 @@ class Engine:
         rejections["overloaded"] += admission.requests_rejected  # admission refuses only so
         early = sum(self._rejections.values())
         return EngineStatistics(
-            rows_active=owner.rows_active, rows_queued=admission.num_queued,
+            rows_active=owner.rows_active,
+            rows_queued=admission.num_queued + snap.scheduler.num_preempted_queued,
             kv_bytes=owner.kv_bytes, requests_total=admission.requests_total + early,
             requests_rejected=admission.requests_rejected + early,
             rejections={k: v for k, v in sorted(rejections.items()) if v},

@@ -62,7 +62,7 @@ class _EngineCollector(Collector):
 
         yield gauge("vllm:num_requests_running", "Requests holding a row (prefill or decode).",
                     stats.rows_active)
-        yield gauge("vllm:num_requests_waiting", "Requests admitted and waiting for a row.",
+        yield gauge("vllm:num_requests_waiting", "Requests waiting for a row (preempted ones too).",
                     stats.rows_queued)
         yield gauge("vllm:kv_cache_usage_perc", "Fraction (0-1) of the KV budget charged.",
                     stats.kv_charged_bytes / max(1, stats.kv_budget_bytes))

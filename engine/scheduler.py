@@ -61,6 +61,7 @@ class SchedulerStatistics:
     num_prefill_groups: int
     num_prefill_tokens: int  # padding included: what the prefill forwards processed
     num_preemptions: int = 0
+    num_preempted_queued: int = 0  # in num_queued: preempted rows waiting to resume
 
 
 class SchedulerCore:
@@ -185,8 +186,7 @@ class SchedulerCore:
         return self._rows[request_id].speculative
 
     def is_held(self, request_id: str) -> bool:
-        row = self._rows.get(request_id)
-        return row is not None and row.held
+        return (row := self._rows.get(request_id)) is not None and row.held
 
     def cancel(self, request_id: str, reason: str = "cancelled",
                num_tokens: int | None = None) -> list[Event]:
@@ -262,8 +262,7 @@ class SchedulerCore:
         return plan, events
 
     def _wants_prompt_snapshot(self, request_id: str) -> bool:
-        row = self._rows[request_id]
-        return row.snapshot_prompt and len(row.prompt) > 1
+        return (row := self._rows[request_id]).snapshot_prompt and len(row.prompt) > 1
 
     def _own_k(self, request_id: str) -> int:
         choice = resolve_choice(self._rows[request_id].speculative, self._speculative_default)
@@ -397,4 +396,5 @@ class SchedulerCore:
             num_queued_tokens=sum(len(self._rows[r].prompt) for r in self._queue),
             num_prefill_groups=self._prefill.num_groups,
             num_prefill_tokens=self._prefill.num_prefill_tokens,
-            num_preemptions=self._num_preemptions)
+            num_preemptions=self._num_preemptions,
+            num_preempted_queued=sum(self._rows[r].resumed > 0 for r in self._queue))

@@ -47,11 +47,20 @@ async def _run(loaded, config: Config):
                 elif isinstance(event, Done):
                     outs[k] = (tokens, event)
 
+        async def watch() -> None:  # rows_queued once a row was preempted, until a row ends
+            while not outs:
+                got = engine.statistics()
+                if got.kv_preemptions:
+                    waiting.append(got.rows_queued)
+                await trio.sleep(0.001)
+
+        waiting: list[int] = []
         async with trio.open_nursery() as nursery:
+            nursery.start_soon(watch)
             for k in range(ROWS):
                 nursery.start_soon(one, k)
         stats = engine.statistics()
-    return outs, stats, peak[0]
+    return outs, stats, peak[0], max(waiting, default=0)
 
 
 async def test_preempted_rows_resume_with_the_tokens_of_a_run_without_budget(draft_model):
@@ -61,10 +70,11 @@ async def test_preempted_rows_resume_with_the_tokens_of_a_run_without_budget(dra
     # rows' whole lives (1,024 positions) do, and so does one resuming by prefill alone
     budget = 9 * 256 * per_position
     base = Config(max_batch=ROWS, prefill_chunk=64)
-    free, _, _ = await _run(loaded, base)
-    held, stats, peak = await _run(loaded, attrs.evolve(
+    free, _, _, _ = await _run(loaded, base)
+    held, stats, peak, waiting = await _run(loaded, attrs.evolve(
         base, kv_budget_bytes=budget, kv_admission="preempt"))
     assert stats.kv_preemptions >= 1
+    assert waiting >= 1  # a preempted row counts in /v1/stats rows_queued meanwhile
     assert stats.prefix_cache is not None and stats.prefix_cache.hits_ram >= stats.kv_preemptions
     assert 0 < peak <= budget
     for k in range(ROWS):

@@ -267,6 +267,7 @@ def test_preemption_gives_back_the_longest_row_and_resumes_it_where_it_stopped()
     assert kept[:100] == (5,) * 100 and set(kept[100:]) <= {7, 42} and len(kept) > 766
     stats = core.statistics()
     assert (stats.num_preemptions, stats.num_queued, stats.num_decoding) == (1, 1, 1)
+    assert stats.num_preempted_queued == 1  # /v1/stats counts it as waiting
     assert core.next_to_start() == [("long", kept)]  # looked up at once, as prompt + output
     core.set_reuse("long", reuse="snap", cached=len(kept) - 1)  # the prefix cache's answer
     plan, events, _ = run((2, 768))
@@ -277,6 +278,7 @@ def test_preemption_gives_back_the_longest_row_and_resumes_it_where_it_stopped()
     started = [e for e in events if isinstance(e, Started)]
     assert [(e.request_id, e.resumed, e.num_prompt_tokens) for e in started] == [
         ("long", True, 100)]
+    assert core.statistics().num_preempted_queued == 0
     new = plan.new_rows[0]
     assert (new.prompt, new.resumed, new.reuse, new.cached) == (
         kept, len(kept) - 100, "snap", len(kept) - 1)
