@@ -197,11 +197,9 @@ class Runner:
         prompt logprobs were given already."""
         own = len(new.prompt) - new.resumed
         sampler = RowSampler.create(new.params, new.prompt[:own])
-        grammar = self._open_grammar(new.response_format)
+        grammar = self._open_grammar(new.response_format, new.prompt[own:])
         if new.resumed:
             sampler = sampler.advanced(new.prompt[own:])
-            if grammar is not None:
-                grammar.advance_many(new.prompt[own:])
         self._prompt_logprobs.open(new.request_id, new.prompt,
                                    None if new.resumed else new.params.prompt_logprobs)
         return RowState(sampler=sampler, prompt=new.prompt, cache=cache,
@@ -239,12 +237,12 @@ class Runner:
     def _batch_rows(self) -> list[tuple[str, RowState]]:
         return [(rid, self._rows[rid]) for rid in self._batch.ids]
 
-    def _open_grammar(self, fmt: Any) -> RowGrammar | None:
+    def _open_grammar(self, fmt: Any, consumed: tuple[int, ...]) -> RowGrammar | None:
         if fmt is None:
             return None
         if self.masks is None:
             raise RuntimeError("a constrained row reached a runner built without masks")
-        return self.masks.open_row(fmt)
+        return self.masks.open_row(fmt, consumed)
 
     def _batch_masks(self, rows: list[str]) -> np.ndarray | None:
         if self.masks is None:

@@ -5,7 +5,8 @@ Hugging Face tokenizer: byte-level BPE works as it is) and ONE worker thread, wh
 only llguidance work (pure CPU, no MLX; llguidance drops the GIL while it computes a
 mask). A constrained row's `RowGrammar` goes through:
 
-    open_row   (row created)   worker: build the matcher, compute the first mask
+    open_row   (row created)   worker: build the matcher (a resumed row's: having
+                               consumed its output so far), compute the first mask
                                -- overlaps the row's prefill
     mask()     (sampling)      runner: take the mask; waits only if the worker is late
     advance(t) (token read)    runner: consume the sampled token (microseconds), so a
@@ -105,10 +106,11 @@ class GrammarMasks:
             future.set_exception(exc)
         return future
 
-    def open_row(self, fmt: ResponseFormat) -> RowGrammar:
-        """Start a row's matcher on the worker thread (its first mask follows)."""
+    def open_row(self, fmt: ResponseFormat, consumed: Sequence[int] = ()) -> RowGrammar:
+        """Start a row's matcher on the worker thread, having consumed `consumed` (a
+        preempted row's output so far); its first mask follows."""
         self.counters.num_rows += 1
-        return RowGrammar(self, fmt)
+        return RowGrammar(self, fmt, consumed)
 
     def batch_masks(self, grammars: Sequence[RowGrammar | None]) -> np.ndarray | None:
         """The rows' next masks (all ones for an unconstrained row, whose tokens are then
@@ -132,9 +134,11 @@ class GrammarMasks:
 class RowGrammar:
     """One row's matcher and its next mask (see the module docstring for the timeline)."""
 
-    def __init__(self, owner: GrammarMasks, fmt: ResponseFormat) -> None:
+    def __init__(self, owner: GrammarMasks, fmt: ResponseFormat,
+                 consumed: Sequence[int] = ()) -> None:
         self._owner = owner
         self._grammar = fmt.grammar
+        self._consumed = tuple(consumed)
         self._matcher: llguidance.LLMatcher | None = None
         self._bits = np.zeros(owner.num_words, dtype=np.int32)
         self.error: str | None = None
@@ -146,6 +150,10 @@ class RowGrammar:
         matcher = llguidance.LLMatcher(self._owner.tokenizer(), self._grammar, log_level=0)
         if matcher.is_error():
             raise GrammarFailure(matcher.get_error())
+        for token in self._consumed:  # where a preempted row's grammar stopped
+            if not matcher.consume_token(token) or matcher.is_error() or matcher.is_stopped():
+                raise GrammarFailure(f"its own output so far, token {token}, does not fit: "
+                                     f"{matcher.get_error()}")
         self._matcher = matcher
         self._owner.counters.mask_seconds += time.perf_counter() - started
         self._fill()

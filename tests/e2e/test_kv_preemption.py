@@ -23,7 +23,7 @@ ROWS, NEW_TOKENS = 4, 800
 SEEDS = (None, 7, None, 8)  # None: greedy
 
 
-async def _run(loaded, config: Config):
+async def _run(loaded, config: Config, formats: tuple = (None,) * ROWS):
     outs: dict[int, tuple[list[int], Done]] = {}
     peak = [0]
     async with open_engine(config, loaded=loaded) as engine:
@@ -39,9 +39,10 @@ async def _run(loaded, config: Config):
         async def one(k: int) -> None:
             tokens: list[int] = []
             params = SamplingParams(max_tokens=NEW_TOKENS, seed=SEEDS[k],
-                                    temperature=0.0 if SEEDS[k] is None else 0.9)
-            async for event in engine.generate(GenerateRequest(prompt=PROMPTS[k],
-                                                               params=params)):
+                                    temperature=0.0 if SEEDS[k] is None else 0.9,
+                                    logit_bias={eos: -100 for eos in loaded.eos_token_ids})
+            async for event in engine.generate(GenerateRequest(
+                    prompt=PROMPTS[k], params=params, response_format=formats[k])):
                 if isinstance(event, Token):
                     tokens.append(event.token_id)
                 elif isinstance(event, Done):
@@ -84,3 +85,30 @@ async def test_preempted_rows_resume_with_the_tokens_of_a_run_without_budget(dra
             "length", NEW_TOKENS, 0)
         assert done.prompt_tokens == free[k][1].prompt_tokens
     assert stats.rows_active == 0 and stats.kv_charged_bytes == 0
+
+
+async def test_without_a_prefix_cache_preempted_rows_prefill_again(draft_model):
+    """No snapshot to resume from: a preempted row prefills its prompt and output again.
+    Every row with EOS biased away, two under a regex of lines of two kinds in turn (their
+    grammar goes on where it stopped): the same tokens as without a budget, the
+    allocation within it."""
+    per_position = kv_bytes_per_position(draft_model.model, None)
+    budget = 9 * 256 * per_position  # as above
+    base = Config(max_batch=ROWS, prefill_chunk=64, prefix_cache=False)
+    # lines of two kinds in turn: where a row resumes depends on where its grammar was
+    regex = {"type": "regex", "pattern": r"(?:[a-z ]{1,40}\n[=() ]{1,40}\n)+"}
+    formats = (regex, None, None, regex)
+    free, _, _, _ = await _run(draft_model, base, formats)
+    held, stats, peak, waiting = await _run(draft_model, attrs.evolve(
+        base, kv_budget_bytes=budget, kv_admission="preempt"), formats)
+    assert stats.prefix_cache is None and stats.kv_preemptions >= 1 and waiting >= 1
+    assert 0 < peak <= budget
+    for k in range(ROWS):
+        tokens, done = held[k]
+        assert tokens == free[k][0], k
+        assert (done.finish_reason, done.completion_tokens) == ("length", NEW_TOKENS), k
+    for k in (0, 3):  # the grammar's rows stayed within the pattern
+        lines = draft_model.tokenizer.decode(held[k][0]).split("\n")
+        assert len(lines) > 20, k
+        assert all(set(line) <= set("abcdefghijklmnopqrstuvwxyz ") for line in lines[0::2]), k
+        assert all(set(line) <= set("=() ") for line in lines[1::2]), k

@@ -128,3 +128,24 @@ async def test_a_failed_matcher_is_an_invalid_request_event_through_the_engine(d
     assert isinstance(ends["c"], Error) and ends["c"].code == "invalid_request"
     assert "response_format" in ends["c"].message and "tokenizer" in ends["c"].message
     assert isinstance(ends["u"], Done) and ends["u"].finish_reason == "length"
+
+
+def test_a_row_opened_with_its_output_so_far_masks_where_that_output_left_it(draft_model):
+    """A preempted row resumes with a fresh matcher that has consumed its output so far
+    (GrammarMasks.open_row(fmt, consumed)): its first mask is the one a matcher that
+    advanced token by token had; output the grammar refuses fails the row by name."""
+    masks = masks_for(draft_model)
+    fmt = validate_response_format(
+        {"type": "regex", "pattern": r"(?:[a-z ]{1,40}\n[=() ]{1,40}\n)+"})
+    tokens = draft_model.tokenizer.encode("ab c\n(=)\nxy")
+    stepped = masks.open_row(fmt)
+    for token in tokens:
+        assert stepped.mask() is not None
+        stepped.advance(token)
+    resumed = masks.open_row(fmt, tokens)
+    fresh = masks.open_row(fmt)
+    assert (resumed.mask() == stepped.mask()).all()
+    assert not (resumed.mask() == fresh.mask()).all()  # the grammar's place matters here
+    assert resumed.error is None and stepped.error is None
+    bad = masks.open_row(fmt, draft_model.tokenizer.encode("ab\nxy"))  # letters on a "=()" line
+    assert bad.mask() is None and "does not fit" in (bad.error or "")
