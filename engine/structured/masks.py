@@ -29,6 +29,7 @@ import logging
 import time
 import weakref
 from concurrent.futures import Future
+from functools import partial
 from typing import Any, Callable, Iterable, Sequence
 
 import attrs
@@ -138,19 +139,18 @@ class RowGrammar:
                  consumed: Sequence[int] = ()) -> None:
         self._owner = owner
         self._grammar = fmt.grammar
-        self._consumed = tuple(consumed)
         self._matcher: llguidance.LLMatcher | None = None
         self._bits = np.zeros(owner.num_words, dtype=np.int32)
         self.error: str | None = None
         self.stopped = False
-        self._future = owner.submit(self._start)
+        self._future = owner.submit(partial(self._start, tuple(consumed)))
 
-    def _start(self) -> None:  # worker thread
+    def _start(self, consumed: tuple[int, ...]) -> None:  # worker thread
         started = time.perf_counter()
         matcher = llguidance.LLMatcher(self._owner.tokenizer(), self._grammar, log_level=0)
         if matcher.is_error():
             raise GrammarFailure(matcher.get_error())
-        for token in self._consumed:  # where a preempted row's grammar stopped
+        for token in consumed:  # where a preempted row's grammar stopped
             if not matcher.consume_token(token) or matcher.is_error() or matcher.is_stopped():
                 raise GrammarFailure(f"its own output so far, token {token}, does not fit: "
                                      f"{matcher.get_error()}")
