@@ -154,13 +154,16 @@ def mlx_stream(loaded: Any, prompt: list[int], n: int) -> list[Trace]:
     return [trace]
 
 
-def mlx_batch(loaded: Any, prompts: list[list[int]], n: int) -> list[Trace]:
-    """Requests through mlx_lm's BatchGenerator (as batch_generate drives it, no stop tokens)."""
+def mlx_batch(loaded: Any, prompts: list[list[int]], n: int | Sequence[int]) -> list[Trace]:
+    """Requests through mlx_lm's BatchGenerator (as batch_generate drives it, no stop
+    tokens): `n` tokens each, or n[i] for request i. The traces of one step share its
+    arrival time."""
     from mlx_lm.generate import BatchGenerator
 
-    gen = BatchGenerator(loaded.model, max_tokens=n)
+    lengths = [n] * len(prompts) if isinstance(n, int) else list(n)
+    gen = BatchGenerator(loaded.model, max_tokens=max(lengths, default=1))
     submit = time.perf_counter()
-    uids = gen.insert(prompts, max_tokens=[n] * len(prompts))
+    uids = gen.insert(prompts, max_tokens=lengths)
     traces = {uid: Trace(submit=submit) for uid in uids}
     while responses := gen.next_generated():
         now = time.perf_counter()

@@ -34,11 +34,12 @@ import json
 import statistics
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any, Sequence
 
 from tqserve.tools.bench import (REPO_ROOT, Settings, add_blas_flag, load_blas, machine,
-                                 make_prompts)
+                                 make_prompts, mlx_batch)
 
 MODES = ("none", "reserve", "preempt")
 QUICK = {"requests": 3, "prompt_tokens": 16, "max_tokens": 24, "eos_bias": 2.0,
@@ -109,22 +110,17 @@ async def _run_engine(loaded: Any, args: argparse.Namespace, prompts: list[list[
 def _run_mlx_lm(loaded: Any, prompts: list[list[int]], lengths: list[int]) -> dict[str, Any]:
     """mlx-lm's BatchGenerator on the same prompts, each making `lengths[i]` tokens."""
     import mlx.core as mx
-    from mlx_lm.generate import BatchGenerator
 
     base = mx.get_active_memory()
     mx.reset_peak_memory()
-    gen = BatchGenerator(loaded.model)  # no stop tokens: EOS ignored
-    start = time.perf_counter()
-    gen.insert(prompts, max_tokens=lengths)
-    made, rows = 0, 0
-    while responses := gen.next_generated():
-        made += len(responses)
-        rows = max(rows, len(responses))
-    end = time.perf_counter()
-    gen.close()
-    return {"tokens_per_s": made / (end - start), "tokens": made, "peak_kv_bytes": None,
-            "peak_mlx_bytes": mx.get_peak_memory() - base, "max_rows": rows,
-            "preemptions": 0, "ram_tier_bytes": 0}
+    traces = mlx_batch(loaded, prompts, lengths)
+    peak = mx.get_peak_memory() - base
+    made = sum(len(t.tokens) for t in traces)
+    steps = Counter(at for t in traces for at in t.times)  # a step's tokens share one
+    end = max((t.times[-1] for t in traces if t.times), default=traces[0].submit)
+    return {"tokens_per_s": made / (end - traces[0].submit), "tokens": made,
+            "peak_kv_bytes": None, "peak_mlx_bytes": peak,
+            "max_rows": max(steps.values(), default=0), "preemptions": 0, "ram_tier_bytes": 0}
 
 
 def _median_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
