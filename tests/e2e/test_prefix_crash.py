@@ -42,10 +42,10 @@ from tqserve.storage.writer import SNAPSHOT_SUFFIX, is_temporary_name
 from tests.api.wsclient import Session
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-# The suite runs 35 kills (~2 s each: a server start); a longer run sets TQSERVE_CRASH_KILLS
+# The suite runs 20 kills (~2 s each: a server start); a longer run sets TQSERVE_CRASH_KILLS
 # (e.g. 200, the figures of record) and may set TQSERVE_CRASH_FLUSH=async (the default
 # --ssd-flush); figures: docs/prefix-cache.md.
-NUM_KILLS = int(os.environ.get("TQSERVE_CRASH_KILLS", "35"))
+NUM_KILLS = int(os.environ.get("TQSERVE_CRASH_KILLS", "20"))
 FLUSH = os.environ.get("TQSERVE_CRASH_FLUSH", "sync")
 SEED = 20261130
 MAX_KILL_DELAY = 0.8      # seconds after "serving" until the kill (uniform from 0.05)
