@@ -5,14 +5,17 @@ KV never grows past the budget (issue 20: 70 long rows took a process from 0.6 t
 and on, until the OS would kill it). A row is charged for its whole life at once: its
 prompt plus max_tokens (plus a speculative verify block's margin), capped at the
 model's context. The decode batch keeps rows in slots (engine.kv.slot_rows): each of its
-row slots holds as many positions as the longest row, in SLOT_STEP positions, and its row
-capacity doubles when rows join, so the rows admitted are charged
+row slots holds as many positions as the longest row, in SLOT_STEP positions; its row
+capacity doubles when rows join and, when the positions grow (a copy of every row), halves
+while at most half of it is in use (`grown`). So the rows admitted are charged
 
-    rows_bound(capacity, n) * max(position capacity, ceil_step(max final length)) * bpp
+    max(rows_bound(capacity, n) * position capacity,
+        rows_bound(halved_rows(capacity, n, 2), n) * ceil_step(max final length)) * bpp
 
-where `capacity` is the batch's allocation now (the runner reports it every step) and
-`rows_bound` the most the doubling can reach for n rows (< 2n), plus each prefill group's
-own batch cache while it prefills (a padded width per row). A row that does not fit waits
+(the second term when the final length is past the position capacity), where `capacity`
+is the batch's allocation now (the runner reports it every step) and `rows_bound` the most
+the doubling can reach for n rows (< 2n), plus each prefill group's own batch cache while
+it prefills (a width per row). A row that does not fit waits
 in the queue (first come, first served); a row that could not fit even alone is refused
 when it is submitted. Rows are never preempted: what was admitted can always finish.
 
@@ -46,10 +49,22 @@ def ceil_step(n: int) -> int:
 
 
 def grown_rows(capacity: int, rows: int) -> int:
-    """The slot store's row capacity after it must hold `rows` (doubling; slot_rows)."""
+    """The slot store's row capacity after it must hold `rows`: a first allocation holds
+    exactly them, a full store doubles (capacity * 2**k, the least that holds them), so
+    every capacity a store reaches stays on the sequence of its first (see `rows_bound`)."""
     if capacity == 0:
         return max(rows, 1)
-    return capacity if rows <= capacity else max(rows, 2 * capacity)
+    while capacity < rows:
+        capacity *= 2
+    return capacity
+
+
+def halved_rows(capacity: int, rows: int, share: int) -> int:
+    """`capacity` halved while `rows` use at most 1/`share` of it (and it halves evenly,
+    so doubling can reach it again: `rows_bound`)."""
+    while capacity % 2 == 0 and capacity > 0 and rows * share <= capacity:
+        capacity //= 2
+    return capacity
 
 
 def shrunk(capacity: tuple[int, int], rows: int, longest: int) -> tuple[int, int]:
@@ -60,17 +75,29 @@ def shrunk(capacity: tuple[int, int], rows: int, longest: int) -> tuple[int, int
     cap_rows, cap_pos = capacity
     if rows == 0:
         return 0, 0
-    while cap_rows > 1 and rows <= cap_rows // 4:
-        cap_rows //= 2
     need = ceil_step(longest)
-    return cap_rows, need if cap_pos > 2 * need else cap_pos
+    return halved_rows(cap_rows, rows, 4), need if cap_pos > 2 * need else cap_pos
+
+
+def grown(capacity: tuple[int, int], rows: int, positions: int) -> tuple[int, int]:
+    """The slot store's (rows, positions) capacity once it must hold `rows` rows of up to
+    `positions`: rows double (`grown_rows`); positions grow in SLOT_STEPs, and as that
+    copies every row anyway, the row capacity then halves while at most half of it is in
+    use (so rows that left earlier do not carry their empty slots into the larger store)."""
+    cap_rows, cap_pos = capacity
+    if positions > cap_pos:
+        cap_pos = ceil_step(positions)
+        if rows <= cap_rows:
+            return halved_rows(cap_rows, rows, 2), cap_pos
+    return grown_rows(cap_rows, rows), cap_pos
 
 
 def rows_bound(capacity: int, rows: int) -> int:
-    """The largest row capacity `rows` rows can leave, joining in any number of steps,
-    from `capacity` now: a growth happens only for r > c rows and gives max(r, 2c), less
-    than 2r, so never more than max(rows, 2 * rows - 2)."""
-    return capacity if rows <= capacity else max(rows, 2 * rows - 2)
+    """The largest row capacity `rows` rows can reach from `capacity` now, joining in any
+    number of steps: the least capacity * 2**k that holds them (halvings, `halved_rows`,
+    stay on that sequence, so they never make it larger); from an empty store a first
+    group of g <= rows, doubled: less than 2 * rows, so never more than max(rows, 2 * rows - 2)."""
+    return grown_rows(capacity, rows) if capacity else max(rows, 2 * rows - 2)
 
 
 @attrs.frozen(kw_only=True)
@@ -103,8 +130,10 @@ class KvBudget:
         per row prefilling in a group."""
         if not final_lengths:
             return 0
-        positions = max(capacity[1], ceil_step(max(final_lengths)))
-        slots = rows_bound(capacity[0], len(final_lengths)) * positions
+        (cap_rows, cap_pos), n = capacity, len(final_lengths)
+        slots = rows_bound(cap_rows, n) * cap_pos
+        if (positions := ceil_step(max(final_lengths))) > cap_pos:  # rows halve: `grown`
+            slots = max(slots, rows_bound(halved_rows(cap_rows, n, 2), n) * positions)
         return (slots + sum(ceil_step(w) for w in group_widths)) * self.bytes_per_position
 
     def check_alone(self, prompt_tokens: int, max_tokens: int) -> None:

@@ -17,7 +17,9 @@ own length `lengths[i]`; its positions are LEFT-aligned at [0, lengths[i]) of ev
   most a quarter of the row slots (or half the positions) is left in use the planes
   shrink (a copy of what is left), and when no row is left they are freed.
 * `trim_rows(amounts)` lowers each row's length: nothing moves.
-Capacities grow by doubling (rows) and by STEP positions; only growth copies every row.
+Capacities grow by doubling (rows) and by STEP positions; only growth copies every row,
+and a growth of the positions keeps only the row slots at most twice the rows in use
+(kv_budget.grown: the budget's charge follows these rules).
 Lengths are host integers (whoever appends knows them), so no step reads them back.
 Nothing here decodes: a row's bytes are the ones it was written with, in any batch.
 """
@@ -32,7 +34,7 @@ import attrs
 import mlx.core as mx
 import numpy as np
 
-from tqserve.engine.kv_budget import SLOT_STEP, grown_rows, shrunk
+from tqserve.engine.kv_budget import SLOT_STEP, grown, shrunk
 
 STEP = SLOT_STEP  # positions added when a row outgrows the planes (as mlx-lm's KVCache.step)
 STEP_ARRAYS_KEPT = 8  # recent lengths' index arrays kept: every layer of a step shares one
@@ -99,7 +101,7 @@ class SlotStatistics:
     row_capacity: int
     position_capacity: int
     num_rows_moved: int  # rows copied by `take` (retirements), ever
-    num_growths: int     # reallocations that copied every row, ever
+    num_growths: int     # reallocations to hold more rows or positions, ever
     num_shrinks: int     # reallocations after retirements (see `take`), ever
 
 
@@ -183,7 +185,9 @@ class SlotRows:
 
     def _reserve(self, rows: int, positions: int, like: Mapping[str, mx.array]) -> None:
         """Make the planes hold `rows` slots of `positions`; `like` gives each plane's
-        (H, W) and dtype when the planes do not exist yet (growth copies every row)."""
+        (H, W) and dtype when the planes do not exist yet. A growth is one copy of the
+        rows kept into the new planes (`kv_budget.grown`: rows double; positions grow in
+        STEPs, and then the row capacity halves while at most half of it is in use)."""
         if self._planes is None:
             cap_pos = STEP * max(1, -(-positions // STEP))
             self._planes = {n: mx.zeros((max(rows, 1), a.shape[1], cap_pos, a.shape[3]), a.dtype)
@@ -191,17 +195,22 @@ class SlotRows:
             return
         self._check_fits(like)
         cap_rows, _, cap_pos, _ = next(iter(self._planes.values())).shape
-        self._num_growths += (rows > cap_rows) + (positions > cap_pos)
-        if rows > cap_rows:
-            more = grown_rows(cap_rows, rows) - cap_rows
-            self._planes = {n: mx.concatenate([a, mx.zeros((more, *a.shape[1:]), a.dtype)])
-                            for n, a in self._planes.items()}
-        if positions > cap_pos:
-            more = STEP * -(-(positions - cap_pos) // STEP)
-            self._planes = {
-                n: mx.concatenate([a, mx.zeros((*a.shape[:2], more, a.shape[3]), a.dtype)],
-                                  axis=2)
-                for n, a in self._planes.items()}
+        if rows > cap_rows or positions > cap_pos:
+            self._num_growths += 1
+            self._resize(*grown((cap_rows, cap_pos), rows, positions))
+
+    def _resize(self, rows: int, positions: int) -> None:
+        """Reallocate every plane as (rows, H, positions, W) holding the first `rows` slots'
+        first `positions` positions (one copy of those; the rows in use are among them)."""
+        def resized(a: mx.array) -> mx.array:
+            kept = a[:rows, :, :positions]
+            more = (rows - kept.shape[0], positions - kept.shape[2])
+            if more == (0, 0):
+                return mx.contiguous(kept)
+            return mx.pad(kept, [(0, more[0]), (0, 0), (0, more[1]), (0, 0)])
+
+        assert self._planes is not None
+        self._planes = {n: resized(a) for n, a in self._planes.items()}
 
     def _check_fits(self, like: Mapping[str, mx.array]) -> None:
         """ValueError unless `like` has the held planes' names, heads, widths and dtypes."""
@@ -289,8 +298,7 @@ class SlotRows:
         rows, positions = shrunk((cap_rows, cap_pos), max(self.num_rows, 1),
                                  max(self.lengths, default=0))
         if (rows, positions) != (cap_rows, cap_pos):
-            self._planes = {n: mx.contiguous(a[:rows, :, :positions])
-                            for n, a in self._planes.items()}
+            self._resize(rows, positions)
             self._num_shrinks += 1
 
     def check_trim(self, amounts: Sequence[int], room: Sequence[int] | None = None) -> list[int]:

@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 
 from tqserve.engine.kv.slot_rows import SlotRows
-from tqserve.engine.kv_budget import KvBudget, ceil_step, grown_rows, rows_bound, shrunk
+from tqserve.engine.kv_budget import (KvBudget, ceil_step, grown, grown_rows, rows_bound,
+                                      shrunk)
 from tqserve.engine.memory import kv_bytes_per_position
 from tqserve.engine.runner import Runner
 from tqserve.engine.sampling import SamplingParams
@@ -19,21 +20,79 @@ from tests.e2e.reference import PROMPTS
 NEW_TOKENS = 20
 
 
-def test_rows_bound_covers_every_join_order_of_the_slot_store():
+def _store(lengths: list[int], gone: int = 0) -> SlotRows:
+    """A slot store holding rows of these lengths (after `gone` more rows left it)."""
     import mlx.core as mx
 
-    for start in (0, 1, 3, 8):
-        for joins in ([1] * 9, [4, 1, 7], [2, 9], [17]):
-            slots = SlotRows()
-            if start:
-                slots.add_rows([{"k": mx.zeros((1, 1, 3, 2))}] * start)
-            cap0 = slots.statistics().row_capacity
-            for n in joins:
-                slots.add_rows([{"k": mx.zeros((1, 1, 3, 2))}] * n)
-            got = slots.statistics().row_capacity
-            assert got <= rows_bound(cap0, start + sum(joins)), (start, joins, got)
-    assert grown_rows(0, 5) == 5 and grown_rows(4, 5) == 8 and grown_rows(4, 20) == 20
-    assert rows_bound(0, 1) == 1 and rows_bound(8, 8) == 8 and rows_bound(8, 13) == 24
+    slots = SlotRows()
+    slots.add_rows([{"k": mx.zeros((1, 1, n, 1))} for n in lengths + [1] * gone])
+    if gone:
+        slots.take(list(range(len(lengths))))
+    return slots
+
+
+def test_the_charge_covers_the_slot_store_through_joins_growth_and_retirements():
+    """Any rows admitted together: whatever order they join, grow and leave in, the
+    store's allocation stays within the charge made when they were admitted."""
+    import random
+
+    import mlx.core as mx
+
+    budget = KvBudget(budget_bytes=1 << 60, bytes_per_position=1)
+    rng = random.Random(20261207)
+    for trial in range(100):
+        held = [rng.randint(1, 300) for _ in range(rng.choice((0, 1, 3, 6, 8)))]
+        total = rng.choice((len(held), 8, 16, 32)) if held else 0  # rows there once
+        slots = _store(held, gone=max(0, total - len(held)))
+        pending = [rng.randint(1, 100) for _ in range(rng.randint(0 if held else 1, 12))]
+        final = [n + rng.randint(0, 900) for n in held + pending]
+        st = slots.statistics()
+        charge = budget.charge(final, capacity=(st.row_capacity, st.position_capacity))
+        rows = list(range(len(held)))  # the rows in the store: their index into `final`
+        while rows or pending:
+            op = rng.random()
+            if pending and (op < 0.3 or not rows):
+                k = rng.randint(1, len(pending))
+                joining, pending = pending[:k], pending[k:]
+                rows += range(len(final) - len(pending) - k, len(final) - len(pending))
+                slots.add_rows([{"k": mx.zeros((1, 1, n, 1))} for n in joining])
+            elif op < 0.35:
+                keep = [j for j in range(len(rows)) if rng.random() < 0.7]
+                slots.take(keep)
+                rows = [rows[j] for j in keep]
+            else:  # a step: every row gains positions; rows at their final length leave
+                done = [j for j, r in enumerate(rows) if slots.lengths[j] >= final[r]]
+                keep = [j for j in range(len(rows)) if j not in done]
+                if done:
+                    slots.take(keep)
+                    rows = [rows[j] for j in keep]
+                room = min((final[r] - n for r, n in zip(rows, slots.lengths)), default=0)
+                if room:
+                    slots.append({"k": mx.zeros((len(rows), 1, rng.randint(1, min(room, 128)), 1))})
+            st = slots.statistics()
+            assert st.row_capacity * st.position_capacity <= charge, (trial, st, charge)
+            mx.eval(slots.planes())
+    assert grown_rows(0, 5) == 5 and grown_rows(4, 5) == 8 and grown_rows(4, 20) == 32
+    assert rows_bound(0, 1) == 1 and rows_bound(8, 8) == 8 and rows_bound(8, 13) == 16
+    assert rows_bound(0, 5) == 8 and rows_bound(6, 7) == 12
+
+
+def test_a_growth_of_the_positions_leaves_the_empty_row_slots_behind():
+    """16 rows were admitted; 6 are left when the longest needs more positions: the new
+    store holds 8 row slots, not 16, and the budget charges no more than that."""
+    slots = _store([200] * 6, gone=10)
+    assert (slots.statistics().row_capacity, slots.statistics().position_capacity) == (16, 256)
+    import mlx.core as mx
+
+    before = slots.fetch()["k"]
+    slots.append({"k": mx.ones((6, 1, 60, 1))})
+    st = slots.statistics()
+    assert (st.row_capacity, st.position_capacity, st.num_growths) == (8, 512, 1)
+    assert mx.array_equal(slots.fetch()["k"][:, :, :200], before)
+    assert grown((16, 256), 6, 260) == (8, 512) and grown((16, 256), 9, 260) == (16, 512)
+    budget = KvBudget(budget_bytes=1 << 60, bytes_per_position=1)
+    assert budget.charge([260] * 6, capacity=(16, 256)) == 16 * 256  # 8 x 512 after
+    assert budget.charge([600] * 6, capacity=(16, 256)) == 8 * 768
 
 
 def test_charge_and_the_refusal_name_the_sizes():

@@ -100,11 +100,11 @@ def test_holding_round_trip_is_byte_exact() -> None:
     back = SlotRows.holding(rows.extract(1))
     assert back.num_rows == 1 and back.lengths == [10]
     _assert_rows(back, [expected[1]])
-    block = _block(rng, 1, 4)  # the exactly sized planes grow by a step on the next append
+    block = _block(rng, 1, 4)  # the exactly sized planes grow to whole steps on the next append
     back.append(block)
     _grow(expected[1:], block)
     _assert_rows(back, [expected[1]])
-    assert back.planes()["codes"].shape[2] == 10 + STEP
+    assert back.planes()["codes"].shape[2] == STEP
     empty = SlotRows.holding({})
     assert empty.empty and empty.num_rows == 1 and empty.lengths == [0]
 

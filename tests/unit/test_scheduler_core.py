@@ -293,10 +293,11 @@ def test_preemption_gives_back_the_longest_row_and_resumes_it_where_it_stopped()
     assert finished.tokens[:len(kept)] == kept and len(finished.tokens) == 1000
 
 
-def test_preemption_counts_a_store_shrink_only_when_a_batch_row_leaves_it():
-    """A row cancelled while it prefills is released without leaving the decode batch's
-    slot store, which therefore keeps its row capacity: the preemption check must not
-    assume the store shrinks, or the next growth would pass the budget."""
+def test_preemption_counts_the_empty_slots_a_growth_leaves_behind():
+    """A row cancelled while it prefills leaves the decode batch's slot store 8 row slots
+    for 2 rows. When those outgrow its positions, the growth keeps 2 slots
+    (kv_budget.grown): 2 x 768 positions fit the budget, so no row is preempted (8 x 768
+    would not fit: before the growth rule, b was preempted here)."""
     from tqserve.engine.kv_budget import KvBudget
     from tqserve.engine.step import Preempted
 
@@ -324,6 +325,6 @@ def test_preemption_counts_a_store_shrink_only_when_a_batch_row_leaves_it():
     assert held == {"a": 513, "b": 513}
     core.cancel("c")  # released while prefilling: the store keeps its 8 row slots
     plan, events = run((8, 512), 1)
-    # 8 slots of 768 positions would pass the budget: one row goes, then the store shrinks
-    assert [e.request_id for e in events if isinstance(e, Preempted)] == ["b"]
-    assert "c" in plan.release and plan.decode == ("a",)
+    assert not [e for e in events if isinstance(e, Preempted)]
+    assert "c" in plan.release and plan.decode == ("a", "b")
+    assert core.kv_charge(growth=2) == 8 * 512  # the store now; 2 x 768 after the growth
