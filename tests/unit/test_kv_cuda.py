@@ -1,9 +1,21 @@
 """The CUDA encode and decode kernels equal the codec, the compiled-ops path and a float64
-reference (runs on MLX-CUDA only)."""
+reference (runs on MLX-CUDA only).
+
+float32 here is float32 as the engine runs it (engine.model loads float32 models with
+MLX_ENABLE_TF32=0): this module sets it before MLX's first float32 matmul, as
+tests/gpu/test_cuda_fidelity.py does, so that no result depends on which module ran
+first. Under TF32 the "qr" rotation of the queries, a float32 matmul outside the kernel,
+rounds past the tolerance: two k3v5 cases failed on an H100 when this module ran alone,
+and passed after the fidelity module had set it (2026-12-07).
+"""
 
 from __future__ import annotations
 
-import attrs
+import os
+
+os.environ.setdefault("MLX_ENABLE_TF32", "0")  # before MLX's first float32 matmul
+
+import attrs  # noqa: E402
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -42,8 +54,8 @@ def test_kernel_matches_compiled_and_plain(bits, head_dim, kv_heads, q_heads,
     kernel = attention._fused_attention(queries, fetched, 0.1)
     compiled = attention._fused_attention(queries, attrs.evolve(fetched, decode="compiled"), 0.1)
     reference = _float64_reference(queries, fetched, 0.1)
-    # The compiled ops' float32 matmuls may run in TF32 on the GPU; the kernel does not,
-    # but a "qr" rotation is such a matmul (outside the kernel).
+    # A "qr" rotation is a float32 matmul outside the kernel, whose rounding differs from
+    # the kernel's butterfly: a looser bound for it and for the compiled ops.
     tol = TOL if rotation == "hadamard" else 5e-3
     assert np.max(np.abs(np.array(kernel) - reference)) < tol
     assert np.max(np.abs(np.array(compiled) - reference)) < 5e-3
