@@ -15,7 +15,7 @@ while at most half of it is in use (`grown`). So the rows admitted are charged
 (the second term when the final length is past the position capacity), where `capacity`
 is the batch's allocation now (the runner reports it every step) and `rows_bound` the most
 the doubling can reach for n rows (< 2n), plus each prefill group's own batch cache while
-it prefills (a width per row). A row that does not fit waits
+it prefills (its rows' `allocated_rows` slots of the group's width). A row that does not fit waits
 in the queue (first come, first served); a row that could not fit even alone is refused
 when it is submitted. Rows are never preempted: what was admitted can always finish.
 
@@ -48,12 +48,20 @@ def ceil_step(n: int) -> int:
     return SLOT_STEP * max(1, -(-n // SLOT_STEP))
 
 
+def allocated_rows(rows: int) -> int:
+    """A new slot store's row capacity for `rows` rows: the least 2**k or 3 * 2**k that
+    holds them (at most a third more). Doubling and halving keep a capacity in its family,
+    so halvings reach 1 or 3, never an odd capacity they cannot halve (`rows_bound`)."""
+    pow2 = 1 << max(rows - 1, 0).bit_length()
+    return 3 * pow2 // 4 if rows <= 3 * pow2 // 4 else pow2
+
+
 def grown_rows(capacity: int, rows: int) -> int:
     """The slot store's row capacity after it must hold `rows`: a first allocation holds
-    exactly them, a full store doubles (capacity * 2**k, the least that holds them), so
-    every capacity a store reaches stays on the sequence of its first (see `rows_bound`)."""
+    them (`allocated_rows`), a full store doubles (capacity * 2**k, the least that holds
+    them), so every capacity a store reaches stays on the sequence of its first."""
     if capacity == 0:
-        return max(rows, 1)
+        return allocated_rows(max(rows, 1))
     while capacity < rows:
         capacity *= 2
     return capacity
@@ -95,9 +103,13 @@ def grown(capacity: tuple[int, int], rows: int, positions: int) -> tuple[int, in
 def rows_bound(capacity: int, rows: int) -> int:
     """The largest row capacity `rows` rows can reach from `capacity` now, joining in any
     number of steps: the least capacity * 2**k that holds them (halvings, `halved_rows`,
-    stay on that sequence, so they never make it larger); from an empty store a first
-    group of g <= rows, doubled: less than 2 * rows, so never more than max(rows, 2 * rows - 2)."""
-    return grown_rows(capacity, rows) if capacity else max(rows, 2 * rows - 2)
+    stay on that sequence, so they never make it larger). From an empty store the first
+    group to join picks the sequence (`allocated_rows`): the larger of the least 2**k and
+    the least 3 * 2**k that hold them (less than 2 * rows)."""
+    if capacity:
+        return grown_rows(capacity, rows)
+    threes = grown_rows(3, rows) if rows >= 3 else 0
+    return max(grown_rows(1, rows), threes)
 
 
 @attrs.frozen(kw_only=True)
@@ -123,25 +135,26 @@ class KvBudget:
         life = self.row_positions(prompt_tokens, max_tokens)
         return min(life, positions + growth + self.margin) if self.preempt else life
 
-    def charge(self, final_lengths: Sequence[int], group_widths: Sequence[int] = (), *,
+    def charge(self, final_lengths: Sequence[int], groups: Sequence[tuple[int, int]] = (), *,
                capacity: tuple[int, int] = (0, 0)) -> int:
         """Bytes charged for rows of these final lengths (decoding or to decode) beside a
-        batch allocated `capacity` = (rows, positions) now, plus one prefill group width
-        per row prefilling in a group."""
+        batch allocated `capacity` = (rows, positions) now, plus each prefill group's own
+        store: `groups` as (rows, width), allocated_rows(rows) slots of the width."""
         if not final_lengths:
             return 0
         (cap_rows, cap_pos), n = capacity, len(final_lengths)
         slots = rows_bound(cap_rows, n) * cap_pos
         if (positions := ceil_step(max(final_lengths))) > cap_pos:  # rows halve: `grown`
             slots = max(slots, rows_bound(halved_rows(cap_rows, n, 2), n) * positions)
-        return (slots + sum(ceil_step(w) for w in group_widths)) * self.bytes_per_position
+        slots += sum(allocated_rows(n) * ceil_step(w) for n, w in groups)
+        return slots * self.bytes_per_position
 
     def check_alone(self, prompt_tokens: int, max_tokens: int) -> None:
         """ValueError naming the sizes if one such row could never fit (with `preempt`:
         could not resume alone by prefilling all it holds again, should its snapshot be
         gone: its whole life twice)."""
         life = self.row_positions(prompt_tokens, max_tokens)
-        need = self.charge([life], [life if self.preempt else prompt_tokens])
+        need = self.charge([life], [(1, life if self.preempt else prompt_tokens)])
         if need > self.budget_bytes:
             raise ValueError(
                 f"prompt ({prompt_tokens} tokens) plus max_tokens ({max_tokens}) needs "

@@ -86,9 +86,9 @@ class PrefillPlanner:
             if not group.rows:
                 del self._groups[row.group]
 
-    def widths(self) -> list[int]:
-        """Each prefilling group's width, once per row in it (engine.kv_budget's charge)."""
-        return [g.width for g in self._groups.values() for _ in g.rows]
+    def widths(self) -> list[tuple[int, int]]:
+        """Each prefilling group's (rows, width) (engine.kv_budget's charge)."""
+        return [(len(g.rows), g.width) for g in self._groups.values()]
 
     @property
     def num_groups(self) -> int:

@@ -289,7 +289,7 @@ class SchedulerCore:
         widths = self._prefill.widths()
         if starting:
             width = max(len(r.prompt) - 1 - r.cached for r in starting)
-            widths += [width] * len(starting)
+            widths.append((len(starting), width))
         return budget.charge(lengths, widths, capacity=capacity or self._kv_capacity)
 
     def _kv_length(self, row: Row, growth: int = SLOT_STEP) -> int:

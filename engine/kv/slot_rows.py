@@ -17,9 +17,10 @@ own length `lengths[i]`; its positions are LEFT-aligned at [0, lengths[i]) of ev
   most a quarter of the row slots (or half the positions) is left in use the planes
   shrink (a copy of what is left), and when no row is left they are freed.
 * `trim_rows(amounts)` lowers each row's length: nothing moves.
-Capacities grow by doubling (rows) and by STEP positions; only growth copies every row,
-and a growth of the positions keeps only the row slots at most twice the rows in use
-(kv_budget.grown: the budget's charge follows these rules).
+Row capacity starts at 2**k or 3 * 2**k (kv_budget.allocated_rows) and grows by
+doubling, positions by STEPs; only growth copies every row, and a growth of the positions
+keeps only the row slots at most twice the rows in use (kv_budget.grown: the budget's
+charge follows these rules).
 Lengths are host integers (whoever appends knows them), so no step reads them back.
 Nothing here decodes: a row's bytes are the ones it was written with, in any batch.
 """
@@ -34,7 +35,7 @@ import attrs
 import mlx.core as mx
 import numpy as np
 
-from tqserve.engine.kv_budget import SLOT_STEP, grown, shrunk
+from tqserve.engine.kv_budget import SLOT_STEP, grown, grown_rows, shrunk
 
 STEP = SLOT_STEP  # positions added when a row outgrows the planes (as mlx-lm's KVCache.step)
 STEP_ARRAYS_KEPT = 8  # recent lengths' index arrays kept: every layer of a step shares one
@@ -190,7 +191,8 @@ class SlotRows:
         STEPs, and then the row capacity halves while at most half of it is in use)."""
         if self._planes is None:
             cap_pos = STEP * max(1, -(-positions // STEP))
-            self._planes = {n: mx.zeros((max(rows, 1), a.shape[1], cap_pos, a.shape[3]), a.dtype)
+            cap_rows = grown_rows(0, rows)
+            self._planes = {n: mx.zeros((cap_rows, a.shape[1], cap_pos, a.shape[3]), a.dtype)
                             for n, a in like.items()}
             return
         self._check_fits(like)

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 
 from tqserve.engine.kv.slot_rows import SlotRows
-from tqserve.engine.kv_budget import (KvBudget, ceil_step, grown, grown_rows, rows_bound,
-                                      shrunk)
+from tqserve.engine.kv_budget import (KvBudget, allocated_rows, ceil_step, grown, grown_rows,
+                                      rows_bound, shrunk)
 from tqserve.engine.memory import kv_bytes_per_position
 from tqserve.engine.runner import Runner
 from tqserve.engine.sampling import SamplingParams
@@ -72,9 +72,22 @@ def test_the_charge_covers_the_slot_store_through_joins_growth_and_retirements()
             st = slots.statistics()
             assert st.row_capacity * st.position_capacity <= charge, (trial, st, charge)
             mx.eval(slots.planes())
-    assert grown_rows(0, 5) == 5 and grown_rows(4, 5) == 8 and grown_rows(4, 20) == 32
+    assert [allocated_rows(n) for n in range(1, 14)] == [1, 2, 3, 4, 6, 6, 8, 8, 12, 12, 12,
+                                                          12, 16]
+    assert grown_rows(0, 5) == 6 and grown_rows(4, 5) == 8 and grown_rows(4, 20) == 32
     assert rows_bound(0, 1) == 1 and rows_bound(8, 8) == 8 and rows_bound(8, 13) == 16
-    assert rows_bound(0, 5) == 8 and rows_bound(6, 7) == 12
+    assert rows_bound(0, 5) == 8 and rows_bound(0, 4) == 6 and rows_bound(6, 7) == 12
+
+
+def test_a_store_of_any_first_size_shrinks_to_one_or_three_slots():
+    """Halving keeps a capacity on its sequence, so a first allocation is 2**k or 3 * 2**k:
+    an odd one (5 rows in 5 slots) could never halve, and one long row left of a burst of
+    5 would keep 5 slots at its length."""
+    for first, left in ((5, 3), (7, 2), (9, 3), (6, 3), (1, 1), (16, 2)):
+        slots = _store([10] * first)
+        for _ in range(first - 1):
+            slots.take(list(range(slots.num_rows - 1)))
+        assert slots.statistics().row_capacity <= left, (first, slots.statistics())
 
 
 def test_a_growth_of_the_positions_leaves_the_empty_row_slots_behind():
@@ -98,7 +111,8 @@ def test_a_growth_of_the_positions_leaves_the_empty_row_slots_behind():
 def test_charge_and_the_refusal_name_the_sizes():
     budget = KvBudget(budget_bytes=8 << 20, bytes_per_position=1024, context=4096)
     assert budget.row_positions(100, 5000) == 4196
-    assert budget.charge([300, 20], [40, 40]) == (2 * 512 + 2 * 256) * 1024
+    assert budget.charge([300, 20], [(2, 40)]) == (2 * 512 + 2 * 256) * 1024
+    assert budget.charge([300] * 5, [(5, 40)]) == (8 * 512 + 6 * 256) * 1024  # 5 rows: 6 slots
     assert budget.charge([300], capacity=(4, 1024)) == 4 * 1024 * 1024
     budget.check_alone(100, 1000)
     # preempting: a row must be able to resume alone by prefilling its whole life again
