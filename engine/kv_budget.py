@@ -15,9 +15,9 @@ while at most half of it is in use (`grown`). So the rows admitted are charged
 (the second term when the final length is past the position capacity), where `capacity`
 is the batch's allocation now (the runner reports it every step) and `rows_bound` the most
 the doubling can reach for n rows (< 2n), plus each prefill group's own batch cache while
-it prefills (its rows' `allocated_rows` slots of the group's width). A row that does not fit waits
-in the queue (first come, first served); a row that could not fit even alone is refused
-when it is submitted. Rows are never preempted: what was admitted can always finish.
+it prefills (its rows' `allocated_rows` slots of the group's width). A row that does not
+fit waits in the queue (first come, first served); a row that could not fit even alone is
+refused when it is submitted. Rows are never preempted: what was admitted can always finish.
 
 With `preempt` (`--kv-admission preempt`, as vLLM admits) a row is charged the positions
 it holds now plus one SLOT_STEP of growth instead (`row_length`), so rows that end before
@@ -146,7 +146,7 @@ class KvBudget:
         slots = rows_bound(cap_rows, n) * cap_pos
         if (positions := ceil_step(max(final_lengths))) > cap_pos:  # rows halve: `grown`
             slots = max(slots, rows_bound(halved_rows(cap_rows, n, 2), n) * positions)
-        slots += sum(allocated_rows(n) * ceil_step(w) for n, w in groups)
+        slots += sum(allocated_rows(rows) * ceil_step(width) for rows, width in groups)
         return slots * self.bytes_per_position
 
     def check_alone(self, prompt_tokens: int, max_tokens: int) -> None:

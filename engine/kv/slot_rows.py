@@ -35,7 +35,7 @@ import attrs
 import mlx.core as mx
 import numpy as np
 
-from tqserve.engine.kv_budget import SLOT_STEP, grown, grown_rows, shrunk
+from tqserve.engine.kv_budget import SLOT_STEP, ceil_step, grown, grown_rows, shrunk
 
 STEP = SLOT_STEP  # positions added when a row outgrows the planes (as mlx-lm's KVCache.step)
 STEP_ARRAYS_KEPT = 8  # recent lengths' index arrays kept: every layer of a step shares one
@@ -190,9 +190,8 @@ class SlotRows:
         rows kept into the new planes (`kv_budget.grown`: rows double; positions grow in
         STEPs, and then the row capacity halves while at most half of it is in use)."""
         if self._planes is None:
-            cap_pos = STEP * max(1, -(-positions // STEP))
-            cap_rows = grown_rows(0, rows)
-            self._planes = {n: mx.zeros((cap_rows, a.shape[1], cap_pos, a.shape[3]), a.dtype)
+            shape = (grown_rows(0, rows), ceil_step(positions))
+            self._planes = {n: mx.zeros((shape[0], a.shape[1], shape[1], a.shape[3]), a.dtype)
                             for n, a in like.items()}
             return
         self._check_fits(like)
