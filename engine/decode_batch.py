@@ -17,6 +17,7 @@ from typing import Any
 import attrs
 import mlx.core as mx
 
+from tqserve.engine.kv_budget import allocated_rows
 from tqserve.engine.kv.slots import as_decode_batch, is_slot_batch, retire_order, slot_capacity
 from tqserve.engine.sampling import RowSampler
 from tqserve.engine.structured import RowGrammar
@@ -72,9 +73,12 @@ class DecodeBatch:
 
     def join_group(self, request_ids: list[str], cache: list[Any]) -> None:
         """A completed prefill group's slot batches join at once: as they are into an
-        empty batch, else one `extend` (its rows' bytes into free slots)."""
+        empty batch (into a fresh store if rows cancelled mid-prefill left it more slots
+        than a store of its rows gets: `kv_budget.allocated_rows`, what the budget
+        charges), else one `extend` (its rows' bytes into free slots)."""
         if self.cache is None:
-            self.cache = list(cache)
+            spare = slot_capacity(cache)[0] > allocated_rows(len(request_ids))
+            self.cache = [type(c).merge([c]) for c in cache] if spare else list(cache)
         else:
             for mine, theirs in zip(self.cache, cache):
                 mine.extend(theirs)

@@ -15,7 +15,8 @@ while at most half of it is in use (`grown`). So the rows admitted are charged
 (the second term when the final length is past the position capacity), where `capacity`
 is the batch's allocation now (the runner reports it every step) and `rows_bound` the most
 the doubling can reach for n rows (< 2n), plus each prefill group's own batch cache while
-it prefills (its rows' `allocated_rows` slots of the group's width). A row that does not
+it prefills (the `allocated_rows` slots of its rows, of the group's width, halving as the
+store does when rows cancelled mid-prefill leave it: engine.prefill_plan). A row that does not
 fit waits in the queue (first come, first served); a row that could not fit even alone is
 refused when it is submitted. Rows are never preempted: what was admitted can always finish.
 
@@ -139,14 +140,14 @@ class KvBudget:
                capacity: tuple[int, int] = (0, 0)) -> int:
         """Bytes charged for rows of these final lengths (decoding or to decode) beside a
         batch allocated `capacity` = (rows, positions) now, plus each prefill group's own
-        store: `groups` as (rows, width), allocated_rows(rows) slots of the width."""
+        store: `groups` as (row slots, width)."""
         if not final_lengths:
             return 0
         (cap_rows, cap_pos), n = capacity, len(final_lengths)
         slots = rows_bound(cap_rows, n) * cap_pos
         if (positions := ceil_step(max(final_lengths))) > cap_pos:  # rows halve: `grown`
             slots = max(slots, rows_bound(halved_rows(cap_rows, n, 2), n) * positions)
-        slots += sum(allocated_rows(rows) * ceil_step(width) for rows, width in groups)
+        slots += sum(rows * ceil_step(width) for rows, width in groups)
         return slots * self.bytes_per_position
 
     def check_alone(self, prompt_tokens: int, max_tokens: int) -> None:

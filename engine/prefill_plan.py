@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from typing import Mapping, Sequence
 
+from tqserve.engine.kv_budget import allocated_rows, halved_rows
 from tqserve.engine.rows import Group, Row
 from tqserve.engine.step import PrefillChunk
 
@@ -46,7 +47,8 @@ class PrefillPlanner:
             for row in rows:
                 row.group = self._next_group
             self._groups[self._next_group] = Group(
-                group_id=self._next_group, rows=[row.request_id for row in rows], width=width)
+                group_id=self._next_group, rows=[row.request_id for row in rows], width=width,
+                slots=allocated_rows(len(rows)))
 
     def plan(self, rows: Mapping[str, Row], prefilling: Sequence[str],
              num_decoding: int) -> tuple[list[PrefillChunk], list[str]]:
@@ -79,16 +81,20 @@ class PrefillPlanner:
         return chunks, joins
 
     def drop(self, row: Row) -> None:
-        """A prefilling row finished: it leaves its group (an emptied group is forgotten)."""
+        """A prefilling row finished: it leaves its group (an emptied group is forgotten).
+        The group's store keeps its slots as the runner's does: allocated for the rows
+        left until the first chunk, then halved only while at most a quarter is in use."""
         group = self._groups.get(row.group)
         if group is not None:
             group.rows.remove(row.request_id)
             if not group.rows:
                 del self._groups[row.group]
+            group.slots = (halved_rows(group.slots, len(group.rows), 4) if group.done
+                           else allocated_rows(len(group.rows)))
 
     def widths(self) -> list[tuple[int, int]]:
-        """Each prefilling group's (rows, width) (engine.kv_budget's charge)."""
-        return [(len(g.rows), g.width) for g in self._groups.values()]
+        """Each prefilling group's store as (row slots, width) (engine.kv_budget)."""
+        return [(g.slots, g.width) for g in self._groups.values()]
 
     @property
     def num_groups(self) -> int:

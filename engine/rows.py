@@ -99,9 +99,11 @@ class Row:
 
 @attrs.define
 class Group:
-    """Rows prefilled together (module doc): `done` of `width` columns are prefilled."""
+    """Rows prefilled together (module doc): `done` of `width` columns are prefilled;
+    `slots` the row slots of its store (engine.kv_budget charges them)."""
 
     group_id: int
     rows: list[str]
     width: int
+    slots: int
     done: int = 0

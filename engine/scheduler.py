@@ -38,7 +38,7 @@ from typing import Collection, Iterable, Iterator
 
 import attrs
 
-from tqserve.engine.kv_budget import SLOT_STEP, KvBudget, shrunk
+from tqserve.engine.kv_budget import SLOT_STEP, KvBudget, allocated_rows, shrunk
 from tqserve.engine.orders import proposal_drafts, propose_sizes, snapshot_orders
 from tqserve.engine.prefill_plan import PrefillPlanner
 from tqserve.engine.rows import IllegalTransition, Row, RowState  # noqa: F401 (re-exported)
@@ -289,7 +289,7 @@ class SchedulerCore:
         widths = self._prefill.widths()
         if starting:
             width = max(len(r.prompt) - 1 - r.cached for r in starting)
-            widths.append((len(starting), width))
+            widths.append((allocated_rows(len(starting)), width))
         return budget.charge(lengths, widths, capacity=capacity or self._kv_capacity)
 
     def _kv_length(self, row: Row, growth: int = SLOT_STEP) -> int:

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 
 from tqserve.engine.kv.slot_rows import SlotRows
-from tqserve.engine.kv_budget import (KvBudget, allocated_rows, ceil_step, grown, grown_rows,
-                                      rows_bound, shrunk)
+from tqserve.engine.kv_budget import (SLOT_STEP, KvBudget, allocated_rows, ceil_step, grown,
+                                      grown_rows, rows_bound, shrunk)
 from tqserve.engine.memory import kv_bytes_per_position
 from tqserve.engine.runner import Runner
 from tqserve.engine.sampling import SamplingParams
@@ -112,7 +112,7 @@ def test_charge_and_the_refusal_name_the_sizes():
     budget = KvBudget(budget_bytes=8 << 20, bytes_per_position=1024, context=4096)
     assert budget.row_positions(100, 5000) == 4196
     assert budget.charge([300, 20], [(2, 40)]) == (2 * 512 + 2 * 256) * 1024
-    assert budget.charge([300] * 5, [(5, 40)]) == (8 * 512 + 6 * 256) * 1024  # 5 rows: 6 slots
+    assert budget.charge([300] * 5, [(6, 40)]) == (8 * 512 + 6 * 256) * 1024  # 6 group slots
     assert budget.charge([300], capacity=(4, 1024)) == 4 * 1024 * 1024
     budget.check_alone(100, 1000)
     # preempting: a row must be able to resume alone by prefilling its whole life again
@@ -130,14 +130,17 @@ def test_charge_and_the_refusal_name_the_sizes():
         budget.check_alone(3000, 4000)
 
 
-def _drive(loaded, budget: KvBudget | None, prompts: list[tuple[int, ...]]):
-    runner = Runner(loaded.model)
-    core = SchedulerCore(max_batch=8, prefill_chunk=32, eos_token_ids=(), kv_budget=budget)
+def _drive(loaded, budget: KvBudget | None, prompts: list[tuple[int, ...]], chunk: int = 32,
+           cancel: tuple[int, list[str]] = (-1, []), make_cache=None):
+    """Tokens per request, the most rows decoding at once and the peak KV bytes; the
+    runner's KV never passes the core's charge. `cancel`: after which step, which rows."""
+    runner = Runner(loaded.model, make_cache)
+    core = SchedulerCore(max_batch=8, prefill_chunk=chunk, eos_token_ids=(), kv_budget=budget)
     for k, p in enumerate(prompts):
         core.add(f"r{k}", p, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0))
     out = {f"r{k}": [] for k in range(len(prompts))}
     most, peak = 0, 0
-    for _ in range(400):
+    for step in range(400):
         if not core.has_work():
             return out, most, peak
         plan, _ = core.schedule()
@@ -146,12 +149,16 @@ def _drive(loaded, budget: KvBudget | None, prompts: list[tuple[int, ...]]):
         most = max(most, len(plan.decode))
         peak = max(peak, result.kv_bytes)
         if budget is not None:
-            assert result.kv_bytes <= charge <= budget.budget_bytes
-        for event in core.postprocess(result):
+            assert result.kv_bytes <= charge <= budget.budget_bytes, step
+        events = core.postprocess(result)
+        for rid in cancel[1] if step == cancel[0] else ():
+            events += core.cancel(rid)
+        for event in events:
             if isinstance(event, TokenOut):
                 out[event.request_id] += event.token_ids
             elif isinstance(event, Finished):
-                assert event.finish_reason == "length"
+                assert event.finish_reason == ("cancelled" if event.request_id in cancel[1]
+                                               else "length")
     raise AssertionError("still working after 400 steps")
 
 
@@ -168,6 +175,29 @@ def test_rows_wait_for_the_budget_and_give_the_same_tokens(draft_model):
     # batch's allocation allows, never past the budget (checked at every step)
     assert most_free == 6 and most_held == 4
     assert 0 < peak <= budget.budget_bytes
+
+
+@pytest.mark.parametrize("turboquant,start", [(None, 0), ("k4v4", 12)])
+def test_a_prefill_group_that_rows_left_is_charged_the_slots_it_keeps(draft_model, turboquant,
+                                                                      start):
+    """7 rows prefill in a group of 8 slots; 4 are cancelled after its first chunk. The
+    3 left keep the 8 slots (a store halves at a quarter in use), and the charge counts
+    those 8, not 3 (it counted 3: the runner's KV passed the charge). The group then
+    starts the decode batch in a store of its 3 rows (it took the 8 slots along)."""
+    from tqserve.engine.kv.factory import cache_factory_for
+
+    tok, model = draft_model.tokenizer, draft_model.model
+    make_cache = cache_factory_for(model, turboquant, start)
+    prompts = [tuple(tok.encode(PROMPTS[k])) for k in range(2, 9)]
+    assert min(map(len, prompts)) > 4
+    per_position = kv_bytes_per_position(model, Runner(model, make_cache)._make_cache)
+    budget = KvBudget(budget_bytes=1 << 40, bytes_per_position=per_position)
+    gone = ["r0", "r2", "r4", "r6"]
+    out, _, peak = _drive(draft_model, budget, prompts, 4, (0, gone), make_cache)
+    free, _, _ = _drive(draft_model, None, prompts, 4, make_cache=make_cache)
+    assert peak >= 8 * SLOT_STEP * per_position  # the group's 8 slots were allocated
+    assert {r: out[r] for r in ("r1", "r3", "r5")} == {r: free[r] for r in ("r1", "r3", "r5")}
+    assert all(out[r] == [] for r in gone)
 
 
 async def test_the_server_refuses_a_request_the_budget_cannot_hold(nursery, draft_model):
