@@ -89,8 +89,9 @@ class PrefillPlanner:
             group.rows.remove(row.request_id)
             if not group.rows:
                 del self._groups[row.group]
-            group.slots = (halved_rows(group.slots, len(group.rows), 4) if group.done
-                           else allocated_rows(len(group.rows)))
+            else:
+                group.slots = (halved_rows(group.slots, len(group.rows), 4) if group.done
+                               else allocated_rows(len(group.rows)))
 
     def widths(self) -> list[tuple[int, int]]:
         """Each prefilling group's store as (row slots, width) (engine.kv_budget)."""
