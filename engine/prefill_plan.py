@@ -36,19 +36,27 @@ class PrefillPlanner:
         self._next_group = 0
         self.num_prefill_tokens = 0  # padding included: what the prefill forwards processed
 
-    def form(self, started: Sequence[Row]) -> None:
-        """One group for the rows starting from scratch, one per reusing row; rows with
-        nothing to prefill get no group (they join at once). Sets each row's group."""
+    @staticmethod
+    def _grouped(started: Sequence[Row]) -> list[list[Row]]:
+        """The groups rows starting together form: one of the rows starting from scratch,
+        one per row reusing a prefix with more to prefill (rows with nothing get none)."""
         fresh = [row for row in started if row.cached == 0 and len(row.prompt) > 1]
         alone = [[row] for row in started if row.cached > 0 and len(row.prompt) - 1 > row.cached]
-        for rows in ([fresh] if fresh else []) + alone:
-            width = max(len(row.prompt) - 1 - row.cached for row in rows)
+        return ([fresh] if fresh else []) + alone
+
+    @staticmethod
+    def _width(rows: Sequence[Row]) -> int:
+        return max(len(row.prompt) - 1 - row.cached for row in rows)
+
+    def form(self, started: Sequence[Row]) -> None:
+        """The groups of the rows started (`_grouped`); sets each row's group."""
+        for rows in self._grouped(started):
             self._next_group += 1
             for row in rows:
                 row.group = self._next_group
             self._groups[self._next_group] = Group(
-                group_id=self._next_group, rows=[row.request_id for row in rows], width=width,
-                slots=allocated_rows(len(rows)))
+                group_id=self._next_group, rows=[row.request_id for row in rows],
+                width=self._width(rows), slots=allocated_rows(len(rows)))
 
     def plan(self, rows: Mapping[str, Row], prefilling: Sequence[str],
              num_decoding: int) -> tuple[list[PrefillChunk], list[str]]:
@@ -93,9 +101,11 @@ class PrefillPlanner:
                 group.slots = (halved_rows(group.slots, len(group.rows), 4) if group.done
                                else allocated_rows(len(group.rows)))
 
-    def widths(self) -> list[tuple[int, int]]:
-        """Each prefilling group's store as (row slots, width) (engine.kv_budget)."""
-        return [(g.slots, g.width) for g in self._groups.values()]
+    def widths(self, starting: Sequence[Row] = ()) -> list[tuple[int, int]]:
+        """Each prefilling group's store as (row slots, width) (engine.kv_budget), and the
+        stores of the groups rows `starting` now would form."""
+        return [(g.slots, g.width) for g in self._groups.values()] + [
+            (allocated_rows(len(rows)), self._width(rows)) for rows in self._grouped(starting)]
 
     @property
     def num_groups(self) -> int:

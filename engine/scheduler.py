@@ -38,7 +38,7 @@ from typing import Collection, Iterable, Iterator
 
 import attrs
 
-from tqserve.engine.kv_budget import SLOT_STEP, KvBudget, allocated_rows, shrunk
+from tqserve.engine.kv_budget import SLOT_STEP, KvBudget, shrunk
 from tqserve.engine.orders import proposal_drafts, propose_sizes, snapshot_orders
 from tqserve.engine.prefill_plan import PrefillPlanner
 from tqserve.engine.rows import IllegalTransition, Row, RowState  # noqa: F401 (re-exported)
@@ -269,7 +269,8 @@ class SchedulerCore:
         return choice.num_tokens if choice is not None else 0
 
     def _kv_fits(self, starting: list[Row]) -> bool:
-        """Whether the running rows and `starting` (one prefill group) fit the KV budget."""
+        """Whether the running rows and `starting` (with their prefill groups) fit the KV
+        budget."""
         return self.kv_charge(starting) <= (self._kv_budget.budget_bytes
                                             if self._kv_budget is not None else 0)
 
@@ -286,11 +287,8 @@ class SchedulerCore:
         rows = [self._rows[r] for r in (*self._prefilling, *self._decoding)
                 if r not in ids] + starting
         lengths = [self._kv_length(r, growth) for r in rows]
-        widths = self._prefill.widths()
-        if starting:
-            width = max(len(r.prompt) - 1 - r.cached for r in starting)
-            widths.append((allocated_rows(len(starting)), width))
-        return budget.charge(lengths, widths, capacity=capacity or self._kv_capacity)
+        return budget.charge(lengths, self._prefill.widths(starting),
+                             capacity=capacity or self._kv_capacity)
 
     def _kv_length(self, row: Row, growth: int = SLOT_STEP) -> int:
         """The positions a row is charged for (0 without a budget; engine.kv_budget)."""

@@ -14,7 +14,7 @@ from tqserve.engine.memory import kv_bytes_per_position
 from tqserve.engine.runner import Runner
 from tqserve.engine.sampling import SamplingParams
 from tqserve.engine.scheduler import SchedulerCore
-from tqserve.engine.step import Finished, TokenOut
+from tqserve.engine.step import Finished, Started, TokenOut
 from tests.e2e.reference import PROMPTS
 
 NEW_TOKENS = 20
@@ -198,6 +198,28 @@ def test_a_prefill_group_that_rows_left_is_charged_the_slots_it_keeps(draft_mode
     assert peak >= 8 * SLOT_STEP * per_position  # the group's 8 slots were allocated
     assert {r: out[r] for r in ("r1", "r3", "r5")} == {r: free[r] for r in ("r1", "r3", "r5")}
     assert all(out[r] == [] for r in gone)
+
+
+def test_rows_start_only_while_the_groups_they_form_fit():
+    """5 rows from scratch (one group: 6 slots) and 1 reusing a prefix (its own group: 1
+    slot) take 7 group slots, not the 6 of one group of 6: the check before they start
+    counts the groups they form, so the charge never passes the budget once they did."""
+    def core_with(budget_bytes: int) -> SchedulerCore:
+        core = SchedulerCore(max_batch=8, prefill_chunk=2, eos_token_ids=(), kv_budget=KvBudget(
+            budget_bytes=budget_bytes, bytes_per_position=1))
+        for k in range(5):
+            core.add(f"r{k}", tuple(range(1, 11)), SamplingParams(max_tokens=8))
+        core.add("reuse", tuple(range(1, 21)), SamplingParams(max_tokens=8), reuse="s",
+                 cached=4)
+        return core
+
+    free = core_with(1 << 40)
+    started = [e for e in free.schedule()[1] if isinstance(e, Started)]
+    need = free.kv_charge()
+    assert len(started) == 6 and need == (8 + 6 + 1) * SLOT_STEP  # decode rows, groups
+    tight = core_with(need - 1)
+    started = [e for e in tight.schedule()[1] if isinstance(e, Started)]
+    assert len(started) == 5 and tight.kv_charge() <= need - 1
 
 
 async def test_the_server_refuses_a_request_the_budget_cannot_hold(nursery, draft_model):

@@ -273,7 +273,8 @@ def test_preemption_gives_back_the_longest_row_and_resumes_it_where_it_stopped()
     plan, events, _ = run((2, 768))
     assert plan.new_rows == () and plan.decode == ("short",)  # it waits for room
     core.cancel("short")
-    run((0, 0))  # its release: the store is empty after it
+    # the step of its release: beside the store as reported (2 x 768 positions), "long"
+    # fits (it has nothing to prefill, so no prefill group of its own)
     plan, events, _ = run((0, 0))
     started = [e for e in events if isinstance(e, Started)]
     assert [(e.request_id, e.resumed, e.num_prompt_tokens) for e in started] == [
