@@ -101,7 +101,7 @@ class PrefillPlanner:
                 group.slots = (halved_rows(group.slots, len(group.rows), 4) if group.done
                                else allocated_rows(len(group.rows)))
 
-    def widths(self, starting: Sequence[Row] = ()) -> list[tuple[int, int]]:
+    def stores(self, starting: Sequence[Row] = ()) -> list[tuple[int, int]]:
         """Each prefilling group's store as (row slots, width) (engine.kv_budget), and the
         stores of the groups rows `starting` now would form."""
         return [(g.slots, g.width) for g in self._groups.values()] + [

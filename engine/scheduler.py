@@ -287,7 +287,7 @@ class SchedulerCore:
         rows = [self._rows[r] for r in (*self._prefilling, *self._decoding)
                 if r not in ids] + starting
         lengths = [self._kv_length(r, growth) for r in rows]
-        return budget.charge(lengths, self._prefill.widths(starting),
+        return budget.charge(lengths, self._prefill.stores(starting),
                              capacity=capacity or self._kv_capacity)
 
     def _kv_length(self, row: Row, growth: int = SLOT_STEP) -> int:
